@@ -1,0 +1,113 @@
+"""`kvwarden` command line: serve, status, reap, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import types
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from dataplane.config import Settings, format_validation_error
+
+logger = logging.getLogger("kvwarden")
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    for name, f in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        ann = f.annotation
+        if ann is bool:
+            p.add_argument(flag, dest=name, default=None,
+                           type=_parse_bool, metavar="{true,false}", help=f.description)
+        else:
+            p.add_argument(flag, dest=name, default=None, help=f.description)
+
+
+def _parse_bool(v: str) -> bool:
+    low = v.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+def load_settings(ns: argparse.Namespace) -> Settings:
+    given: dict[str, Any] = {
+        k: v for k, v in vars(ns).items() if k in Settings.model_fields and v is not None
+    }
+    return Settings(**given)
+
+
+def serve(ns: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(ns)
+    except ValidationError as exc:
+        print(f"kvwarden serve: invalid setting: {format_validation_error(exc)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.value.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from dataplane.runtime import build_dataplane
+
+    try:
+        dp = build_dataplane(settings)
+    except Exception as exc:
+        print(f"kvwarden serve: cannot start: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: types.FrameType | None) -> None:
+        logger.info("kvwarden: %s received, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    dp.start()
+    sidecar = _start_sidecar(dp)
+    print(f"kvwarden serving on {dp.server.bound_endpoint}", flush=True)
+    while not stop.wait(0.5):
+        if not dp.server.is_alive():
+            logger.error("kvwarden: data-plane loop died; exiting")
+            break
+    if sidecar is not None:
+        sidecar.stop()
+    clean = dp.stop()
+    return 0 if clean and dp.server.loop_error is None else 1
+
+
+def _start_sidecar(dp: Any) -> Any:
+    try:
+        from app.server import Sidecar
+    except ImportError:
+        return None
+    sidecar = Sidecar(dp)
+    sidecar.start()
+    return sidecar
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvwarden", description="KV-cache server for LLM inference")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ps = sub.add_parser("serve", help="run the server (data plane + HTTP sidecar)")
+    _add_settings_flags(ps)
+    ps.set_defaults(func=serve)
+    pb = sub.add_parser("bench", help="benchmarks")
+    from dataplane.bench import add_bench_args
+
+    add_bench_args(pb)
+    ns = p.parse_args(argv)
+    rc: int = ns.func(ns)
+    return rc
+
+
+__all__ = ["SecretStr", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

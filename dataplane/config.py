@@ -1,0 +1,156 @@
+"""Server settings: one pydantic-settings class; flags (`--kebab-case`) and `KVWARDEN_*` env vars.
+
+Flags win over environment variables, which win over the defaults. Every field has bounds and a
+docstring; cross-field rules are checked by the model validator, and each violation names the
+setting and its rule in one line (see `format_validation_error`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Annotated
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dataplane.protocol import DEFAULT_MAX_FRAME_BYTES
+
+REAP_TIMEOUT_FLOOR_S = 30.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+
+
+class FallbackPolicy(enum.StrEnum):
+    RECOMPUTE = "recompute"
+    LOCAL_CPU = "local_cpu"
+
+
+class LogLevel(enum.StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _finite(name: str, v: float) -> float:
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+class Settings(BaseSettings):
+    """Every setting of `kvwarden serve`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVWARDEN_", extra="forbid", validate_default=True, frozen=True
+    )
+
+    host: str = Field("127.0.0.1", min_length=1, description="ZMQ ROUTER bind host.")
+    port: Port = Field(5555, description="ZMQ ROUTER bind port.")
+    http_host: str = Field("127.0.0.1", min_length=1, description="HTTP sidecar bind host.")
+    http_port: Port = Field(8080, description="HTTP sidecar bind port.")
+    chunk_size: int = Field(256, gt=0, le=1 << 20, description="Tokens per chunk; > 0.")
+    l1_size_gb: float = Field(4.0, gt=0, le=1 << 14, description="Local CPU tier capacity (GiB); > 0.")
+    max_cpu_workers: int = Field(4, ge=1, le=256, description="NORMAL pool threads (LOOKUP, control).")
+    max_transfer_workers: int = Field(2, ge=1, le=256, description="STORE/RETRIEVE pool threads.")
+    max_frame_bytes: int = Field(
+        DEFAULT_MAX_FRAME_BYTES, ge=4096, le=1 << 30, description="Largest request frame accepted."
+    )
+    remote_url: str | None = Field(None, description="redis://host:port/db or rediss://...")
+    remote_password: SecretStr | None = Field(None, description="Password for the remote tier.")
+    remote_timeout_seconds: float = Field(1.0, gt=0, le=600, description="Bound on one remote get/put.")
+    local_cpu: bool = Field(True, description="L1 keeps chunks as a hot cache; false = staging only.")
+    worker_reap_timeout_seconds: float = Field(
+        120.0, ge=0, description="Silence after which a pinging worker is reaped; 0 disables; >= 30."
+    )
+    worker_registration_grace_seconds: float = Field(
+        3600.0, ge=0, description="Silence allowed to a worker that never pinged; >= reap timeout."
+    )
+    worker_disconnect_grace_seconds: float = Field(
+        10.0, ge=0, description="Reap this long after a worker's connection closed; 0 disables."
+    )
+    health_ping_interval: float = Field(30.0, gt=0, description="Seconds between health rounds.")
+    health_ping_timeout: float = Field(5.0, gt=0, description="Bound on one health ping.")
+    get_blocking_failed_threshold: int = Field(10, ge=1, description="Failed gets per round that trip.")
+    waiting_time_for_recovery: float = Field(300.0, ge=0, description="Least wait before recovery.")
+    fallback_policy: FallbackPolicy = Field(FallbackPolicy.RECOMPUTE, description="recompute|local_cpu")
+    admin_token: SecretStr | None = Field(None, description="Bearer token of the admin routes.")
+    log_level: LogLevel = Field(LogLevel.INFO, description="Logging level.")
+
+    @field_validator(
+        "l1_size_gb",
+        "remote_timeout_seconds",
+        "worker_reap_timeout_seconds",
+        "worker_registration_grace_seconds",
+        "worker_disconnect_grace_seconds",
+        "health_ping_interval",
+        "health_ping_timeout",
+        "waiting_time_for_recovery",
+    )
+    @classmethod
+    def _must_be_finite(cls, v: float) -> float:
+        return _finite("value", v)
+
+    @field_validator("remote_url")
+    @classmethod
+    def _remote_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://")):
+            raise ValueError("must start with redis:// or rediss://")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Settings:
+        validate_liveness(
+            self.worker_reap_timeout_seconds,
+            self.worker_registration_grace_seconds,
+            self.worker_disconnect_grace_seconds,
+        )
+        return self
+
+    @property
+    def l1_capacity_bytes(self) -> int:
+        return int(self.l1_size_gb * (1 << 30))
+
+    @property
+    def zmq_endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+
+def validate_liveness(timeout: float, grace: float, disconnect: float = 0.0) -> None:
+    """The user-facing liveness rules (ValueError naming the setting and the rule)."""
+    hb = DEFAULT_HEARTBEAT_INTERVAL_S
+    if not math.isfinite(timeout) or timeout < 0 or (0 < timeout < REAP_TIMEOUT_FLOOR_S):
+        raise ValueError(
+            f"worker_reap_timeout_seconds={timeout}: must be 0 (disabled) or finite and >= "
+            f"{REAP_TIMEOUT_FLOOR_S:g} s; use at least 3 x the workers' heartbeat interval "
+            f"(default {hb:g} s)"
+        )
+    if not math.isfinite(grace) or grace < timeout:
+        raise ValueError(
+            f"worker_registration_grace_seconds={grace}: must be finite and >= "
+            f"worker_reap_timeout_seconds ({timeout:g}); a tighter grace would reap warming "
+            "workers faster than crashed ones"
+        )
+    if not math.isfinite(disconnect) or disconnect < 0 or 0 < disconnect < 1:
+        raise ValueError(
+            f"worker_disconnect_grace_seconds={disconnect}: must be 0 (disabled) or finite and >= 1 s"
+        )
+    if timeout > 0 and disconnect > timeout:
+        raise ValueError(
+            f"worker_disconnect_grace_seconds={disconnect}: must be <= worker_reap_timeout_seconds "
+            f"({timeout:g}) when reaping is on"
+        )
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per violated rule: `setting: rule`."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "settings"
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc != "settings" else msg)
+    return "; ".join(parts)

@@ -1,0 +1,90 @@
+"""The kvwarden exception tree.
+
+    KVWardenError
+    ├── ProtocolError            a request that cannot be decoded or validated (wire edge)
+    │   ├── FrameTooLarge        a frame over the size limit
+    │   └── VersionMismatch      client and server speak different protocol versions
+    ├── RequestError             a well-formed request the server refuses
+    │   ├── NotRegistered        the instance id is not tracked
+    │   └── InvalidLayout        a registered KV layout that cannot be mapped or used
+    ├── ServerError              an unexpected failure inside a handler
+    └── ClientError              raised only by `dataplane.client`
+        ├── RequestTimeout       no reply within the request's timeout
+        └── ServerClosed         the adapter was closed
+
+Every server-side error maps to an error reply ``{code, message}`` whose code is the class's
+``code``; the client raises the matching class again from the reply.
+"""
+
+from __future__ import annotations
+
+
+class KVWardenError(Exception):
+    """Base of every kvwarden error."""
+
+    code = "ERROR"
+
+
+class ProtocolError(KVWardenError):
+    """A frame that cannot be decoded or does not validate."""
+
+    code = "BAD_REQUEST"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "FRAME_TOO_LARGE"
+
+
+class VersionMismatch(ProtocolError):
+    code = "VERSION_MISMATCH"
+
+
+class RequestError(KVWardenError):
+    """A well-formed request that the server refuses."""
+
+    code = "REQUEST_REFUSED"
+
+
+class NotRegistered(RequestError):
+    code = "NOT_REGISTERED"
+
+
+class InvalidLayout(RequestError):
+    code = "INVALID_LAYOUT"
+
+
+class ServerError(KVWardenError):
+    code = "INTERNAL"
+
+
+class ClientError(KVWardenError):
+    code = "CLIENT"
+
+
+class RequestTimeout(ClientError):
+    code = "TIMEOUT"
+
+
+class ServerClosed(ClientError):
+    code = "CLOSED"
+
+
+_BY_CODE: dict[str, type[KVWardenError]] = {
+    cls.code: cls
+    for cls in (
+        ProtocolError,
+        FrameTooLarge,
+        VersionMismatch,
+        RequestError,
+        NotRegistered,
+        InvalidLayout,
+        ServerError,
+    )
+}
+
+
+def error_from_reply(code: str, message: str) -> KVWardenError:
+    """Rebuild the typed exception for an error reply (unknown codes become ServerError)."""
+    cls = _BY_CODE.get(code, ServerError)
+    err = cls(message)
+    return err

@@ -1,0 +1,238 @@
+"""A worker's paged KV memory as the server sees it, and the chunk copy kernels.
+
+Each layer is a contiguous ``[2, num_blocks, block_size, heads, head_dim]`` tensor. On CPU it
+lives in a shared-memory segment the server maps; on CUDA it is opened from an IPC handle.
+When all layers sit in one segment at a constant stride (what ``allocate_kv_caches`` makes),
+one strided view spans every layer and a chunk moves with one copy per run of consecutive
+slots, instead of one per layer and block.
+
+A chunk is stored token-major: ``[layers, 2, chunk_tokens, heads * head_dim]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dataplane.errors import InvalidLayout
+from dataplane.protocol import CudaLayer, MemoryKind, Register, ShmLayer
+from dataplane.shm import Segment
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# Above this many runs per chunk a single index op beats one copy per run.
+_MAX_RUNS = 32
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """(dst_start, src_start, length) runs of consecutive source slots."""
+    if len(slots) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(slots)]))
+    return [(int(s), int(slots[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
+@dataclass
+class MappedKV:
+    """The server's mapping of one registered KV cache."""
+
+    memory: MemoryKind
+    dtype: torch.dtype
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    heads: int
+    head_dim: int
+    # per layer: [2, num_blocks * block_size, heads * head_dim]
+    layers: list[torch.Tensor]
+    # all layers: [L, 2, num_blocks * block_size, heads * head_dim], or None
+    stacked: torch.Tensor | None
+    segments: list[Segment] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def token_row(self) -> int:
+        return self.heads * self.head_dim
+
+    def chunk_nbytes(self, n_tokens: int) -> int:
+        return self.num_layers * 2 * n_tokens * self.token_row * _itemsize(self.dtype)
+
+    def _views(self, buf: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        return buf.view(self.dtype).view(self.num_layers, 2, n_tokens, self.token_row)
+
+    def gather(self, slots: np.ndarray, buf: torch.Tensor) -> None:
+        """Copy the token slots ``slots`` (block * block_size + offset) into the chunk ``buf``."""
+        out = self._views(buf, len(slots))
+        self._move(slots, out, to_chunk=True)
+
+    def scatter(self, slots: np.ndarray, buf: torch.Tensor) -> None:
+        src = self._views(buf, len(slots))
+        self._move(slots, src, to_chunk=False)
+
+    def _move(self, slots: np.ndarray, chunk: torch.Tensor, *, to_chunk: bool) -> None:
+        runs = slot_runs(slots)
+        sources = [(self.stacked, chunk)] if self.stacked is not None else [
+            (layer, chunk[i]) for i, layer in enumerate(self.layers)
+        ]
+        for kv, part in sources:
+            assert kv is not None
+            if len(runs) > _MAX_RUNS:
+                idx = torch.from_numpy(slots.astype(np.int64)).to(kv.device)
+                dim = kv.dim() - 2
+                if to_chunk:
+                    part.copy_(kv.index_select(dim, idx))
+                else:
+                    kv.index_copy_(dim, idx, part.to(kv.device))
+                continue
+            for dst, src, n in runs:
+                if to_chunk:
+                    part.narrow(-2, dst, n).copy_(kv.narrow(-2, src, n))
+                else:
+                    kv.narrow(-2, src, n).copy_(part.narrow(-2, dst, n))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def release(self) -> bool:
+        """Drop every view and unmap; True when every mapping closed now."""
+        self.layers = []
+        self.stacked = None
+        closed = True
+        for seg in self.segments:
+            closed = seg.close() and closed
+        return closed
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def map_registration(reg: Register) -> MappedKV:
+    """Build the server's view of a worker's KV memory, validating every bound."""
+    dtype = TORCH_DTYPES[reg.dtype]
+    two, nb, bs, heads, hd = reg.kv_shape
+    shape = (two, nb, bs, heads, hd)
+    want = contiguous_strides(shape)
+    item = _itemsize(dtype)
+    layer_elems = 2 * nb * bs * heads * hd
+    for i, layer in enumerate(reg.layers):
+        if tuple(layer.strides) != want:
+            raise InvalidLayout(
+                f"layer {i}: strides {list(layer.strides)} are not contiguous {list(want)}"
+            )
+    if reg.memory == MemoryKind.SHM:
+        return _map_shm(reg, dtype, item, layer_elems)
+    return _map_cuda(reg, dtype, item, layer_elems)
+
+
+def _map_shm(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> MappedKV:
+    _, nb, bs, heads, hd = reg.kv_shape
+    layer_bytes = layer_elems * item
+    segments: dict[str, Segment] = {}
+    try:
+        for i, layer in enumerate(reg.layers):
+            assert isinstance(layer, ShmLayer)
+            if layer.offset % item:
+                raise InvalidLayout(f"layer {i}: offset {layer.offset} is not {item}-byte aligned")
+            seg = segments.get(layer.segment)
+            if seg is None:
+                try:
+                    seg = Segment.attach(layer.segment, layer.offset + layer_bytes)
+                except FileNotFoundError:
+                    raise InvalidLayout(f"layer {i}: segment {layer.segment} does not exist") from None
+                except ValueError as exc:
+                    raise InvalidLayout(f"layer {i}: {exc}") from None
+                segments[layer.segment] = seg
+            if layer.offset + layer_bytes > seg.size:
+                raise InvalidLayout(
+                    f"layer {i}: bytes [{layer.offset}, {layer.offset + layer_bytes}) exceed "
+                    f"segment {layer.segment} of {seg.size} bytes"
+                )
+        flat = {name: torch.frombuffer(seg.mm, dtype=torch.uint8) for name, seg in segments.items()}
+        layers = [
+            flat[lay.segment][lay.offset:lay.offset + layer_bytes].view(dtype).view(2, nb * bs, heads * hd)
+            for lay in reg.layers if isinstance(lay, ShmLayer)
+        ]
+        stacked = None
+        first = reg.layers[0]
+        assert isinstance(first, ShmLayer)
+        if len(segments) == 1 and len(reg.layers) > 1:
+            offs = [lay.offset for lay in reg.layers if isinstance(lay, ShmLayer)]
+            step = offs[1] - offs[0]
+            if step >= layer_bytes and step % item == 0 and all(
+                b - a == step for a, b in zip(offs, offs[1:], strict=False)
+            ):
+                base = flat[first.segment].view(dtype)
+                stacked = base.as_strided(
+                    (len(offs), 2, nb * bs, heads * hd),
+                    (step // item, nb * bs * heads * hd, heads * hd, 1),
+                    offs[0] // item,
+                )
+        elif len(reg.layers) == 1:
+            stacked = layers[0].unsqueeze(0)
+        del flat
+        return MappedKV(MemoryKind.SHM, dtype, len(reg.layers), nb, bs, heads, hd, layers,
+                        stacked, list(segments.values()))
+    except BaseException:
+        for seg in segments.values():
+            seg.close()
+        raise
+
+
+def _map_cuda(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> MappedKV:
+    """Open each layer's CUDA IPC handle (the fields of ``storage._share_cuda_()``)."""
+    if not torch.cuda.is_available():
+        raise InvalidLayout("memory 'cuda_ipc' needs a CUDA device on the server host")
+    _, nb, bs, heads, hd = reg.kv_shape
+    layers: list[torch.Tensor] = []
+    device = torch.device("cuda")
+    for i, layer in enumerate(reg.layers):
+        assert isinstance(layer, CudaLayer)
+        device = _device_for_uuid(layer.device_uuid, layer.device_index)
+        if layer.tensor_offset % item or layer.tensor_offset + layer_elems * item > layer.storage_nbytes:
+            raise InvalidLayout(f"layer {i}: layout exceeds its IPC storage")
+        with torch.cuda.device(device):
+            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                device.index, layer.ipc_handle, layer.storage_nbytes, layer.storage_offset,
+                layer.ref_counter_handle, layer.ref_counter_offset, layer.event_handle,
+                layer.event_sync_required,
+            )
+        t = torch.empty(0, dtype=dtype, device=device).set_(
+            storage, layer.tensor_offset // item, (2, nb * bs, heads * hd)
+        )
+        layers.append(t)
+    return MappedKV(MemoryKind.CUDA_IPC, dtype, len(layers), nb, bs, heads, hd, layers, None,
+                    [], device)
+
+
+def _device_for_uuid(uuid: str, index: int) -> torch.device:
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        if str(getattr(props, "uuid", "")) == uuid:
+            return torch.device("cuda", i)
+    if index < torch.cuda.device_count():
+        logger.warning("kvmemory: device uuid %s not found, using cuda:%d", uuid, index)
+        return torch.device("cuda", index)
+    raise InvalidLayout(f"no CUDA device with uuid {uuid} on the server host")

@@ -1,0 +1,1 @@
+"""Server modules: one per message family; each registers its handlers with the server."""

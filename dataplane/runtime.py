@@ -1,0 +1,57 @@
+"""Assembles a running data plane from Settings: storage, modules, the server loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dataplane.config import Settings
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.management import ManagementModule
+from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.server import Server
+from dataplane.shm import sweep_orphans
+from dataplane.storage.l1 import L1Store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataPlane:
+    settings: Settings
+    server: Server
+    l1: L1Store
+    management: ManagementModule
+    transfer: ServerDrivenTransferModule
+    metrics: DataPlaneMetrics
+    clock: Callable[[], float] = time.monotonic
+    swept_segments: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        return self.server.stop(timeout_s)
+
+
+def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monotonic) -> DataPlane:
+    swept = sweep_orphans()
+    metrics = DataPlaneMetrics()
+    l1 = L1Store(settings.l1_capacity_bytes, hot_cache=settings.local_cpu,
+                 pin_memory=torch.cuda.is_available())
+    server = Server(
+        settings.zmq_endpoint,
+        max_cpu_workers=settings.max_cpu_workers,
+        max_transfer_workers=settings.max_transfer_workers,
+        max_frame_bytes=settings.max_frame_bytes,
+        metrics=metrics,
+    )
+    transfer = ServerDrivenTransferModule(l1, settings.chunk_size, metrics, clock)
+    management = ManagementModule(server, settings.chunk_size, targets=[transfer])
+    server.add_module(management)
+    server.add_module(transfer)
+    return DataPlane(settings, server, l1, management, transfer, metrics, clock, swept)

@@ -1,0 +1,353 @@
+"""The server loop: one ROUTER socket owned by one thread, two worker pools, ordered transfers.
+
+    client DEALER ──► ROUTER (loop thread) ──► decode + validate ──► LOOP handler (inline)
+                                                        ├──► NORMAL pool  (control, lookup)
+                                                        └──► transfer pool (STORE/RETRIEVE,
+                                                              ordered per instance)
+    pool thread ──► reply queue + eventfd wake-up ──► loop thread sends the reply
+
+ZMQ sockets are not thread-safe, so only the loop thread touches the ROUTER. Pool threads hand
+replies back through a queue and wake the loop with an eventfd, which any thread may write.
+A bad request gets an error reply; a handler exception becomes an error reply to that request.
+Shutdown (``stop``) stops reading new requests, answers requests that arrive meanwhile with
+SHUTTING_DOWN, drains the in-flight ones within a bound, then closes the socket.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from dataplane import __version__
+from dataplane.errors import KVWardenError, ProtocolError, ServerError
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext
+from dataplane.protocol import (
+    MsgType,
+    decode_request,
+    encode_error,
+    encode_ok,
+    peek_request_id,
+    unpack,
+)
+
+logger = logging.getLogger(__name__)
+
+_RECV_BATCH = 256
+ConnListener = Callable[[int, bool], None]  # (fd, connected)
+
+
+class Lifecycle(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class KeyedSerialExecutor:
+    """Runs tasks on a pool so that tasks with the same key run one at a time, in order."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()  # guards _queues: key -> tasks waiting behind a running one
+        self._queues: dict[int, deque[Callable[[], None]]] = {}
+
+    def submit(self, key: int, task: Callable[[], None]) -> None:
+        with self._lock:
+            waiting = self._queues.get(key)
+            if waiting is not None:
+                waiting.append(task)
+                return
+            self._queues[key] = deque()
+        self._pool.submit(self._drain, key, task)
+
+    def _drain(self, key: int, task: Callable[[], None]) -> None:
+        while True:
+            task()
+            with self._lock:
+                waiting = self._queues[key]
+                if not waiting:
+                    del self._queues[key]
+                    return
+                task = waiting.popleft()
+
+
+class Server:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        max_cpu_workers: int = 4,
+        max_transfer_workers: int = 2,
+        max_frame_bytes: int = 16 << 20,
+        metrics: DataPlaneMetrics | None = None,
+        drain_timeout_s: float = 10.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.server_id = uuid.uuid4().hex
+        self.boot_token = secrets.randbits(63)
+        self.version = __version__
+        self.started_at = time.time()
+        self.max_frame_bytes = max_frame_bytes
+        self.metrics = metrics or DataPlaneMetrics()
+        self._drain_timeout_s = drain_timeout_s
+        self._handlers: dict[MsgType, Handler] = {}
+        self._modules: list[Module] = []
+        self._conn_listeners: list[ConnListener] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 1000)  # let the last replies leave on close
+        # a hard cap: frames up to 4x the limit still get a FRAME_TOO_LARGE reply; beyond it
+        # libzmq drops the peer's connection rather than buffer an unbounded frame
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(4 * max_frame_bytes, max_frame_bytes + (1 << 20)))
+        self._sock.bind(endpoint)
+        self.bound_endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
+        self._normal = ThreadPoolExecutor(max_cpu_workers, thread_name_prefix="kvwarden-normal")
+        self._transfer_pool = ThreadPoolExecutor(
+            max_transfer_workers, thread_name_prefix="kvwarden-transfer"
+        )
+        self._transfer = KeyedSerialExecutor(self._transfer_pool)
+        self._replies: queue.SimpleQueue[tuple[list[bytes], bytes]] = queue.SimpleQueue()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # guards _wake_fd against close while a late pool thread writes to it (a closed fd
+        # number may be reused by another file)
+        self._wake_lock = threading.Lock()
+        self._state = Lifecycle.CREATED
+        self._state_lock = threading.Lock()  # guards _state transitions
+        self._inflight = 0  # loop thread only
+        self._thread: threading.Thread | None = None
+        self.loop_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ wiring
+    def add_module(self, module: Module) -> None:
+        for mtype, handler in module.handlers().items():
+            if mtype in self._handlers:
+                raise ValueError(f"{mtype} already has a handler")
+            self._handlers[mtype] = handler
+        self._modules.append(module)
+
+    def add_connection_listener(self, fn: ConnListener) -> None:
+        """``fn(fd, connected)`` runs on the loop thread for every peer connect/disconnect."""
+        self._conn_listeners.append(fn)
+
+    @property
+    def modules(self) -> list[Module]:
+        return list(self._modules)
+
+    @property
+    def state(self) -> Lifecycle:
+        return self._state
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        with self._state_lock:
+            if self._state is not Lifecycle.CREATED:
+                raise RuntimeError(f"server is {self._state.value}")
+            self._state = Lifecycle.RUNNING
+        for m in self._modules:
+            m.start()
+        self._thread = threading.Thread(target=self._run, name="kvwarden-loop", daemon=True)
+        self._thread.start()
+        logger.info("server: listening on %s (boot token %d)", self.bound_endpoint, self.boot_token)
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Drain and stop; True when every thread ended within the bound."""
+        with self._state_lock:
+            if self._state is Lifecycle.CREATED:
+                self._state = Lifecycle.STOPPED
+                self._close_resources()
+                self._close_wake()
+                return True
+            if self._state is not Lifecycle.RUNNING:
+                return True
+            self._state = Lifecycle.DRAINING
+        bound = self._drain_timeout_s if timeout_s is None else timeout_s
+        # background threads (reaper, monitors) stop first, so none acts on state being torn down
+        for m in self._modules:
+            m.stop()
+        self._wake()
+        clean = True
+        if self._thread is not None:
+            self._thread.join(bound + 2.0)
+            if self._thread.is_alive():
+                logger.error("server: loop thread still alive after %.1fs", bound + 2.0)
+                clean = False
+        self._normal.shutdown(wait=False, cancel_futures=True)
+        self._transfer_pool.shutdown(wait=False, cancel_futures=True)
+        for m in self._modules:
+            m.close()
+        self._close_wake()
+        self._state = Lifecycle.STOPPED
+        logger.info("server: stopped")
+        return clean
+
+    # -------------------------------------------------------------------- loop
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        wake_fd = self._wake_fd
+        poller.register(wake_fd, zmq.POLLIN)
+        drain_deadline: float | None = None
+        try:
+            while True:
+                events = dict(poller.poll(100))
+                if wake_fd in events:
+                    self._drain_wake()
+                self._send_replies()
+                if self._monitor in events:
+                    self._on_monitor()
+                if self._sock in events:
+                    self._recv_batch()
+                if self._state is Lifecycle.DRAINING:
+                    now = time.monotonic()
+                    if drain_deadline is None:
+                        drain_deadline = now + self._drain_timeout_s
+                    if self._inflight == 0 or now > drain_deadline:
+                        if self._inflight:
+                            logger.error("server: %d request(s) still in flight at shutdown",
+                                         self._inflight)
+                        break
+        except BaseException as exc:  # fatal: /health reports it
+            self.loop_error = exc
+            logger.exception("server: loop thread died")
+        finally:
+            self._close_resources()
+
+    def _close_resources(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close()
+        self._ctx.term()
+
+    def _close_wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.close(self._wake_fd)
+                self._wake_fd = -1
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
+
+    def _drain_wake(self) -> None:
+        try:
+            os.eventfd_read(self._wake_fd)
+        except BlockingIOError:
+            pass
+
+    def _send_replies(self) -> None:
+        while True:
+            try:
+                envelope, data = self._replies.get_nowait()
+            except queue.Empty:
+                return
+            self._inflight -= 1
+            self._send(envelope, data)
+
+    def _send(self, envelope: list[bytes], data: bytes) -> None:
+        try:
+            self._sock.send_multipart([*envelope, data], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("server: reply dropped, peer not reading (high-water mark)")
+
+    def _on_monitor(self) -> None:
+        while True:
+            try:
+                msg = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = int.from_bytes(msg[0][:2], "little")
+            fd = int.from_bytes(msg[0][2:6], "little", signed=True)
+            connected = event == zmq.EVENT_ACCEPTED
+            if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
+                for fn in self._conn_listeners:
+                    fn(fd, connected)
+
+    def _recv_batch(self) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        envelope = [f.bytes for f in frames[:-1]]
+        body = frames[-1]
+        try:
+            fd = int(body.get(zmq.SRCFD))
+        except zmq.ZMQError:
+            fd = -1
+        raw: Any = None
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("request has no frames after the identity")
+            raw = unpack(body.buffer, self.max_frame_bytes)
+            req = decode_request(raw)
+        except KVWardenError as exc:
+            rid = peek_request_id(raw)
+            self.metrics.requests.labels(type="INVALID", outcome="error").inc()
+            logger.debug("server: bad request: %s", exc)
+            self._send(envelope, encode_error(rid, exc))
+            return
+        if self._state is not Lifecycle.RUNNING:
+            self._send(envelope, encode_error(req.request_id, "SHUTTING_DOWN", "server is stopping"))
+            return
+        handler = self._handlers.get(req.type)
+        if handler is None:
+            self._send(envelope, encode_error(req.request_id, "UNSUPPORTED",
+                                              f"{req.type} has no handler on this server"))
+            return
+        rctx = RequestContext(req.request_id, req.type, fd)
+        if handler.kind is HandlerKind.LOOP:
+            self._send(envelope, self._call(handler, rctx, req.payload))
+            return
+        self._inflight += 1
+
+        def task() -> None:
+            data = self._call(handler, rctx, req.payload)
+            self._replies.put((envelope, data))
+            self._wake()
+
+        if handler.kind is HandlerKind.TRANSFER and handler.order_key is not None:
+            self._transfer.submit(handler.order_key(req.payload), task)
+        else:
+            self._normal.submit(task)
+
+    def _call(self, handler: Handler, rctx: RequestContext, payload: Any) -> bytes:
+        t0 = time.perf_counter()
+        try:
+            result = handler.fn(rctx, payload)
+            data = encode_ok(rctx.request_id, result)
+            outcome = "ok"
+        except KVWardenError as exc:
+            data = encode_error(rctx.request_id, exc)
+            outcome = "error"
+        except Exception as exc:
+            logger.exception("server: %s handler failed", rctx.type)
+            data = encode_error(rctx.request_id, ServerError(f"{rctx.type} failed: {exc}"))
+            outcome = "error"
+        m = self.metrics
+        m.duration.labels(type=rctx.type.value).observe(time.perf_counter() - t0)
+        m.requests.labels(type=rctx.type.value, outcome=outcome).inc()
+        return data

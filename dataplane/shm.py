@@ -1,0 +1,142 @@
+"""POSIX shared-memory segments for KV caches, without Python's resource_tracker.
+
+``multiprocessing.shared_memory`` registers every segment it creates *or attaches* with the
+resource tracker, which unlinks it when that process exits: the server attaching to a worker's
+segment would destroy it. We use ``/dev/shm`` files directly instead.
+
+Ownership: the creating process (the worker) holds a shared ``flock`` on the segment file for as
+long as it lives; the kernel drops it when the process dies, however it dies, and whichever pid
+namespace it ran in. The owner unlinks the segment on close and at exit. A worker that dies
+without closing leaves it behind; whoever notices the owner is gone (an exclusive non-blocking
+``flock`` succeeds) unlinks it: the server when it reaps or unregisters the instance, and every
+server start sweeps ``/dev/shm`` for such segments. An owner that is still alive keeps its
+segment, so a restarted server can map it again when the worker re-registers. A segment is
+created under a temporary name, locked, then renamed, so a sweep never sees it unlocked.
+The name (``kvwarden-<pid>-<random>``) carries the creator's pid for operators only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path(os.environ.get("KVWARDEN_SHM_DIR", "/dev/shm"))
+PREFIX = "kvwarden-"
+_NAME_RE = re.compile(r"^kvwarden-(\d+)-([0-9a-f]{16})$")
+
+
+def owner_alive(name: str) -> bool:
+    """Whether the process that created segment ``name`` still runs (it holds the flock)."""
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops our probe lock, if we got it
+    return False
+
+
+def valid_segment_name(name: str) -> bool:
+    return _NAME_RE.match(name) is not None
+
+
+@dataclass
+class Segment:
+    """One mapped segment: ``mm`` stays open while any tensor views it."""
+
+    name: str
+    size: int
+    mm: mmap.mmap
+    owner: bool
+    lock_fd: int = -1  # the owner's flock, held until close
+
+    @classmethod
+    def create(cls, size: int) -> Segment:
+        token = secrets.token_hex(8)
+        name = f"{PREFIX}{os.getpid()}-{token}"
+        tmp = SHM_DIR / f".kvwarden-creating-{token}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            os.rename(tmp, SHM_DIR / name)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return cls(name, size, mm, owner=True, lock_fd=fd)
+
+    @classmethod
+    def attach(cls, name: str, min_size: int) -> Segment:
+        """Map an existing segment; MAP_POPULATE pre-faults it so the first copy is not slow."""
+        if not valid_segment_name(name):
+            raise ValueError(f"segment name {name!r} is not a kvwarden segment")
+        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < min_size:
+                raise ValueError(f"segment {name} holds {size} bytes, the layout needs {min_size}")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, owner=False)
+
+    def close(self) -> bool:
+        """Unmap; False when a view still holds the buffer (it is unmapped when that view dies)."""
+        try:
+            self.mm.close()
+        except BufferError:
+            return False
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+        return True
+
+    def unlink(self) -> None:
+        unlink_segment(self.name)
+
+
+def unlink_segment(name: str) -> bool:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SHM_DIR / name)
+        return True
+    return False
+
+
+def unlink_if_owner_gone(name: str) -> bool:
+    if not valid_segment_name(name) or owner_alive(name):
+        return False
+    removed = unlink_segment(name)
+    if removed:
+        logger.info("shm: unlinked segment %s: its owner has exited", name)
+    return removed
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink every kvwarden segment whose owner process is gone; returns their names."""
+    removed: list[str] = []
+    try:
+        entries = list(SHM_DIR.iterdir())
+    except FileNotFoundError:
+        return removed
+    for path in entries:
+        if path.name.startswith(PREFIX) and unlink_if_owner_gone(path.name):
+            removed.append(path.name)
+    if removed:
+        logger.warning("shm: swept %d orphaned segment(s) at start", len(removed))
+    return removed
