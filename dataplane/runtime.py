@@ -51,7 +51,13 @@ def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monoto
         metrics=metrics,
     )
     transfer = ServerDrivenTransferModule(l1, settings.chunk_size, metrics, clock)
-    management = ManagementModule(server, settings.chunk_size, targets=[transfer])
+    management = ManagementModule(
+        server, settings.chunk_size, targets=[transfer],
+        reap_timeout_s=settings.worker_reap_timeout_seconds,
+        registration_grace_s=settings.worker_registration_grace_seconds,
+        disconnect_grace_s=settings.worker_disconnect_grace_seconds,
+        clock=clock,
+    )
     server.add_module(management)
     server.add_module(transfer)
     return DataPlane(settings, server, l1, management, transfer, metrics, clock, swept)

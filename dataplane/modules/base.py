@@ -34,12 +34,20 @@ class Handler:
     order_key: Callable[[Any], int] | None = None
 
 
+ReapListener = Callable[[int, str, float, bool], None]  # (id, reason, silence_s, pinged)
+
+
 class InstanceLivenessTarget:
     """The liveness protocol; every method is a no-op until a module overrides its role.
 
     Transfer modules implement the first three; modules holding per-instance side state (blend)
-    implement only ``drop_instance_state``.
+    implement only ``drop_instance_state``. Beyond the reference protocol, transfer modules
+    also track the connection each instance last spoke over (``mark_connection_closed``,
+    ``reap_disconnected_instances``) and report each reaped id with its reason to
+    ``reap_listener`` (set by the management module).
     """
+
+    reap_listener: ReapListener | None = None
 
     def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
         """Refresh ``last_seen`` and latch ``has_liveness_signal``; never inserts.
@@ -55,6 +63,13 @@ class InstanceLivenessTarget:
 
     def drop_instance_state(self, instance_id: int) -> None:
         return None
+
+    def mark_connection_closed(self, conn_fd: int, now: float) -> int:
+        """Flag the instances last seen over ``conn_fd``; returns how many."""
+        return 0
+
+    def reap_disconnected_instances(self, disconnect_grace_s: float) -> list[int]:
+        return []
 
 
 class Module(Protocol):

@@ -1,0 +1,1 @@
+"""kvwarden HTTP sidecar: FastAPI app serving /status, /health, /metrics and admin routes."""

@@ -1,0 +1,201 @@
+"""Per-instance state with liveness: the part every transfer module shares.
+
+Each entry carries ``last_seen`` (monotonic, injected clock), ``has_liveness_signal`` (latched
+by PING only), the connection it last spoke over and, once that connection closed, when.
+``_lock`` is a leaf lock guarding the entry dict and every entry's mutable fields; it is never
+held while mapping memory, copying, calling storage or another component. The reaper's
+collect-and-pop takes it in slices, so 100,000 tracked instances never hold it for long.
+Releasing an entry's resources runs outside the lock on a short-lived thread, bounded by
+``release_timeout_s``: a stuck release is logged and abandoned, never wedging the reaper.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from dataplane.errors import NotRegistered
+from dataplane.modules.base import InstanceLivenessTarget
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+_SLICE = 4096
+
+
+@dataclass(eq=False)
+class Entry:
+    instance_id: int
+    registered_at: float
+    last_seen: float
+    has_liveness_signal: bool = False
+    conn_fd: int = -1
+    disconnected_at: float | None = None
+    users: int = 0  # requests holding the entry's resources
+    removed: bool = False  # popped; the last user releases
+
+
+E = TypeVar("E", bound=Entry)
+
+
+class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
+    def __init__(self, clock: Clock = time.monotonic, release_timeout_s: float = 10.0) -> None:
+        self._clock = clock
+        self.release_timeout_s = release_timeout_s
+        # guards _entries and every entry's mutable fields (and subclasses' paired dicts)
+        self._lock = threading.Lock()
+        self._entries: dict[int, E] = {}
+
+    # ------------------------------------------------------- subclass hooks
+    def _release(self, entry: E, why: str) -> None:
+        """Free the entry's resources (runs outside the lock)."""
+
+    def _pop_locked(self, instance_id: int) -> E | None:
+        """Remove an entry and whatever is paired with it; lock held."""
+        return self._entries.pop(instance_id, None)
+
+    # --------------------------------------------------------------- liveness
+    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is None:
+                return False
+            e.last_seen = self._clock()
+            e.has_liveness_signal = True
+            self._seen_over(e, conn_fd)
+            return True
+
+    def tracked_instance_count(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def mark_connection_closed(self, conn_fd: int, now: float) -> int:
+        n = 0
+        with self._lock:
+            for e in self._entries.values():
+                if e.conn_fd == conn_fd and e.disconnected_at is None:
+                    e.disconnected_at = now
+                    n += 1
+        return n
+
+    def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[int]:
+        now = self._clock()
+
+        def stale(e: E) -> str | None:
+            if e.has_liveness_signal:
+                return "timeout" if now - e.last_seen > timeout_s else None
+            return "grace" if now - e.last_seen > grace_s else None
+
+        return self._reap(stale, now)
+
+    def reap_disconnected_instances(self, disconnect_grace_s: float) -> list[int]:
+        now = self._clock()
+
+        def gone(e: E) -> str | None:
+            t = e.disconnected_at
+            return "disconnect" if t is not None and now - t > disconnect_grace_s else None
+
+        return self._reap(gone, now)
+
+    def _reap(self, why: Callable[[E], str | None], now: float) -> list[int]:
+        with self._lock:
+            ids = list(self._entries)
+        reaped: list[tuple[E, str]] = []
+        idle: list[E] = []
+        for start in range(0, len(ids), _SLICE):
+            with self._lock:  # collect and pop one slice; nothing else under the lock
+                for iid in ids[start:start + _SLICE]:
+                    e = self._entries.get(iid)
+                    if e is None:
+                        continue
+                    reason = why(e)
+                    if reason is not None:
+                        self._pop_locked(iid)
+                        e.removed = True
+                        reaped.append((e, reason))
+                        if e.users == 0:  # else the last user releases it
+                            idle.append(e)
+        for e, reason in reaped:
+            silence = now - e.last_seen
+            pinged = e.has_liveness_signal
+            logger.warning("reaper: reaped instance %d (%s; silent %.1fs; %s)", e.instance_id,
+                           reason, silence, "pinged" if pinged else "never pinged")
+            if self.reap_listener is not None:
+                self.reap_listener(e.instance_id, reason, silence, pinged)
+        self._bounded_release(idle, "reap")
+        return [e.instance_id for e, _ in reaped]
+
+    # ----------------------------------------------------------- accessors
+    def remove_instance(self, instance_id: int, why: str) -> bool:
+        """The cleanup UNREGISTER, the reaper and the admin route share. False when unknown."""
+        with self._lock:
+            e = self._pop_locked(instance_id)
+            if e is None:
+                return False
+            e.removed = True
+            idle = e.users == 0  # else the last user releases it
+        if idle:
+            self._bounded_release([e], why)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            victims = list(self._entries)
+        for iid in victims:
+            self.remove_instance(iid, "shutdown")
+
+    @contextmanager
+    def _use(self, instance_id: int, conn_fd: int = -1) -> Iterator[E]:
+        """Hold an entry for a request: refreshes last_seen; release waits for the last user."""
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is None:
+                raise NotRegistered(f"instance {instance_id} is not registered")
+            e.users += 1
+            e.last_seen = self._clock()
+            self._seen_over(e, conn_fd)
+        try:
+            yield e
+        finally:
+            with self._lock:
+                e.users -= 1
+                last = e.removed and e.users == 0
+            if last:
+                self._bounded_release([e], "deferred")
+
+    @staticmethod
+    def _seen_over(e: Entry, conn_fd: int) -> None:
+        if conn_fd >= 0:
+            e.conn_fd = conn_fd
+            e.disconnected_at = None  # it spoke: its connection is (again) alive
+
+    def _bounded_release(self, entries: list[E], why: str) -> None:
+        if not entries:
+            return
+        t = threading.Thread(target=self._release_all, args=(entries, why), daemon=True,
+                             name="kvwarden-release")
+        t.start()
+        t.join(self.release_timeout_s)
+        if t.is_alive():
+            logger.error("registry: releasing %d instance(s) (%s) is stuck after %.1fs; moving on",
+                         len(entries), why, self.release_timeout_s)
+
+    def _release_all(self, entries: list[E], why: str) -> None:
+        for e in entries:
+            try:
+                self._release(e, why)
+            except Exception:
+                logger.exception("registry: releasing instance %d (%s) failed", e.instance_id, why)
+
+    def liveness_fields(self, e: Entry, now: float) -> dict[str, Any]:
+        return {
+            "registered_seconds_ago": max(0.0, now - e.registered_at),
+            "last_seen_seconds_ago": max(0.0, now - e.last_seen),
+            "has_liveness_signal": e.has_liveness_signal,
+            "disconnected": e.disconnected_at is not None,
+        }
