@@ -56,7 +56,7 @@ def free_port() -> int:
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    return float(time.perf_counter() - t0)
 
 
 def _wait_ready(adapter_factory: Callable[[], Any], proc: subprocess.Popen[bytes],
@@ -163,15 +163,23 @@ def run_transfer(ns: argparse.Namespace) -> int:
             prev = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                return chunk_bytes / _timed(lambda: dst.copy_(src))
+                return float(chunk_bytes / _timed(lambda: dst.copy_(src)))
             finally:
                 torch.set_num_threads(prev)
 
         def store() -> float:
             toks = rng.integers(0, 1 << 30, n_tok)
             blocks = rng.permutation(blocks_per_req)
-            t = _timed(lambda: w.store(toks, blocks) or (_ for _ in ()).throw(RuntimeError("STORE rejected")))
-            return payload / t
+            ok = False
+
+            def once() -> None:
+                nonlocal ok
+                ok = w.store(toks, blocks)
+
+            t = _timed(once)
+            if not ok:
+                raise RuntimeError("STORE rejected")
+            return float(payload / t)
 
         def retrieve() -> float:
             blocks = blocks_per_req + rng.permutation(blocks_per_req)
@@ -184,14 +192,14 @@ def run_transfer(ns: argparse.Namespace) -> int:
             t = _timed(once)
             if got != n_tok:
                 raise RuntimeError(f"RETRIEVE got {got} of {n_tok} tokens")
-            return payload / t
+            return float(payload / t)
 
         def zmq_send() -> float:
             def once() -> None:
                 dealer.send(blob, copy=False)
                 dealer.recv()
 
-            return chunk_bytes / _timed(once)
+            return float(chunk_bytes / _timed(once))
 
         figures: dict[str, list[float]] = {"memcpy": [], "store": [], "retrieve": [], "zmq": []}
         fns: dict[str, Callable[[], float]] = {"memcpy": memcpy, "store": store,

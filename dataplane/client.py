@@ -134,7 +134,7 @@ def _layout(caches: Sequence[torch.Tensor]) -> tuple[str, str, list[int], list[l
         memory = "cuda_ipc"
         for t in caches:
             st = t.untyped_storage()
-            dev, handle, size, off, rc_h, rc_off, ev_h, ev_sync = st._share_cuda_()  # type: ignore[attr-defined]
+            dev, handle, size, off, rc_h, rc_off, ev_h, ev_sync = st._share_cuda_()  # type: ignore[attr-defined,no-untyped-call]
             uuid_s = str(torch.cuda.get_device_properties(dev).uuid)
             layers.append([uuid_s, int(dev), bytes(handle), int(size), int(off),
                            t.storage_offset() * item, bytes(rc_h), int(rc_off), bytes(ev_h or b""),

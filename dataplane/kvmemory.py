@@ -11,6 +11,7 @@ A chunk is stored token-major: ``[layers, 2, chunk_tokens, heads * head_dim]``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -182,7 +183,7 @@ def _map_shm(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> 
             offs = [lay.offset for lay in reg.layers if isinstance(lay, ShmLayer)]
             step = offs[1] - offs[0]
             if step >= layer_bytes and step % item == 0 and all(
-                b - a == step for a, b in zip(offs, offs[1:], strict=False)
+                b - a == step for a, b in itertools.pairwise(offs)
             ):
                 base = flat[first.segment].view(dtype)
                 stacked = base.as_strided(
@@ -220,7 +221,8 @@ def _map_cuda(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) ->
                 layer.event_sync_required,
             )
         t = torch.empty(0, dtype=dtype, device=device).set_(
-            storage, layer.tensor_offset // item, (2, nb * bs, heads * hd)
+            storage, layer.tensor_offset // item, (2, nb * bs, heads * hd),
+            (nb * bs * heads * hd, heads * hd, 1),
         )
         layers.append(t)
     return MappedKV(MemoryKind.CUDA_IPC, dtype, len(layers), nb, bs, heads, hd, layers, None,

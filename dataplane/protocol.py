@@ -367,11 +367,13 @@ def decode_request(raw: Any) -> Request:
 
 def encode_request(request_id: int, mtype: MsgType | str, payload: list[Any],
                    version: int = PROTOCOL_VERSION) -> bytes:
-    return msgpack.packb([version, request_id, str(mtype), payload], use_bin_type=True)
+    data: bytes = msgpack.packb([version, request_id, str(mtype), payload], use_bin_type=True)
+    return data
 
 
 def encode_ok(request_id: int, body: Any) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, request_id, True, body], use_bin_type=True)
+    data: bytes = msgpack.packb([PROTOCOL_VERSION, request_id, True, body], use_bin_type=True)
+    return data
 
 
 def encode_error(request_id: int, err: KVWardenError | str, message: str | None = None) -> bytes:
@@ -379,9 +381,10 @@ def encode_error(request_id: int, err: KVWardenError | str, message: str | None 
         code, text = err.code, str(err)
     else:
         code, text = err, message or ""
-    return msgpack.packb(
+    data: bytes = msgpack.packb(
         [PROTOCOL_VERSION, request_id, False, {"code": code, "message": text}], use_bin_type=True
     )
+    return data
 
 
 @dataclass(frozen=True, slots=True)

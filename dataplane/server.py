@@ -15,6 +15,7 @@ SHUTTING_DOWN, drains the in-flight ones within a bound, then closes the socket.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -250,10 +251,8 @@ class Server:
                 os.eventfd_write(self._wake_fd, 1)
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._wake_fd)
-        except BlockingIOError:
-            pass
 
     def _send_replies(self) -> None:
         while True:

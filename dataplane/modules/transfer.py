@@ -141,7 +141,7 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
                 old.last_seen = self._clock()  # a repeat register refreshes; it never latches
                 self._seen_over(old, rctx.conn_fd)
                 return {"created": False, "chunk_size": self.chunk_size}
-        _, _, bs, heads, hd = reg.kv_shape
+        _, _, _, heads, hd = reg.kv_shape
         kv = map_registration(reg)  # slow (maps and pre-faults): outside the lock
         scope = scope_digest(reg.model_name, reg.world_size, reg.worker_id, reg.dtype,
                              len(reg.layers), heads, hd)
