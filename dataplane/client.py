@@ -37,8 +37,9 @@ from dataplane.errors import (
     ServerClosed,
     error_from_reply,
 )
-from dataplane.kvmemory import DTYPE_NAMES
+from dataplane.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors, token_slots
 from dataplane.protocol import (
+    MAX_POOL_CHUNKS,
     MsgType,
     decode_reply,
     encode_request,
@@ -189,10 +190,14 @@ class _Channel:
             self.sock.close(linger=0)
 
 
-def _ids(x: TokenIds) -> bytes:
+def _id_array(x: TokenIds) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
-    return ids_to_bytes(np.asarray(x))
+    return np.asarray(x)
+
+
+def _ids(x: TokenIds) -> bytes:
+    return ids_to_bytes(_id_array(x))
 
 
 class WorkerAdapter:
@@ -201,9 +206,14 @@ class WorkerAdapter:
     def __init__(self, endpoint: str, model_name: str, world_size: int = 1, worker_id: int = 0,
                  heartbeat_interval: float = 10.0, transfer_mode: str = "server_driven",
                  request_timeout: float = 30.0, instance_id: int | None = None,
-                 on_health_change: Callable[[bool], None] | None = None) -> None:
-        if transfer_mode != "server_driven":
-            raise ValueError(f"transfer_mode {transfer_mode!r} is not supported by this server")
+                 on_health_change: Callable[[bool], None] | None = None,
+                 pool_chunks: int = 4) -> None:
+        if transfer_mode not in ("server_driven", "engine_driven"):
+            raise ValueError(
+                f"transfer_mode {transfer_mode!r}: use 'server_driven' or 'engine_driven'"
+            )
+        if not 1 <= pool_chunks <= MAX_POOL_CHUNKS:
+            raise ValueError(f"pool_chunks must be in [1, {MAX_POOL_CHUNKS}]")
         if not heartbeat_interval > 0:
             raise ValueError("heartbeat_interval must be > 0")
         if not 0 <= worker_id < world_size:
@@ -213,6 +223,7 @@ class WorkerAdapter:
         self.world_size = world_size
         self.worker_id = worker_id
         self.transfer_mode = transfer_mode
+        self.pool_chunks = pool_chunks
         self.heartbeat_interval = heartbeat_interval
         self.request_timeout = request_timeout
         self.instance_id = (
@@ -240,6 +251,10 @@ class WorkerAdapter:
         self.registrations = 0  # REGISTERs that built a fresh server context
         self._hb_thread: threading.Thread | None = None
         self._closed = False
+        # engine-driven: our tensors and the server's chunk pool (one transfer at a time)
+        self._xfer_lock = threading.Lock()  # guards _pool and the pool's slots
+        self._local: MappedKV | None = None
+        self._pool: tuple[Segment, list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -256,26 +271,55 @@ class WorkerAdapter:
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, caches: Sequence[torch.Tensor]) -> None:
-        memory, dtype, shape, layers = _layout(caches)
-        payload = [self.instance_id, self.model_name, self.world_size, self.worker_id,
-                   self.transfer_mode, memory, dtype, shape, _own_pid(), layers]
+        if self.transfer_mode == "engine_driven":
+            first = caches[0]
+            if len(first.shape) != 5 or first.shape[0] != 2:
+                raise ValueError("KV tensors must be [2, num_blocks, block_size, heads, head_dim]")
+            for i, t in enumerate(caches):
+                if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+                    raise ValueError(f"layer {i}: shape/dtype differ from layer 0 or not contiguous")
+            self._local = map_local_tensors(list(caches))
+            payload = [self.instance_id, self.model_name, self.world_size, self.worker_id,
+                       DTYPE_NAMES[first.dtype], len(caches), int(first.shape[3]),
+                       int(first.shape[4]), self.pool_chunks, _own_pid()]
+            segments: list[str] = []
+        else:
+            memory, dtype, shape, layers = _layout(caches)
+            payload = [self.instance_id, self.model_name, self.world_size, self.worker_id,
+                       self.transfer_mode, memory, dtype, shape, _own_pid(), layers]
+            segments = [lay[0] for lay in layers] if memory == "shm" else []
         with self._reg_lock:
             info = self.server_info()
             self._boot_token = int(info["boot_token"])
             self.chunk_size = int(info["chunk_size"])
             self._register_payload = payload
-            self._segments = [lay[0] for lay in layers] if memory == "shm" else []
+            self._segments = segments
             self._send_register(self._chan)
         self.start_heartbeat()
 
     def _send_register(self, chan: _Channel) -> bool:
         assert self._register_payload is not None
-        result = chan.request(MsgType.REGISTER_KV_CACHE, self._register_payload,
-                              self.request_timeout)
+        mtype = (MsgType.ENGINE_REGISTER if self.transfer_mode == "engine_driven"
+                 else MsgType.REGISTER_KV_CACHE)
+        result = chan.request(mtype, self._register_payload, self.request_timeout)
         created = bool(result.get("created"))
         if created:
             self.registrations += 1
+        if mtype is MsgType.ENGINE_REGISTER:
+            self._map_pool(str(result["segment"]), int(result["slot_bytes"]), int(result["slots"]))
         return created
+
+    def _map_pool(self, name: str, slot_bytes: int, slots: int) -> None:
+        with self._xfer_lock:
+            if self._pool is not None and self._pool[0].name == name:
+                return
+            seg = Segment.attach(name, slot_bytes * slots)
+            flat = torch.frombuffer(seg.mm, dtype=torch.uint8)
+            views = [flat[i * slot_bytes:(i + 1) * slot_bytes] for i in range(slots)]
+            old, self._pool = self._pool, (seg, views)
+        if old is not None:
+            old[1].clear()
+            old[0].close()
 
     def start_heartbeat(self) -> None:
         if self._hb_thread is None:
@@ -346,19 +390,45 @@ class WorkerAdapter:
     # ------------------------------------------------------------- transfers
     def store(self, token_ids: TokenIds, block_ids: TokenIds) -> bool:
         """Store every full chunk; True when all of them are held by the server afterwards."""
-        if not self._healthy.is_set():
-            return False
-        r = self._chan.request(MsgType.STORE, [self.instance_id, _ids(token_ids), _ids(block_ids)],
-                               self.request_timeout)
-        return int(r["rejected"]) == 0
+        return self.store_detail(token_ids, block_ids)["rejected"] == 0 and self.is_healthy
 
     def store_detail(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int]:
+        """STORE's counts: chunks, stored (written now), present (already held), rejected."""
         if not self._healthy.is_set():
             return {"chunks": 0, "stored": 0, "present": 0, "rejected": 0}
+        if self.transfer_mode == "engine_driven":
+            return self._engine_store(token_ids, block_ids)
         r: dict[str, int] = self._chan.request(
             MsgType.STORE, [self.instance_id, _ids(token_ids), _ids(block_ids)],
             self.request_timeout)
         return r
+
+    def _engine_store(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int]:
+        tokens = _ids(token_ids)
+        cs, local = self._chunk_size(), self._require_local()
+        n_full = len(tokens) // 4 // cs
+        present = self.lookup(token_ids) // cs  # those need no copy
+        slots = token_slots(_id_array(block_ids), local.block_size, local.num_blocks, n_full * cs)
+        total = {"chunks": n_full, "stored": 0, "present": present, "rejected": 0}
+        first = present
+        with self._xfer_lock:
+            assert self._pool is not None
+            pool = self._pool[1]
+            while first < n_full:
+                k = min(len(pool), n_full - first)
+                for i in range(k):
+                    c = first + i
+                    local.gather(slots[c * cs:(c + 1) * cs], pool[i])
+                r = self._chan.request(MsgType.ENGINE_STORE,
+                                       [self.instance_id, tokens[:(first + k) * cs * 4], first, k],
+                                       self.request_timeout)
+                for key in ("stored", "present", "rejected"):
+                    total[key] += int(r[key])
+                if r["rejected"]:
+                    total["rejected"] += n_full - first - k
+                    break
+                first += k
+        return total
 
     def lookup(self, token_ids: TokenIds) -> int:
         if not self._healthy.is_set():
@@ -368,12 +438,49 @@ class WorkerAdapter:
         return int(r["hit_tokens"])
 
     def retrieve(self, token_ids: TokenIds, block_ids: TokenIds) -> int:
+        """Write the longest stored prefix into ``block_ids``; returns its token count."""
         if not self._healthy.is_set():
             return 0
+        if self.transfer_mode == "engine_driven":
+            return self._engine_retrieve(token_ids, block_ids)
         r = self._chan.request(MsgType.RETRIEVE,
                                [self.instance_id, _ids(token_ids), _ids(block_ids)],
                                self.request_timeout)
         return int(r["retrieved_tokens"])
+
+    def _engine_retrieve(self, token_ids: TokenIds, block_ids: TokenIds) -> int:
+        tokens = _ids(token_ids)
+        cs, local = self._chunk_size(), self._require_local()
+        n_full = len(tokens) // 4 // cs
+        blocks = _id_array(block_ids)
+        first = 0
+        with self._xfer_lock:
+            assert self._pool is not None
+            pool = self._pool[1]
+            while first < n_full:
+                k = min(len(pool), n_full - first)
+                r = self._chan.request(MsgType.ENGINE_RETRIEVE,
+                                       [self.instance_id, tokens[:(first + k) * cs * 4], first, k],
+                                       self.request_timeout)
+                got = int(r["chunks"])
+                slots = token_slots(blocks, local.block_size, local.num_blocks, (first + got) * cs)
+                for i in range(got):
+                    c = first + i
+                    local.scatter(slots[c * cs:(c + 1) * cs], pool[i])
+                first += got
+                if got < k:
+                    break
+        return first * cs
+
+    def _chunk_size(self) -> int:
+        if self.chunk_size is None:
+            raise ClientError("register_kv_caches() first")
+        return self.chunk_size
+
+    def _require_local(self) -> MappedKV:
+        if self._local is None or self._pool is None:
+            raise ClientError("register_kv_caches() first")
+        return self._local
 
     # ---------------------------------------------------------------- close
     def close(self, unlink: bool = True) -> None:
@@ -396,6 +503,11 @@ class WorkerAdapter:
         self._chan.close()
         self._hb_chan.close()
         self._ctx.term()
+        with self._xfer_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool[1].clear()
+            pool[0].close()
         if unlink:
             for name in self._segments:
                 with _SEGMENTS_LOCK:

@@ -46,6 +46,26 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def token_slots(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
+    """Slot (block * block_size + offset) of each of the first ``n_tokens`` tokens, where token
+    i lives in block ``block_ids[i // block_size]``. ValueError names a bad or missing block."""
+    need = -(-n_tokens // block_size)
+    if len(block_ids) < need:
+        raise ValueError(
+            f"block_ids: {len(block_ids)} blocks cannot hold {n_tokens} tokens "
+            f"(block size {block_size} needs {need})"
+        )
+    blocks = np.asarray(block_ids[:need], dtype=np.int64)
+    bad = np.flatnonzero((blocks < 0) | (blocks >= num_blocks))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"block_ids[{i}]: block {int(blocks[i])} is outside the registered cache [0, {num_blocks})"
+        )
+    offsets = np.tile(np.arange(block_size, dtype=np.int64), need)
+    return np.asarray((np.repeat(blocks * block_size, block_size) + offsets)[:n_tokens])
+
+
 def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
     """(dst_start, src_start, length) runs of consecutive source slots."""
     if len(slots) == 0:
@@ -238,3 +258,22 @@ def _device_for_uuid(uuid: str, index: int) -> torch.device:
         logger.warning("kvmemory: device uuid %s not found, using cuda:%d", uuid, index)
         return torch.device("cuda", index)
     raise InvalidLayout(f"no CUDA device with uuid {uuid} on the server host")
+
+
+def map_local_tensors(caches: list[torch.Tensor]) -> MappedKV:
+    """A MappedKV over a worker's own per-layer tensors (engine-driven copies, client side)."""
+    first = caches[0]
+    _, nb, bs, heads, hd = first.shape
+    layers = [t.view(2, nb * bs, heads * hd) for t in caches]
+    stacked = None
+    if len(caches) > 1 and first.device.type == "cpu":
+        item = first.element_size()
+        ptrs = [t.data_ptr() for t in caches]
+        step = ptrs[1] - ptrs[0]
+        if step > 0 and step % item == 0 and all(b - a == step for a, b in itertools.pairwise(ptrs)):
+            stacked = first.as_strided(
+                (len(caches), 2, nb * bs, heads * hd),
+                (step // item, nb * bs * heads * hd, heads * hd, 1),
+            )
+    return MappedKV(MemoryKind.SHM, first.dtype, len(caches), nb, bs, heads, hd, layers, stacked,
+                    [], first.device)

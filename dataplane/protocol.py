@@ -44,6 +44,9 @@ class MsgType(enum.StrEnum):
     STORE = "STORE"
     RETRIEVE = "RETRIEVE"
     LOOKUP = "LOOKUP"
+    ENGINE_REGISTER = "ENGINE_REGISTER"
+    ENGINE_STORE = "ENGINE_STORE"
+    ENGINE_RETRIEVE = "ENGINE_RETRIEVE"
 
 
 class MemoryKind(enum.StrEnum):
@@ -120,7 +123,38 @@ class Lookup:
     token_ids: np.ndarray
 
 
-Payload = Empty | Ping | InstanceOnly | Register | Transfer | Lookup
+@dataclass(frozen=True, slots=True)
+class EngineRegister:
+    """Engine-driven: the worker keeps ordinary tensors; the server hands out a chunk pool."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    worker_id: int
+    dtype: str
+    num_layers: int
+    heads: int
+    head_dim: int
+    pool_chunks: int
+    owner_pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTransfer:
+    """ENGINE_STORE: pool slot i holds chunk ``first_chunk + i`` (``n_chunks`` of them).
+    ENGINE_RETRIEVE: fill up to ``n_chunks`` slots from chunk ``first_chunk`` on."""
+
+    instance_id: int
+    token_ids: np.ndarray
+    first_chunk: int
+    n_chunks: int
+
+
+MAX_POOL_CHUNKS = 64
+
+Payload = (
+    Empty | Ping | InstanceOnly | Register | Transfer | Lookup | EngineRegister | EngineTransfer
+)
 
 
 # -------------------------------------------------------------------------------- validators
@@ -290,6 +324,12 @@ def _parse_register(v: Any) -> Register:
 
 _TOKENS = id_array(MAX_TOKENS_PER_REQUEST)
 _BLOCKS = id_array(MAX_TOKENS_PER_REQUEST)
+_ENGINE_XFER = (
+    ("instance_id", u63),
+    ("token_ids", _TOKENS),
+    ("first_chunk", small_int(0, MAX_TOKENS_PER_REQUEST)),
+    ("n_chunks", small_int(0, 64)),
+)
 
 PARSERS: dict[MsgType, Callable[[Any], Payload]] = {
     MsgType.HELLO: lambda v: Empty(*fields("HELLO", (), v)),
@@ -306,6 +346,20 @@ PARSERS: dict[MsgType, Callable[[Any], Payload]] = {
         *fields("RETRIEVE", (("instance_id", u63), ("token_ids", _TOKENS), ("block_ids", _BLOCKS)), v)
     ),
     MsgType.LOOKUP: lambda v: Lookup(*fields("LOOKUP", (("instance_id", u63), ("token_ids", _TOKENS)), v)),
+    MsgType.ENGINE_REGISTER: lambda v: EngineRegister(*fields("ENGINE_REGISTER", (
+        ("instance_id", u63),
+        ("model_name", name),
+        ("world_size", small_int(1, 1 << 20)),
+        ("worker_id", small_int(0, 1 << 20)),
+        ("dtype", one_of(SUPPORTED_DTYPES)),
+        ("num_layers", small_int(1, MAX_LAYERS)),
+        ("heads", small_int(1, 1 << 16)),
+        ("head_dim", small_int(1, 1 << 16)),
+        ("pool_chunks", small_int(1, MAX_POOL_CHUNKS)),
+        ("owner_pid", small_int(0, 1 << 31)),
+    ), v)),
+    MsgType.ENGINE_STORE: lambda v: EngineTransfer(*fields("ENGINE_STORE", _ENGINE_XFER, v)),
+    MsgType.ENGINE_RETRIEVE: lambda v: EngineTransfer(*fields("ENGINE_RETRIEVE", _ENGINE_XFER, v)),
 }
 
 

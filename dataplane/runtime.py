@@ -11,7 +11,10 @@ import torch
 
 from dataplane.config import Settings
 from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
+from dataplane.modules.registry import ContextEntry
 from dataplane.modules.transfer import ServerDrivenTransferModule
 from dataplane.server import Server
 from dataplane.shm import sweep_orphans
@@ -27,6 +30,7 @@ class DataPlane:
     l1: L1Store
     management: ManagementModule
     transfer: ServerDrivenTransferModule
+    engine: EngineDrivenTransferModule
     metrics: DataPlaneMetrics
     clock: Callable[[], float] = time.monotonic
     swept_segments: list[str] = field(default_factory=list)
@@ -36,6 +40,21 @@ class DataPlane:
 
     def stop(self, timeout_s: float | None = None) -> bool:
         return self.server.stop(timeout_s)
+
+    @property
+    def transfer_modules(self) -> list[ServerDrivenTransferModule | EngineDrivenTransferModule]:
+        return [self.transfer, self.engine]
+
+    def context_entries_snapshot(self) -> list[ContextEntry]:
+        """Every tracked instance of every transfer module (each read under its own lock)."""
+        return [e for m in self.transfer_modules for e in m.context_entries_snapshot()]
+
+    def context_entry(self, instance_id: int) -> ContextEntry | None:
+        for m in self.transfer_modules:
+            e = m.context_entry(instance_id)
+            if e is not None:
+                return e
+        return None
 
 
 def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monotonic) -> DataPlane:
@@ -51,8 +70,9 @@ def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monoto
         metrics=metrics,
     )
     transfer = ServerDrivenTransferModule(l1, settings.chunk_size, metrics, clock)
+    engine = EngineDrivenTransferModule(l1, settings.chunk_size, metrics, clock)
     management = ManagementModule(
-        server, settings.chunk_size, targets=[transfer],
+        server, settings.chunk_size, targets=[transfer, engine],
         reap_timeout_s=settings.worker_reap_timeout_seconds,
         registration_grace_s=settings.worker_registration_grace_seconds,
         disconnect_grace_s=settings.worker_disconnect_grace_seconds,
@@ -60,4 +80,6 @@ def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monoto
     )
     server.add_module(management)
     server.add_module(transfer)
-    return DataPlane(settings, server, l1, management, transfer, metrics, clock, swept)
+    server.add_module(engine)
+    server.add_module(LookupModule(l1, settings.chunk_size, metrics, [transfer, engine]))
+    return DataPlane(settings, server, l1, management, transfer, engine, metrics, clock, swept)

@@ -64,6 +64,10 @@ class InstanceLivenessTarget:
     def drop_instance_state(self, instance_id: int) -> None:
         return None
 
+    def remove_instance(self, instance_id: int, why: str) -> bool:
+        """Release the instance's state through the UNREGISTER cleanup; False when unknown."""
+        return False
+
     def mark_connection_closed(self, conn_fd: int, now: float) -> int:
         """Flag the instances last seen over ``conn_fd``; returns how many."""
         return 0

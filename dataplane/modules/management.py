@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dataplane.modules.base import Handler, HandlerKind, InstanceLivenessTarget, RequestContext
-from dataplane.protocol import PROTOCOL_VERSION, Empty, MsgType, Ping
+from dataplane.protocol import PROTOCOL_VERSION, Empty, InstanceOnly, MsgType, Ping
 from dataplane.server import Server
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,7 @@ class ManagementModule:
             MsgType.HELLO: Handler(HandlerKind.LOOP, self._hello),
             MsgType.GET_SERVER_INFO: Handler(HandlerKind.LOOP, self._hello),
             MsgType.PING: Handler(HandlerKind.LOOP, self._ping),
+            MsgType.UNREGISTER_KV_CACHE: Handler(HandlerKind.NORMAL, self._unregister),
         }
 
     # ------------------------------------------------------------- lifecycle
@@ -201,17 +202,25 @@ class ManagementModule:
         }
 
     # ------------------------------------------------------------------ admin
-    def force_reap(self, instance_id: int) -> list[str]:
-        """Release ``instance_id`` through the normal cleanup; the targets that held it."""
+    def release_instance(self, instance_id: int, why: str) -> list[str]:
+        """The one cleanup path (UNREGISTER, admin reap): remove from every target, then fan
+        out ``drop_instance_state``. Returns the names of the targets that held it."""
         released: list[str] = []
         for t in self.targets:
-            remove = getattr(t, "remove_instance", None)
-            if remove is not None and remove(instance_id, "admin"):
+            if t.remove_instance(instance_id, why):
                 released.append(str(getattr(t, "name", type(t).__name__)))
+        for t in self.targets:
+            try:
+                t.drop_instance_state(instance_id)
+            except Exception:
+                logger.exception("management: drop_instance_state(%d) failed", instance_id)
+        return released
+
+    def force_reap(self, instance_id: int) -> list[str]:
+        """Admin reap: the cleanup UNREGISTER runs, counted as reason ``admin``."""
+        released = self.release_instance(instance_id, "admin")
         if released:
             self._count_reap(instance_id, "admin", 0.0, False)
-        for t in self.targets:
-            t.drop_instance_state(instance_id)
         return released
 
     # ------------------------------------------------------------- internals
@@ -229,6 +238,9 @@ class ManagementModule:
             logger.info("liveness: connection fd %d closed; %d instance(s) reaped in %.1fs "
                         "unless they reconnect", fd, marked, self.disconnect_grace_s)
             self.reaper.note_disconnect(now)
+
+    def _unregister(self, rctx: RequestContext, p: InstanceOnly) -> dict[str, Any]:
+        return {"removed": bool(self.release_instance(p.instance_id, "unregister"))}
 
     def _hello(self, rctx: RequestContext, _: Empty) -> dict[str, Any]:
         return self.server_info()

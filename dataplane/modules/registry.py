@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from dataplane.errors import NotRegistered
 from dataplane.modules.base import InstanceLivenessTarget
@@ -28,11 +28,47 @@ Clock = Callable[[], float]
 _SLICE = 4096
 
 
+@dataclass(frozen=True)
+class InstanceInfo:
+    """What a worker registered, as operators see it."""
+
+    transfer_mode: str
+    memory: str
+    model_name: str
+    world_size: int
+    worker_id: int
+    owner_pid: int
+    num_layers: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ContextEntry:
+    """A read-only copy of an entry's public fields (what the sidecar sees)."""
+
+    instance_id: int
+    transfer_mode: str
+    memory: str
+    model_name: str
+    world_size: int
+    worker_id: int
+    owner_pid: int
+    num_layers: int
+    dtype: str
+    registered_at: float
+    last_seen: float
+    has_liveness_signal: bool
+    disconnected: bool
+    conn_fd: int
+
+
 @dataclass(eq=False)
 class Entry:
     instance_id: int
     registered_at: float
     last_seen: float
+    scope: bytes  # chunk-key scope of the registered layout (see dataplane.keys)
+    info: InstanceInfo
     has_liveness_signal: bool = False
     conn_fd: int = -1
     disconnected_at: float | None = None
@@ -131,6 +167,34 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         return [e.instance_id for e, _ in reaped]
 
     # ----------------------------------------------------------- accessors
+    def get_and_touch_context_entry(self, instance_id: int) -> ContextEntry:
+        """The entry of ``instance_id``, refreshing last_seen (never latching the signal)."""
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is None:
+                raise NotRegistered(f"instance {instance_id} is not registered")
+            e.last_seen = self._clock()
+            return _public(e)
+
+    def context_entries_snapshot(self) -> list[ContextEntry]:
+        with self._lock:
+            return [_public(e) for e in self._entries.values()]
+
+    def context_entry(self, instance_id: int) -> ContextEntry | None:
+        with self._lock:
+            e = self._entries.get(instance_id)
+            return None if e is None else _public(e)
+
+    def scope_of(self, instance_id: int, conn_fd: int = -1) -> bytes | None:
+        """The chunk-key scope of a tracked instance (refreshing last_seen), else None."""
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is None:
+                return None
+            e.last_seen = self._clock()
+            self._seen_over(e, conn_fd)
+            return e.scope
+
     def remove_instance(self, instance_id: int, why: str) -> bool:
         """The cleanup UNREGISTER, the reaper and the admin route share. False when unknown."""
         with self._lock:
@@ -192,10 +256,11 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             except Exception:
                 logger.exception("registry: releasing instance %d (%s) failed", e.instance_id, why)
 
-    def liveness_fields(self, e: Entry, now: float) -> dict[str, Any]:
-        return {
-            "registered_seconds_ago": max(0.0, now - e.registered_at),
-            "last_seen_seconds_ago": max(0.0, now - e.last_seen),
-            "has_liveness_signal": e.has_liveness_signal,
-            "disconnected": e.disconnected_at is not None,
-        }
+
+
+def _public(e: Entry) -> ContextEntry:
+    i = e.info
+    return ContextEntry(e.instance_id, i.transfer_mode, i.memory, i.model_name, i.world_size,
+                        i.worker_id, i.owner_pid, i.num_layers, i.dtype, e.registered_at,
+                        e.last_seen, e.has_liveness_signal, e.disconnected_at is not None,
+                        e.conn_fd)

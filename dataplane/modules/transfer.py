@@ -14,20 +14,19 @@ memory under it.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dataplane.errors import NotRegistered, RequestError
+from dataplane.errors import RequestError
 from dataplane.keys import chunk_keys, scope_digest
-from dataplane.kvmemory import MappedKV, map_registration
+from dataplane.kvmemory import MappedKV, map_registration, token_slots
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.registry import Clock, Entry, LivenessRegistry
-from dataplane.protocol import InstanceOnly, Lookup, MsgType, Register, Transfer
+from dataplane.modules.registry import Clock, ContextEntry, Entry, InstanceInfo, LivenessRegistry
+from dataplane.protocol import MsgType, Register, Transfer
 from dataplane.shm import unlink_if_owner_gone
 from dataplane.storage.l1 import L1Store
 
@@ -40,37 +39,9 @@ class CacheContext(Entry):
 
     reg: Register | None = None
     kv: MappedKV | None = None
-    scope: bytes = b""
 
 
-@dataclass(frozen=True)
-class ContextEntry:
-    """A read-only copy of a context's public fields (what the sidecar sees)."""
-
-    instance_id: int
-    transfer_mode: str
-    memory: str
-    model_name: str
-    world_size: int
-    worker_id: int
-    owner_pid: int
-    registered_at: float
-    last_seen: float
-    has_liveness_signal: bool
-    disconnected: bool
-    conn_fd: int
-    num_layers: int
-    kv_shape: tuple[int, ...]
-    dtype: str
-
-
-def _entry(c: CacheContext) -> ContextEntry:
-    r = c.reg
-    assert r is not None
-    return ContextEntry(c.instance_id, r.transfer_mode, r.memory.value, r.model_name,
-                        r.world_size, r.worker_id, r.owner_pid, c.registered_at, c.last_seen,
-                        c.has_liveness_signal, c.disconnected_at is not None, c.conn_fd,
-                        len(r.layers), r.kv_shape, r.dtype)
+__all__ = ["CacheContext", "ContextEntry", "ServerDrivenTransferModule"]
 
 
 class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
@@ -90,8 +61,6 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
 
         return {
             MsgType.REGISTER_KV_CACHE: Handler(HandlerKind.NORMAL, self._register),
-            MsgType.UNREGISTER_KV_CACHE: Handler(HandlerKind.NORMAL, self._unregister),
-            MsgType.LOOKUP: Handler(HandlerKind.NORMAL, self._lookup),
             MsgType.STORE: Handler(HandlerKind.TRANSFER, self._store, key),
             MsgType.RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, key),
         }
@@ -104,25 +73,6 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
 
     def report_status(self) -> dict[str, Any]:
         return {"tracked_instances": self.tracked_instance_count()}
-
-    # ------------------------------------------------------ locked accessors
-    def get_and_touch_context_entry(self, instance_id: int) -> ContextEntry:
-        """The entry of ``instance_id``, refreshing last_seen (never latching the signal)."""
-        with self._lock:
-            c = self._entries.get(instance_id)
-            if c is None:
-                raise NotRegistered(f"instance {instance_id} is not registered")
-            c.last_seen = self._clock()
-            return _entry(c)
-
-    def context_entries_snapshot(self) -> list[ContextEntry]:
-        with self._lock:
-            return [_entry(c) for c in self._entries.values()]
-
-    def context_entry(self, instance_id: int) -> ContextEntry | None:
-        with self._lock:
-            c = self._entries.get(instance_id)
-            return None if c is None else _entry(c)
 
     # ------------------------------------------------------------- internals
     def _release(self, c: CacheContext, why: str) -> None:
@@ -146,8 +96,10 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
         scope = scope_digest(reg.model_name, reg.world_size, reg.worker_id, reg.dtype,
                              len(reg.layers), heads, hd)
         now = self._clock()
-        ctx = CacheContext(reg.instance_id, now, now, conn_fd=rctx.conn_fd, reg=reg, kv=kv,
-                           scope=scope)
+        info = InstanceInfo(reg.transfer_mode, reg.memory.value, reg.model_name, reg.world_size,
+                            reg.worker_id, reg.owner_pid, len(reg.layers), reg.dtype)
+        ctx = CacheContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, reg=reg,
+                           kv=kv)
         with self._lock:
             replaced = self._entries.get(reg.instance_id)
             self._entries[reg.instance_id] = ctx
@@ -162,36 +114,13 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
                     len(reg.layers), reg.memory.value)
         return {"created": True, "chunk_size": self.chunk_size}
 
-    def _unregister(self, rctx: RequestContext, p: InstanceOnly) -> dict[str, Any]:
-        return {"removed": self.remove_instance(p.instance_id, "unregister")}
-
-    def _lookup(self, rctx: RequestContext, p: Lookup) -> dict[str, Any]:
-        with self._use(p.instance_id, rctx.conn_fd) as c:
-            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
-        hit = self.l1.prefix_hits(keys) * self.chunk_size
-        self.metrics.lookup_tokens.inc(len(p.token_ids))
-        self.metrics.hit_tokens.inc(hit)
-        return {"hit_tokens": hit}
-
     def _slots(self, c: CacheContext, p: Transfer, n_tokens: int) -> np.ndarray:
         """Token slots (block * block_size + offset) of the first ``n_tokens`` tokens."""
         assert c.kv is not None
-        bs, nb = c.kv.block_size, c.kv.num_blocks
-        need = math.ceil(n_tokens / bs)
-        if len(p.block_ids) < need:
-            raise RequestError(
-                f"block_ids: {len(p.block_ids)} blocks cannot hold {n_tokens} tokens "
-                f"(block size {bs} needs {need})"
-            )
-        blocks = p.block_ids[:need].astype(np.int64)
-        bad = np.flatnonzero((blocks < 0) | (blocks >= nb))
-        if len(bad):
-            i = int(bad[0])
-            raise RequestError(
-                f"block_ids[{i}]: block {int(blocks[i])} is outside the registered cache "
-                f"[0, {nb})"
-            )
-        return (np.repeat(blocks * bs, bs)[:n_tokens] + np.tile(np.arange(bs), need)[:n_tokens])
+        try:
+            return token_slots(p.block_ids, c.kv.block_size, c.kv.num_blocks, n_tokens)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def _store(self, rctx: RequestContext, p: Transfer) -> dict[str, Any]:
         cs = self.chunk_size

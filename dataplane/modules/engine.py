@@ -1,0 +1,190 @@
+"""The engine-driven transfer module: the worker copies, through a chunk pool the server owns.
+
+For workers whose KV tensors the server cannot map (ordinary, non-shared tensors), ENGINE_REGISTER
+creates a per-instance *strategy*: a shared-memory pool of ``pool_chunks`` chunk slots that the
+server owns and the worker maps. ENGINE_STORE: the worker has copied chunks into the slots;
+the server copies the missing ones into L1 (one copy each). ENGINE_RETRIEVE: the server fills
+slots from L1; the worker copies them into its blocks. A context and its strategy live in one
+entry of the module's dict, inserted and popped as one under the module lock, so a reap racing
+a re-register can never leave a context without its strategy. UNREGISTER, LOOKUP and the
+liveness protocol work as for server-driven.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dataplane.errors import RequestError
+from dataplane.keys import chunk_keys, scope_digest
+from dataplane.kvmemory import TORCH_DTYPES
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.registry import Clock, Entry, InstanceInfo, LivenessRegistry
+from dataplane.protocol import EngineRegister, EngineTransfer, MsgType
+from dataplane.shm import Segment
+from dataplane.storage.l1 import L1Store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PoolStrategy:
+    """The chunk pool of one instance: ``slots[i]`` is one chunk's bytes."""
+
+    segment: Segment
+    slots: list[torch.Tensor]
+
+    def release(self) -> None:
+        self.slots = []
+        self.segment.close()
+        self.segment.unlink()
+
+
+@dataclass(eq=False)
+class EngineContext(Entry):
+    """The context and its strategy live in one entry: popped together by construction."""
+
+    reg: EngineRegister | None = None
+    chunk_bytes: int = 0
+    strategy: PoolStrategy | None = None
+
+
+class EngineDrivenTransferModule(LivenessRegistry[EngineContext]):
+    name = "engine_driven"
+
+    def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
+                 clock: Clock = time.monotonic, release_timeout_s: float = 10.0,
+                 max_pool_bytes: int = 4 << 30) -> None:
+        super().__init__(clock, release_timeout_s)
+        self.l1 = l1
+        self.chunk_size = chunk_size
+        self.metrics = metrics
+        self.max_pool_bytes = max_pool_bytes
+
+    def handlers(self) -> dict[MsgType, Handler]:
+        def key(p: Any) -> int:
+            return int(p.instance_id)
+
+        return {
+            MsgType.ENGINE_REGISTER: Handler(HandlerKind.NORMAL, self._register),
+            MsgType.ENGINE_STORE: Handler(HandlerKind.TRANSFER, self._store, key),
+            MsgType.ENGINE_RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, key),
+        }
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def report_status(self) -> dict[str, Any]:
+        return {"tracked_instances": self.tracked_instance_count()}
+
+    def strategy_count(self) -> int:
+        with self._lock:
+            return sum(1 for c in self._entries.values() if c.strategy is not None)
+
+    # ---------------------------------------------------------------- hooks
+    def _release(self, c: EngineContext, why: str) -> None:
+        if c.strategy is not None:
+            c.strategy.release()
+        logger.info("engine: released instance %d (%s)", c.instance_id, why)
+
+    # ------------------------------------------------------------- handlers
+    def _register(self, rctx: RequestContext, reg: EngineRegister) -> dict[str, Any]:
+        dtype = TORCH_DTYPES[reg.dtype]
+        item = torch.empty((), dtype=dtype).element_size()
+        chunk_bytes = reg.num_layers * 2 * self.chunk_size * reg.heads * reg.head_dim * item
+        with self._lock:
+            old = self._entries.get(reg.instance_id)
+            if old is not None and old.strategy is not None and old.reg == reg:
+                old.last_seen = self._clock()  # repeat register: refresh, never latch
+                self._seen_over(old, rctx.conn_fd)
+                return self._pool_info(old.strategy, chunk_bytes, created=False)
+        if chunk_bytes * reg.pool_chunks > self.max_pool_bytes:
+            raise RequestError(
+                f"pool_chunks: {reg.pool_chunks} chunks of {chunk_bytes} bytes exceed the pool "
+                f"limit of {self.max_pool_bytes} bytes"
+            )
+        seg = Segment.create(chunk_bytes * reg.pool_chunks)  # slow: outside the lock
+        flat = torch.frombuffer(seg.mm, dtype=torch.uint8)
+        strat = PoolStrategy(seg, [flat[i * chunk_bytes:(i + 1) * chunk_bytes]
+                                   for i in range(reg.pool_chunks)])
+        del flat
+        scope = scope_digest(reg.model_name, reg.world_size, reg.worker_id, reg.dtype,
+                             reg.num_layers, reg.heads, reg.head_dim)
+        now = self._clock()
+        info = InstanceInfo("engine_driven", "shm", reg.model_name, reg.world_size, reg.worker_id,
+                            reg.owner_pid, reg.num_layers, reg.dtype)
+        ctx = EngineContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, reg=reg,
+                            chunk_bytes=chunk_bytes, strategy=strat)
+        with self._lock:
+            replaced = self._pop_locked(reg.instance_id)
+            self._entries[reg.instance_id] = ctx
+            idle = replaced is not None and replaced.users == 0
+            if replaced is not None:
+                replaced.removed = True
+        if idle and replaced is not None:
+            self._bounded_release([replaced], "re-registered")
+        logger.info("engine: registered instance %d (%s, rank %d/%d, pool of %d chunks)",
+                    reg.instance_id, reg.model_name, reg.worker_id, reg.world_size,
+                    reg.pool_chunks)
+        return self._pool_info(strat, chunk_bytes, created=True)
+
+    def _pool_info(self, s: PoolStrategy, chunk_bytes: int, created: bool) -> dict[str, Any]:
+        return {"created": created, "chunk_size": self.chunk_size, "segment": s.segment.name,
+                "slot_bytes": chunk_bytes, "slots": len(s.slots)}
+
+    def _check(self, p: EngineTransfer, s: PoolStrategy, keys: list[bytes]) -> None:
+        if p.n_chunks > len(s.slots):
+            raise RequestError(f"n_chunks: {p.n_chunks} exceeds the pool's {len(s.slots)} slots")
+        if p.first_chunk + p.n_chunks > len(keys) and p.n_chunks:
+            raise RequestError(
+                f"first_chunk + n_chunks = {p.first_chunk + p.n_chunks} exceeds the "
+                f"{len(keys)} full chunks of token_ids"
+            )
+
+    def _store(self, rctx: RequestContext, p: EngineTransfer) -> dict[str, Any]:
+        with self._use(p.instance_id, rctx.conn_fd) as c:
+            s = c.strategy
+            assert s is not None
+            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
+            self._check(p, s, keys)
+            wanted = keys[p.first_chunk:p.first_chunk + p.n_chunks]
+            missing = self.l1.missing(wanted)
+            stored = rejected = 0
+            for n, i in enumerate(missing):
+                buf = self.l1.reserve(c.chunk_bytes)
+                if buf is None:
+                    rejected = len(missing) - n
+                    break
+                buf.copy_(s.slots[i])
+                if self.l1.commit(wanted[i], buf):
+                    stored += 1
+        if rejected:
+            self.metrics.rejected_chunks.inc(rejected)
+        self.metrics.transfer_bytes.labels(direction="store").inc(stored * c.chunk_bytes)
+        return {"chunks": len(wanted), "stored": stored, "present": len(wanted) - len(missing),
+                "rejected": rejected}
+
+    def _retrieve(self, rctx: RequestContext, p: EngineTransfer) -> dict[str, Any]:
+        with self._use(p.instance_id, rctx.conn_fd) as c:
+            s = c.strategy
+            assert s is not None
+            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
+            self._check(p, s, keys)
+            wanted = keys[p.first_chunk:p.first_chunk + p.n_chunks]
+            bufs = self.l1.acquire_prefix(wanted)
+            try:
+                for i, buf in enumerate(bufs):
+                    s.slots[i].copy_(buf)
+            finally:
+                self.l1.release(wanted[:len(bufs)])
+        self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
+        return {"chunks": len(bufs)}
+
