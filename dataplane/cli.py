@@ -56,6 +56,10 @@ def serve(ns: argparse.Namespace) -> int:
     )
     from dataplane.runtime import build_dataplane
 
+    # the GIL hands over every 1 ms instead of 5: a PING on the loop never waits long behind a
+    # transfer or HTTP thread
+    sys.setswitchinterval(0.001)
+
     try:
         dp = build_dataplane(settings)
     except Exception as exc:

@@ -113,7 +113,12 @@ class Server:
         # a hard cap: frames up to 4x the limit still get a FRAME_TOO_LARGE reply; beyond it
         # libzmq drops the peer's connection rather than buffer an unbounded frame
         self._sock.setsockopt(zmq.MAXMSGSIZE, max(4 * max_frame_bytes, max_frame_bytes + (1 << 20)))
-        self._sock.bind(endpoint)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise OSError(f"cannot bind {endpoint}: {exc}") from None
         self.bound_endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
