@@ -1,0 +1,141 @@
+# kvwarden: build, run and check.
+#
+#   make run        create .venv if needed, install the project, start `kvwarden serve`
+#   make test       install the dev dependencies and external programs, then ruff, mypy, pytest
+#
+# Installation is stamped with a hash of pyproject.toml (.venv/.installed-<hash>), so a second
+# `make run` / `make test` does not reinstall; editing pyproject.toml triggers a fresh install.
+# Extra arguments: `make run ARGS="--port 6000"`, `make pytest PYTEST_ARGS="-k liveness"`.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+# the steps of `make test` run one after another even under -j, so their output stays readable
+.NOTPARALLEL:
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?=
+PYTEST_ARGS ?=
+
+PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
+INSTALL_STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
+DEV_STAMP := $(VENV)/.installed-dev-$(PYPROJECT_HASH)
+
+# external programs the tests need: program -> Debian package
+REQUIRED_PROGRAMS := redis-server:redis-server promtool:prometheus
+
+.PHONY: help run test lint typecheck pytest tools install install-dev bench openapi clean
+
+help:
+	@echo "kvwarden make targets:"
+	@echo "  run        install into $(VENV) (once) and start 'kvwarden serve' (ARGS=... adds flags)"
+	@echo "  test       dev install, external programs, then ruff, mypy and pytest"
+	@echo "  lint       ruff check dataplane app tests"
+	@echo "  typecheck  mypy (configured in pyproject.toml)"
+	@echo "  pytest     pytest only (PYTEST_ARGS=... adds arguments)"
+	@echo "  bench      kvwarden bench transfer (ARGS=... adds flags)"
+	@echo "  openapi    regenerate openapi/openapi.json"
+	@echo "  clean      remove caches, build outputs and install stamps (keeps $(VENV))"
+
+# ------------------------------------------------------------------------------ environment
+
+$(BIN)/python:
+	@echo "==> creating $(VENV) with $$(command -v $(PYTHON) || echo '$(PYTHON) (not found)')"
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || { \
+	  echo "error: kvwarden needs Python >= 3.11; '$(PYTHON)' is $$($(PYTHON) --version 2>&1)." \
+	       "Run with PYTHON=/path/to/python3.11" >&2; exit 1; }
+	@if ! $(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> the venv module is missing: installing Debian package python3-venv"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get update && apt-get install -y --no-install-recommends python3-venv; \
+	  else \
+	    echo "error: '$(PYTHON) -m venv' is unavailable: install the Debian package" \
+	         "python3-venv (apt-get install python3-venv)" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+	$(PYTHON) -m venv $(VENV)
+
+$(INSTALL_STAMP): | $(BIN)/python
+	@echo "==> installing kvwarden into $(VENV)"
+	$(BIN)/python -m pip install -e .
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+# a dev install is a superset of the plain one: it stamps both
+$(DEV_STAMP): | $(BIN)/python
+	@echo "==> installing kvwarden with its dev dependencies into $(VENV)"
+	$(BIN)/python -m pip install -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@ $(INSTALL_STAMP)
+
+install: $(INSTALL_STAMP)
+
+install-dev: $(DEV_STAMP)
+
+# Each program is looked up on PATH; a missing one is installed with apt-get when running as
+# root, else the target fails naming the Debian package to install.
+tools:
+	@for entry in $(REQUIRED_PROGRAMS); do \
+	  prog="$${entry%%:*}"; pkg="$${entry#*:}"; \
+	  if command -v "$$prog" >/dev/null 2>&1; then \
+	    echo "==> $$prog: $$(command -v $$prog)"; \
+	    continue; \
+	  fi; \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "error: '$$prog' is required by the tests but was not found on PATH." \
+	         "Install the Debian package '$$pkg' (as root: apt-get install $$pkg)." >&2; \
+	    exit 1; \
+	  fi; \
+	  if ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "error: '$$prog' is required by the tests but was not found on PATH, and" \
+	         "apt-get is unavailable: install the package that provides it ('$$pkg' on Debian)." >&2; \
+	    exit 1; \
+	  fi; \
+	  echo "==> $$prog not found: installing Debian package $$pkg"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update && apt-get install -y --no-install-recommends "$$pkg"; \
+	  if ! command -v "$$prog" >/dev/null 2>&1; then \
+	    echo "error: installed '$$pkg' but '$$prog' is still not on PATH" >&2; \
+	    exit 1; \
+	  fi; \
+	  echo "==> $$prog: $$(command -v $$prog)"; \
+	done
+
+# ------------------------------------------------------------------------------------ targets
+
+run: $(INSTALL_STAMP)
+	@echo "==> kvwarden serve $(ARGS)"
+	exec $(BIN)/kvwarden serve $(ARGS)
+
+test: $(DEV_STAMP) tools
+	@echo "==> ruff"
+	$(BIN)/ruff check dataplane app tests
+	@echo "==> mypy"
+	$(BIN)/python -m mypy
+	@echo "==> pytest"
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check dataplane app tests
+
+typecheck: $(DEV_STAMP)
+	$(BIN)/python -m mypy
+
+pytest: $(DEV_STAMP) tools
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(INSTALL_STAMP)
+	$(BIN)/kvwarden bench transfer $(ARGS)
+
+openapi: $(INSTALL_STAMP)
+	$(BIN)/python scripts/gen_openapi.py
+
+clean:
+	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name '*.egg-info' -type d -prune -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -f $(VENV)/.installed-*
