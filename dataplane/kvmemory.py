@@ -214,6 +214,8 @@ def _map_shm(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> 
         elif len(reg.layers) == 1:
             stacked = layers[0].unsqueeze(0)
         del flat
+        if stacked is not None:
+            layers = []  # the stacked view serves every layer: keep no per-layer views
         return MappedKV(MemoryKind.SHM, dtype, len(reg.layers), nb, bs, heads, hd, layers,
                         stacked, list(segments.values()))
     except BaseException:

@@ -13,6 +13,7 @@ memory under it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 class CacheContext(Entry):
     """One registered worker: its mapping, its chunk-key scope and its liveness fields."""
 
-    reg: Register | None = None
+    layout: bytes = b""  # digest of the registered layout: a repeat register compares it
     kv: MappedKV | None = None
 
 
@@ -87,7 +88,8 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
     def _register(self, rctx: RequestContext, reg: Register) -> dict[str, Any]:
         with self._lock:
             old = self._entries.get(reg.instance_id)
-            if old is not None and old.reg is not None and _layout_key(old.reg) == _layout_key(reg):
+            layout = _layout_digest(reg)
+            if old is not None and old.layout == layout:
                 old.last_seen = self._clock()  # a repeat register refreshes; it never latches
                 self._seen_over(old, rctx.conn_fd)
                 return {"created": False, "chunk_size": self.chunk_size}
@@ -98,7 +100,7 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
         now = self._clock()
         info = InstanceInfo(reg.transfer_mode, reg.memory.value, reg.model_name, reg.world_size,
                             reg.worker_id, reg.owner_pid, len(reg.layers), reg.dtype)
-        ctx = CacheContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, reg=reg,
+        ctx = CacheContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, layout=layout,
                            kv=kv)
         with self._lock:
             replaced = self._entries.get(reg.instance_id)
@@ -173,7 +175,10 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
         return {"retrieved_tokens": len(bufs) * cs}
 
 
-def _layout_key(reg: Register) -> tuple[Any, ...]:
-    return (reg.model_name, reg.world_size, reg.worker_id, reg.memory, reg.dtype, reg.kv_shape,
-            reg.layers)
+def _layout_digest(reg: Register) -> bytes:
+    """Everything a REGISTER describes but the id, hashed (a context keeps 16 bytes, not the
+    per-layer descriptions)."""
+    key = (reg.model_name, reg.world_size, reg.worker_id, reg.transfer_mode, reg.memory,
+           reg.dtype, reg.kv_shape, reg.layers)
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
 
