@@ -97,7 +97,11 @@ tools:
 	  fi; \
 	  echo "==> $$prog not found: installing Debian package $$pkg"; \
 	  export DEBIAN_FRONTEND=noninteractive; \
+	  rcd=""; if [ ! -e /usr/sbin/policy-rc.d ]; then \
+	    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; \
+	    rcd=/usr/sbin/policy-rc.d; fi; \
 	  apt-get update && apt-get install -y --no-install-recommends "$$pkg"; \
+	  if [ -n "$$rcd" ]; then rm -f "$$rcd"; fi; \
 	  if ! command -v "$$prog" >/dev/null 2>&1; then \
 	    echo "error: installed '$$pkg' but '$$prog' is still not on PATH" >&2; \
 	    exit 1; \

@@ -16,7 +16,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -295,6 +295,15 @@ def _layers(memory: str) -> Check:
     return check
 
 
+R = TypeVar("R", Register, EngineRegister)
+
+
+def _rank_ok(reg: R, msg: str) -> R:
+    if reg.worker_id >= reg.world_size:
+        raise ProtocolError(f"{msg}.worker_id: {reg.worker_id} must be < world_size {reg.world_size}")
+    return reg
+
+
 def _parse_register(v: Any) -> Register:
     head = (
         ("instance_id", u63),
@@ -312,11 +321,7 @@ def _parse_register(v: Any) -> Register:
     memory = MemoryKind(vals[5])
     vals[5] = memory
     vals[9] = _layers(memory)(vals[9], "REGISTER_KV_CACHE.layers")
-    reg = Register(*vals)
-    if reg.worker_id >= reg.world_size:
-        raise ProtocolError(
-            f"REGISTER_KV_CACHE.worker_id: {reg.worker_id} must be < world_size {reg.world_size}"
-        )
+    reg = _rank_ok(Register(*vals), "REGISTER_KV_CACHE")
     if reg.kv_shape[0] != 2:
         raise ProtocolError(f"REGISTER_KV_CACHE.kv_shape[0]: must be 2 (K and V), got {reg.kv_shape[0]}")
     return reg
@@ -346,7 +351,7 @@ PARSERS: dict[MsgType, Callable[[Any], Payload]] = {
         *fields("RETRIEVE", (("instance_id", u63), ("token_ids", _TOKENS), ("block_ids", _BLOCKS)), v)
     ),
     MsgType.LOOKUP: lambda v: Lookup(*fields("LOOKUP", (("instance_id", u63), ("token_ids", _TOKENS)), v)),
-    MsgType.ENGINE_REGISTER: lambda v: EngineRegister(*fields("ENGINE_REGISTER", (
+    MsgType.ENGINE_REGISTER: lambda v: _rank_ok(EngineRegister(*fields("ENGINE_REGISTER", (
         ("instance_id", u63),
         ("model_name", name),
         ("world_size", small_int(1, 1 << 20)),
@@ -357,7 +362,7 @@ PARSERS: dict[MsgType, Callable[[Any], Payload]] = {
         ("head_dim", small_int(1, 1 << 16)),
         ("pool_chunks", small_int(1, MAX_POOL_CHUNKS)),
         ("owner_pid", small_int(0, 1 << 31)),
-    ), v)),
+    ), v)), "ENGINE_REGISTER"),
     MsgType.ENGINE_STORE: lambda v: EngineTransfer(*fields("ENGINE_STORE", _ENGINE_XFER, v)),
     MsgType.ENGINE_RETRIEVE: lambda v: EngineTransfer(*fields("ENGINE_RETRIEVE", _ENGINE_XFER, v)),
 }
@@ -462,6 +467,10 @@ def decode_reply(data: bytes) -> Reply:
 
 def ids_to_bytes(ids: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(ids)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"ids must be integers, got {arr.dtype}")
+    if arr.ndim > 1:
+        raise ValueError(f"ids must be one-dimensional, got shape {arr.shape}")
     if arr.size and (arr.min() < -(1 << 31) or arr.max() >= (1 << 31)):
         raise ValueError("ids must fit in int32")
     return arr.astype(ID_DTYPE, copy=False).tobytes()
