@@ -49,6 +49,7 @@ class L1Store:
     _pool: dict[int, list[torch.Tensor]] = field(default_factory=dict, repr=False)
     _used: int = 0
     _pooled: int = 0
+    _pinned: int = 0  # bytes of chunks some reader holds
     _evictions: int = 0
     _rejected: int = 0
 
@@ -76,6 +77,8 @@ class L1Store:
                 e = self._entries.get(k)
                 if e is None:
                     break
+                if e.readers == 0:
+                    self._pinned += e.buf.numel()
                 e.readers += 1
                 self._entries.move_to_end(k)
                 out.append(e.buf)
@@ -87,6 +90,8 @@ class L1Store:
                 e = self._entries.get(k)
                 if e is not None and e.readers > 0:
                     e.readers -= 1
+                    if e.readers == 0:
+                        self._pinned -= e.buf.numel()
 
     def missing(self, keys: list[bytes]) -> list[int]:
         with self._lock:
@@ -96,6 +101,9 @@ class L1Store:
     def reserve(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of ``nbytes`` counted as used, or None when L1 cannot take it now."""
         with self._lock:
+            if nbytes > self.capacity_bytes - self._pinned:
+                self._rejected += 1  # could never fit: evict nothing
+                return None
             pooled = self._pool.get(nbytes)
             if pooled:
                 buf = pooled.pop()
