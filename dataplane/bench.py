@@ -45,6 +45,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--no-redis", action="store_true", help="skip the Redis baselines")
     t.add_argument("--json", action="store_true", help="print the figures as JSON")
     t.set_defaults(func=run_transfer)
+    from dataplane.bench_ping import add_ping_args
+
+    add_ping_args(sub)
 
 
 def free_port() -> int:
