@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.helpers import ServerProcess, dealer
+
+DealerFactory = Callable[[str], zmq.Socket[Any]]
+ServerFactory = Callable[..., ServerProcess]
+
+
+@pytest.fixture
+def make_dealer() -> Iterator[DealerFactory]:
+    """Raw DEALER sockets on one context; all closed with linger=0, then the context terminates."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    socks: list[zmq.Socket[Any]] = []
+
+    def make(endpoint: str) -> zmq.Socket[Any]:
+        s = dealer(ctx, endpoint)
+        socks.append(s)
+        return s
+
+    yield make
+    for s in socks:
+        s.close(linger=0)
+    ctx.term()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[ServerFactory]:
+    """Start real `kvwarden serve` processes; every one is stopped at teardown."""
+    servers: list[ServerProcess] = []
+
+    def make(*args: str, ready: bool = True) -> ServerProcess:
+        srv = ServerProcess(tmp_path / "server", *args)
+        servers.append(srv)
+        if ready:
+            srv.wait_ready()
+        return srv
+
+    yield make
+    for srv in servers:
+        srv.stop()
