@@ -74,8 +74,14 @@ def serve(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     dp.start()
-    sidecar = _start_sidecar(dp)
-    print(f"kvwarden serving on {dp.server.bound_endpoint}", flush=True)
+    try:
+        sidecar = _start_sidecar(dp)
+    except Exception as exc:
+        print(f"kvwarden serve: cannot start the HTTP sidecar: {exc}", file=sys.stderr)
+        dp.stop()
+        return 1
+    print(f"kvwarden serving on {dp.server.bound_endpoint}"
+          + (f", HTTP on {sidecar.url}" if sidecar is not None else ""), flush=True)
     while not stop.wait(0.5):
         if not dp.server.is_alive():
             logger.error("kvwarden: data-plane loop died; exiting")
@@ -102,11 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     ps = sub.add_parser("serve", help="run the server (data plane + HTTP sidecar)")
     _add_settings_flags(ps)
     ps.set_defaults(func=serve)
-    pb = sub.add_parser("bench", help="benchmarks")
-    from dataplane.bench import add_bench_args
+    from app import cli as http_cli  # standard library only: `status` and `reap` start fast
 
-    add_bench_args(pb)
-    ns = p.parse_args(argv)
+    pst = sub.add_parser("status", help="show a running server's /status")
+    http_cli.add_status_args(pst)
+    pst.set_defaults(func=http_cli.status)
+    pr = sub.add_parser(
+        "reap", help="release a tracked instance now (admin; token from KVWARDEN_ADMIN_TOKEN)",
+        description="Exit codes: 0 reaped (or found, with --dry-run), 2 bad usage or id, "
+                    "3 not tracked, 4 unauthorised or forbidden, 1 other errors.")
+    http_cli.add_reap_args(pr)
+    pr.set_defaults(func=http_cli.reap)
+    pb = sub.add_parser("bench", help="benchmarks")
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["bench"]:  # it imports torch: only when asked, so `status` starts fast
+        from dataplane.bench import add_bench_args
+
+        add_bench_args(pb)
+    ns = p.parse_args(args)
     rc: int = ns.func(ns)
     return rc
 

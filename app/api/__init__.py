@@ -1,0 +1,1 @@
+"""HTTP layer: dependencies (`deps`), one router per concern (`routes`), the router (`main`)."""

@@ -1,0 +1,1 @@
+"""One small router per concern."""

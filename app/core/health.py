@@ -1,0 +1,134 @@
+"""Health checks: a list built from pluggable check providers.
+
+A *provider* is a callable ``provider(dp) -> Sequence[HealthCheck]`` run once when the app is
+built; it returns the checks that apply to this data plane (none when it does not apply, e.g.
+no reaper check when reaping is disabled). A *check* is cheap and non-blocking: it reads state
+through the data plane's public accessors and returns a `CheckResult`. The overall status is
+``fail`` when any check fails, else ``warn`` when any warns (serving, degraded: a backend
+bypassed under the ``local_cpu`` fallback policy), else ``pass``. A check that raises counts as
+failed. Later components (the remote tier's health monitor) add a provider to
+`DEFAULT_PROVIDERS` or pass their own to `app.main.create_app`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from dataplane.runtime import DataPlane
+
+logger = logging.getLogger(__name__)
+
+Status = Literal["pass", "warn", "fail"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    name: str
+    status: Status
+    output: str = ""
+    component_type: str = "component"
+    # the backend this check bypassed (status "warn" under the local_cpu policy), if any
+    bypassed_backend: str | None = None
+
+
+class HealthCheck(Protocol):
+    name: str
+
+    def check(self) -> CheckResult: ...
+
+
+CheckProvider = Callable[["DataPlane"], Sequence[HealthCheck]]
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReport:
+    status: Status
+    results: list[CheckResult]
+    bypassed_backends: list[str] = field(default_factory=list)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.status != "fail"
+
+    @property
+    def first_problem(self) -> str:
+        for r in self.results:
+            if r.status != "pass":
+                return f"{r.name}: {r.output}"
+        return ""
+
+
+@dataclass
+class FunctionCheck:
+    """A check from a function returning None (pass) or the reason it fails."""
+
+    name: str
+    probe: Callable[[], str | None]
+    component_type: str = "component"
+
+    def check(self) -> CheckResult:
+        problem = self.probe()
+        if problem is None:
+            return CheckResult(self.name, "pass", component_type=self.component_type)
+        return CheckResult(self.name, "fail", problem, self.component_type)
+
+
+class HealthChecker:
+    """Runs every check of every provider; cheap enough for each `/health` and scrape."""
+
+    def __init__(self, dp: DataPlane, providers: Sequence[CheckProvider]) -> None:
+        self.checks: list[HealthCheck] = []
+        for provider in providers:
+            self.checks.extend(provider(dp))
+
+    def run(self) -> HealthReport:
+        results: list[CheckResult] = []
+        for c in self.checks:
+            try:
+                results.append(c.check())
+            except Exception as exc:  # a check that raises has failed
+                logger.exception("health: check %s raised", c.name)
+                results.append(CheckResult(c.name, "fail", f"check raised {exc!r}"))
+        statuses = {r.status for r in results}
+        status: Status = "fail" if "fail" in statuses else "warn" if "warn" in statuses else "pass"
+        bypassed = sorted({r.bypassed_backend for r in results if r.bypassed_backend})
+        return HealthReport(status, results, bypassed)
+
+
+# ---------------------------------------------------------------- the data plane's own checks
+
+
+def dataplane_checks(dp: DataPlane) -> list[HealthCheck]:
+    """The loop thread, the worker pools and (when reaping is on) the reaper thread."""
+    server = dp.server
+
+    def loop() -> str | None:
+        if server.loop_error is not None:
+            return f"loop thread died: {server.loop_error!r}"
+        if not server.is_alive():
+            return f"loop thread is not running (server {server.state.value})"
+        return None
+
+    def pools() -> str | None:
+        # ThreadPoolExecutor has no public "is shut down"; the server shuts both pools down in
+        # stop(), after which nothing submitted to them would ever run.
+        down = [name for name, pool in (("normal", server._normal),
+                                        ("transfer", server._transfer_pool))
+                if pool._shutdown]
+        return f"{' and '.join(down)} pool shut down" if down else None
+
+    checks: list[HealthCheck] = [FunctionCheck("dataplane:loop", loop),
+                                 FunctionCheck("dataplane:pools", pools)]
+    if dp.management.reaper_alive() is not None:
+        def reaper() -> str | None:
+            return None if dp.management.reaper_alive() else "worker reaper thread is not running"
+
+        checks.append(FunctionCheck("dataplane:reaper", reaper))
+    return checks
+
+
+DEFAULT_PROVIDERS: tuple[CheckProvider, ...] = (dataplane_checks,)

@@ -1,0 +1,127 @@
+"""Response models of the sidecar: the shapes of the external contract (docs: interfaces.md).
+
+The models are the OpenAPI schema and the contract tests' yardstick. The hot routes
+(`/status`, `/instances`) build plain dicts of exactly these shapes and encode them directly
+(see `app.core.status`), because validating 10,000 instance objects on every request would
+cost more than building them; `tests/app` validates their output against these models.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+CheckStatus = Literal["pass", "warn", "fail"]
+TransferMode = Literal["server_driven", "engine_driven"]
+MemoryKind = Literal["shm", "cuda_ipc"]
+
+
+class Message(BaseModel):
+    """A plain message (errors and simple answers)."""
+
+    detail: str
+
+
+class LivezPublic(BaseModel):
+    status: Literal["pass"] = "pass"
+
+
+class CheckPublic(BaseModel):
+    """One health check's latest result."""
+
+    name: str = Field(description="component:measurement, e.g. dataplane:loop")
+    status: CheckStatus
+    component_type: str = Field("component", description="component, system or datastore")
+    output: str = Field("", description="why the check is not passing; empty when it passes")
+
+
+class HealthPublic(BaseModel):
+    """`application/health+json` (draft-inadarei-api-health-check): status plus named checks."""
+
+    status: CheckStatus
+    version: str
+    service_id: str
+    description: str = "kvwarden data plane"
+    output: str = Field("", description="the first failing check's output, if any")
+    checks: dict[str, list[CheckPublic]] = Field(
+        description="check name -> its results (one each here)"
+    )
+
+
+class ServerPublic(BaseModel):
+    server_id: str
+    boot_token: int
+    version: str
+    uptime_seconds: float
+    zmq_endpoint: str
+    chunk_size: int
+
+
+class WorkerLivenessPublic(BaseModel):
+    enabled: bool
+    reap_timeout_seconds: float
+    registration_grace_seconds: float
+    disconnect_grace_seconds: float
+    tracked_instances: int
+    reaped_total: int
+
+
+class InstancePublic(BaseModel):
+    """One tracked worker instance."""
+
+    instance_id: int
+    transfer_mode: TransferMode
+    memory: MemoryKind
+    model_name: str
+    world_size: int
+    worker_id: int
+    registered_seconds_ago: float
+    last_seen_seconds_ago: float
+    has_liveness_signal: bool
+    disconnected: bool
+
+
+class L1Public(BaseModel):
+    used_bytes: int
+    capacity_bytes: int
+    chunks: int
+    hot_cache: bool
+
+
+class RemotePublic(BaseModel):
+    url: str = Field(description="the remote tier's URL, without its password")
+    bypassed: bool
+
+
+class StoragePublic(BaseModel):
+    l1: L1Public
+    remote: RemotePublic | None
+
+
+class HealthSummaryPublic(BaseModel):
+    fallback_policy: str
+    checks: list[CheckPublic]
+    bypassed_backends: list[str]
+
+
+class StatusPublic(BaseModel):
+    """The whole server at a glance (`GET /status`)."""
+
+    server: ServerPublic
+    is_healthy: bool
+    worker_liveness: WorkerLivenessPublic
+    instances: list[InstancePublic]
+    storage: StoragePublic
+    health: HealthSummaryPublic
+
+
+class ReapResult(BaseModel):
+    """Outcome of `POST /instances/{instance_id}/reap`."""
+
+    instance_id: int
+    reaped: bool = Field(description="true when the instance was released by this call")
+    dry_run: bool
+    released: list[str] = Field(
+        description="modules that released the instance (dry run: that would release it)"
+    )

@@ -1,0 +1,137 @@
+"""`Sidecar`: the HTTP app served by uvicorn on a thread of the data-plane process.
+
+The main thread owns the signals (``kvwarden serve`` turns SIGTERM/SIGINT into an orderly stop),
+so uvicorn must install none. The listening socket is bound in ``start()`` itself: a port in use
+fails the start at once, with the address in the message, instead of killing a thread.
+Lifecycle: ``start()`` returns once uvicorn serves (bounded wait); ``stop()`` asks it to exit
+(in-flight requests get a bounded grace), then joins the thread with a bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from app.main import create_app
+from dataplane.runtime import DataPlane
+
+logger = logging.getLogger(__name__)
+
+
+class _ThreadServer(uvicorn.Server):
+    """A uvicorn server that leaves the process's signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29 calls this instead
+        return None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must say TCP: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+    # a response's body waits behind its headers for the peer's delayed ACK (~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Sidecar:
+    def __init__(self, dp: DataPlane, host: str | None = None, port: int | None = None,
+                 app: FastAPI | None = None, graceful_timeout_s: float = 3.0) -> None:
+        self.dp = dp
+        self.host = host if host is not None else dp.settings.http_host
+        self.port = port if port is not None else dp.settings.http_port  # 0: any free port
+        self.app = app if app is not None else create_app(dp)
+        self._graceful_timeout_s = graceful_timeout_s
+        self._sock: socket.socket | None = None
+        self._server: _ThreadServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if self._thread is not None:
+            raise RuntimeError("sidecar already started")
+        try:
+            sock = _listen(self.host, self.port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"HTTP sidecar cannot listen on {self.url}: "
+                                     f"{exc.strerror}") from exc
+        self._sock = sock
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,  # keep the process's logging set-up
+            access_log=False,
+            timeout_graceful_shutdown=int(max(1, self._graceful_timeout_s)),
+        )
+        server = _ThreadServer(config)
+        self._server = server
+        self._thread = threading.Thread(target=self._run, args=(server, sock),
+                                        name="kvwarden-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        tick = threading.Event()
+        while not server.started:
+            if not self._thread.is_alive():
+                self._close_socket()
+                raise RuntimeError(f"HTTP sidecar on {self.url} stopped during start-up")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"HTTP sidecar on {self.url} did not start in {timeout_s:g}s")
+            tick.wait(0.005)
+        logger.info("sidecar: serving on %s", self.url)
+
+    def _run(self, server: _ThreadServer, sock: socket.socket) -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException:  # SystemExit from uvicorn included: log it, never kill the process
+            logger.exception("sidecar: HTTP server thread died")
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop serving; True when the thread ended within the bound."""
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            self._close_socket()
+            return True
+        server.should_exit = True
+        bound = (self._graceful_timeout_s + 2.0) if timeout_s is None else timeout_s
+        thread.join(bound)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(1.0)
+        self._close_socket()
+        if thread.is_alive():
+            logger.error("sidecar: HTTP thread still alive %.1fs after stop", bound + 1.0)
+            return False
+        logger.info("sidecar: stopped")
+        return True
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
