@@ -91,7 +91,7 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
         raise ValueError(f"device {dev} is not supported (cpu or cuda)")
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     seg = Segment.create(nbytes)
-    flat = torch.frombuffer(seg.mm, dtype=torch.uint8)
+    flat = seg.as_tensor()
     with _SEGMENTS_LOCK:
         _SEGMENTS[seg.name] = (seg, flat.data_ptr())
     full = flat.view(dtype).view(shape)
@@ -314,7 +314,7 @@ class WorkerAdapter:
             if self._pool is not None and self._pool[0].name == name:
                 return
             seg = Segment.attach(name, slot_bytes * slots)
-            flat = torch.frombuffer(seg.mm, dtype=torch.uint8)
+            flat = seg.as_tensor()
             views = [flat[i * slot_bytes:(i + 1) * slot_bytes] for i in range(slots)]
             old, self._pool = self._pool, (seg, views)
         if old is not None:

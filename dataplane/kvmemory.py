@@ -191,7 +191,8 @@ def _map_shm(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> 
                     f"layer {i}: bytes [{layer.offset}, {layer.offset + layer_bytes}) exceed "
                     f"segment {layer.segment} of {seg.size} bytes"
                 )
-        flat = {name: torch.frombuffer(seg.mm, dtype=torch.uint8) for name, seg in segments.items()}
+        flat = {name: seg.as_tensor()
+                for name, seg in segments.items()}
         layers = [
             flat[lay.segment][lay.offset:lay.offset + layer_bytes].view(dtype).view(2, nb * bs, heads * hd)
             for lay in reg.layers if isinstance(lay, ShmLayer)

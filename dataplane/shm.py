@@ -24,8 +24,11 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +38,21 @@ _NAME_RE = re.compile(r"^kvwarden-(\d+)-([0-9a-f]{16})$")
 
 
 def owner_alive(name: str) -> bool:
-    """Whether the process that created segment ``name`` still runs (it holds the flock)."""
+    """Whether the process that created segment ``name`` still runs (it holds the flock).
+
+    Anything that is not a regular file we can open (a directory, a FIFO, another user's
+    segment) counts as alive: it is not ours to remove."""
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY)
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
+    except OSError:
+        return True
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # BlockingIOError: the owner holds it
         return True
     finally:
         os.close(fd)  # closing drops our probe lock, if we got it
@@ -96,6 +106,12 @@ class Segment:
             os.close(fd)
         return cls(name, size, mm, owner=False)
 
+    def as_tensor(self) -> torch.Tensor:
+        """The whole segment as a uint8 tensor. Through a memoryview, so the mapping stays
+        exported (``close`` refuses) while any view of it lives; ``torch.frombuffer`` on the
+        mmap itself would let ``close`` unmap memory a tensor still points at."""
+        return torch.frombuffer(memoryview(self.mm), dtype=torch.uint8)
+
     def close(self) -> bool:
         """Unmap; False when a view still holds the buffer (it is unmapped when that view dies)."""
         try:
@@ -112,10 +128,13 @@ class Segment:
 
 
 def unlink_segment(name: str) -> bool:
-    with contextlib.suppress(FileNotFoundError):
+    try:
         os.unlink(SHM_DIR / name)
-        return True
-    return False
+    except OSError as exc:
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning("shm: cannot unlink %s: %s", name, exc)
+        return False
+    return True
 
 
 def unlink_if_owner_gone(name: str) -> bool:

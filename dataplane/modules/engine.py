@@ -112,7 +112,7 @@ class EngineDrivenTransferModule(LivenessRegistry[EngineContext]):
                 f"limit of {self.max_pool_bytes} bytes"
             )
         seg = Segment.create(chunk_bytes * reg.pool_chunks)  # slow: outside the lock
-        flat = torch.frombuffer(seg.mm, dtype=torch.uint8)
+        flat = seg.as_tensor()
         strat = PoolStrategy(seg, [flat[i * chunk_bytes:(i + 1) * chunk_bytes]
                                    for i in range(reg.pool_chunks)])
         del flat
@@ -156,16 +156,22 @@ class EngineDrivenTransferModule(LivenessRegistry[EngineContext]):
             keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
             self._check(p, s, keys)
             wanted = keys[p.first_chunk:p.first_chunk + p.n_chunks]
-            missing = self.l1.missing(wanted)
+            # the prefix before this batch and the batch stay pinned: never evict our own prefix
+            _, pinned = self.l1.pin_present(keys[:p.first_chunk])
+            missing, batch_pinned = self.l1.pin_present(wanted)
+            pinned += batch_pinned
             stored = rejected = 0
-            for n, i in enumerate(missing):
-                buf = self.l1.reserve(c.chunk_bytes)
-                if buf is None:
-                    rejected = len(missing) - n
-                    break
-                buf.copy_(s.slots[i])
-                if self.l1.commit(wanted[i], buf):
-                    stored += 1
+            try:
+                for n, i in enumerate(missing):
+                    buf = self.l1.reserve(c.chunk_bytes)
+                    if buf is None:
+                        rejected = len(missing) - n
+                        break
+                    buf.copy_(s.slots[i])
+                    stored += self.l1.commit(wanted[i], buf, pin=True)
+                    pinned.append(wanted[i])
+            finally:
+                self.l1.release(pinned)
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
         self.metrics.transfer_bytes.labels(direction="store").inc(stored * c.chunk_bytes)

@@ -127,25 +127,31 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
     def _store(self, rctx: RequestContext, p: Transfer) -> dict[str, Any]:
         cs = self.chunk_size
         with self._use(p.instance_id, rctx.conn_fd) as c:
-            keys = chunk_keys(c.scope, p.token_ids, cs)
-            slots = self._slots(c, p, len(keys) * cs)
-            missing = self.l1.missing(keys)
             kv = c.kv
             assert kv is not None
+            self._check_blocks(kv, p)
+            keys = chunk_keys(c.scope, p.token_ids, cs)
+            slots = self._slots(c, p, len(keys) * cs)
             nbytes = kv.chunk_nbytes(cs)
+            # the prompt's own chunks stay pinned until the reply: a long prompt never evicts
+            # its own prefix (which would make everything after it unreachable)
+            missing, pinned = self.l1.pin_present(keys)
             stored = rejected = 0
-            for n, i in enumerate(missing):
-                buf = self.l1.reserve(nbytes)
-                if buf is None:  # nothing evictable: later chunks would be unreachable anyway
-                    rejected = len(missing) - n
-                    break
-                try:
-                    kv.gather(slots[i * cs:(i + 1) * cs], buf)
-                except BaseException:
-                    self.l1.abort(buf)
-                    raise
-                if self.l1.commit(keys[i], buf):
-                    stored += 1
+            try:
+                for n, i in enumerate(missing):
+                    buf = self.l1.reserve(nbytes)
+                    if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
+                        rejected = len(missing) - n
+                        break
+                    try:
+                        kv.gather(slots[i * cs:(i + 1) * cs], buf)
+                    except BaseException:
+                        self.l1.abort(buf)
+                        raise
+                    stored += self.l1.commit(keys[i], buf, pin=True)
+                    pinned.append(keys[i])
+            finally:
+                self.l1.release(pinned)
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
             logger.warning("transfer: STORE of instance %d: L1 full, %d chunk(s) not stored",
@@ -154,12 +160,23 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
         return {"chunks": len(keys), "stored": stored, "present": len(keys) - len(missing),
                 "rejected": rejected}
 
+    @staticmethod
+    def _check_blocks(kv: MappedKV, p: Transfer) -> None:
+        """Every block id given must lie in the registered cache, hit or miss."""
+        if len(p.block_ids):
+            bad = np.flatnonzero((p.block_ids < 0) | (p.block_ids >= kv.num_blocks))
+            if len(bad):
+                i = int(bad[0])
+                raise RequestError(f"block_ids[{i}]: block {int(p.block_ids[i])} is outside the "
+                                   f"registered cache [0, {kv.num_blocks})")
+
     def _retrieve(self, rctx: RequestContext, p: Transfer) -> dict[str, Any]:
         cs = self.chunk_size
         with self._use(p.instance_id, rctx.conn_fd) as c:
             keys = chunk_keys(c.scope, p.token_ids, cs)
             kv = c.kv
             assert kv is not None
+            self._check_blocks(kv, p)
             bufs = self.l1.acquire_prefix(keys)
             held = keys[:len(bufs)]
             try:

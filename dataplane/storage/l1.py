@@ -77,9 +77,7 @@ class L1Store:
                 e = self._entries.get(k)
                 if e is None:
                     break
-                if e.readers == 0:
-                    self._pinned += e.buf.numel()
-                e.readers += 1
+                self._pin(e)
                 self._entries.move_to_end(k)
                 out.append(e.buf)
         return out
@@ -96,6 +94,22 @@ class L1Store:
     def missing(self, keys: list[bytes]) -> list[int]:
         with self._lock:
             return [i for i, k in enumerate(keys) if k not in self._entries]
+
+    def pin_present(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+        """Pin every present key (a writer protects a prompt's own chunks from its later
+        reserves); returns (indices missing, keys pinned) — ``release`` the latter."""
+        missing: list[int] = []
+        pinned: list[bytes] = []
+        with self._lock:
+            for i, k in enumerate(keys):
+                e = self._entries.get(k)
+                if e is None:
+                    missing.append(i)
+                    continue
+                self._pin(e)
+                self._entries.move_to_end(k)
+                pinned.append(k)
+        return missing, pinned
 
     # --------------------------------------------------------------- writes
     def reserve(self, nbytes: int) -> torch.Tensor | None:
@@ -125,14 +139,19 @@ class L1Store:
             self._used += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
-    def commit(self, key: bytes, buf: torch.Tensor) -> bool:
-        """Publish a reserved buffer; False (buffer recycled) when the key was already present."""
+    def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False) -> bool:
+        """Publish a reserved buffer; False (buffer recycled) when the key was already present.
+        With ``pin`` the chunk stays pinned (whichever copy won) until ``release``."""
         with self._lock:
-            if key in self._entries:
+            e = self._entries.get(key)
+            written = e is None
+            if e is None:
+                e = self._entries[key] = _Entry(buf)
+            else:
                 self._recycle(buf)
-                return False
-            self._entries[key] = _Entry(buf)
-            return True
+            if pin:
+                self._pin(e)
+            return written
 
     def abort(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -158,6 +177,11 @@ class L1Store:
                            self.hot_cache, self._evictions, self._rejected)
 
     # ------------------------------------------------------- lock held below
+    def _pin(self, e: _Entry) -> None:
+        if e.readers == 0:
+            self._pinned += e.buf.numel()
+        e.readers += 1
+
     def _recycle(self, buf: torch.Tensor) -> None:
         n = buf.numel()
         self._used -= n

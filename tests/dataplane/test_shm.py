@@ -154,7 +154,7 @@ def test_close_with_a_live_memoryview(shm_dir: Path) -> None:
 def test_close_with_a_live_tensor_view(shm_dir: Path) -> None:
     """A tensor viewing the segment the way the server maps it keeps the mapping alive."""
     seg = Segment.create(4096)
-    view = torch.frombuffer(seg.mm, dtype=torch.uint8)  # as kvmemory._map_shm builds its views
+    view = seg.as_tensor()  # as kvmemory._map_shm builds its views
     closed = seg.close()
     if closed:
         # the memory under ``view`` is gone: touching it now would crash this process

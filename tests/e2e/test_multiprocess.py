@@ -251,11 +251,14 @@ def test_l1_eviction_keeps_the_most_recent_chunks(
 def test_l1_prompt_longer_than_capacity(
     small_l1: tuple[ServerProcess, WorkerProcess, Path],
 ) -> None:
-    """Stores keep succeeding even when a prompt exceeds the whole L1."""
+    """A prompt longer than the whole L1 keeps its stored prefix (it never evicts its own
+    chunks), says how many chunks it could not store, and later stores keep succeeding."""
     _, w, _ = small_l1
     long_prompt = rand_tokens(300, 5 * CHUNK)
     r = w.store(long_prompt, list(range(22, 32)))
-    assert r["chunks"] == 5 and r["rejected"] == 0
+    held = r["stored"] + r["present"]
+    assert r["chunks"] == 5 and 0 < held < 5 and r["rejected"] == 5 - held
+    assert w.lookup(long_prompt) == held * CHUNK
     small = rand_tokens(301, CHUNK)
     assert w.store(small, [60, 61])["stored"] == 1
     assert w.lookup(small) == CHUNK
