@@ -24,10 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 import zmq
 
-from dataplane.kvmemory import TORCH_DTYPES
+from dataplane.protocol import SUPPORTED_DTYPES
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +39,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--head-dim", type=int, default=128)
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--chunk-size", type=int, default=256)
-    t.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
+    t.add_argument("--dtype", default="bfloat16", choices=sorted(SUPPORTED_DTYPES))
     t.add_argument("--device", default="cpu", help="cpu or cuda (worker KV memory)")
     t.add_argument("--no-redis", action="store_true", help="skip the Redis baselines")
     t.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -118,7 +117,10 @@ def _start_redis() -> tuple[subprocess.Popen[bytes], Any] | None:
 
 
 def run_transfer(ns: argparse.Namespace) -> int:
+    import torch
+
     from dataplane.client import WorkerAdapter, allocate_kv_caches
+    from dataplane.kvmemory import TORCH_DTYPES
 
     dtype = TORCH_DTYPES[ns.dtype]
     cs, bs, cpr = ns.chunk_size, ns.block_size, ns.chunks_per_request
