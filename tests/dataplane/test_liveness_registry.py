@@ -1,0 +1,499 @@
+"""The liveness registry behind the server-driven transfer module, on a fake clock.
+
+Every instance maps real shared memory (`allocate_kv_caches`), registered through the module's
+own REGISTER handler; the clock is a plain mutable object, so every window is crossed exactly.
+Whether the server maps a segment is read from /proc/self/maps: the worker side of this process
+maps it once, a registered context once more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from dataplane.client import _layout, allocate_kv_caches, free_kv_caches
+from dataplane.errors import NotRegistered
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import RequestContext
+from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
+from dataplane.protocol import PARSERS, MsgType, Register, ids_to_bytes
+from dataplane.storage.l1 import L1Store
+
+CHUNK = 16
+T0 = 1000.0
+TIMEOUT, GRACE = 120.0, 3600.0
+
+
+class FakeClock:
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+class Recording(ServerDrivenTransferModule):
+    """The real module; every release it runs is also written down."""
+
+    def __init__(self, clock: FakeClock, release_timeout_s: float = 10.0) -> None:
+        super().__init__(L1Store(8 << 20), CHUNK, DataPlaneMetrics(), clock, release_timeout_s)
+        self.released: list[tuple[int, str]] = []
+        self.reaps: list[tuple[int, str, float, bool]] = []
+        self.reap_listener = lambda *a: self.reaps.append(a)
+
+    def _release(self, c: CacheContext, why: str) -> None:
+        self.released.append((c.instance_id, why))
+        super()._release(c, why)
+
+
+class Stuck(Recording):
+    """A module whose release of the ids in ``stuck_ids`` blocks until ``unblock`` is set."""
+
+    def __init__(self, clock: FakeClock, stuck_ids: set[int]) -> None:
+        super().__init__(clock, release_timeout_s=0.2)
+        self.stuck_ids = stuck_ids
+        self.entered = threading.Event()
+        self.unblock = threading.Event()
+
+    def _release(self, c: CacheContext, why: str) -> None:
+        if c.instance_id in self.stuck_ids:
+            self.entered.set()
+            self.unblock.wait(30)
+        super()._release(c, why)
+
+
+Caches = list[torch.Tensor]
+
+
+@pytest.fixture
+def make_caches() -> Iterator[Callable[[], Caches]]:
+    made: list[Caches] = []
+
+    def make() -> Caches:
+        c = allocate_kv_caches(2, 16, 16, 2, 8, torch.bfloat16)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        free_kv_caches(c)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def module(clock: FakeClock) -> Iterator[Recording]:
+    m = Recording(clock)
+    yield m
+    m.close()
+
+
+def register_payload(instance_id: int, caches: Caches, model: str = "m") -> Register:
+    memory, dtype, shape, layers = _layout(caches)
+    reg = PARSERS[MsgType.REGISTER_KV_CACHE](
+        [instance_id, model, 1, 0, "server_driven", memory, dtype, shape, os.getpid(), layers])
+    assert isinstance(reg, Register)
+    return reg
+
+
+def register(m: ServerDrivenTransferModule, instance_id: int, caches: Caches, conn_fd: int = 5,
+             model: str = "m") -> dict[str, Any]:
+    fn = m.handlers()[MsgType.REGISTER_KV_CACHE].fn
+    out: dict[str, Any] = fn(RequestContext(1, MsgType.REGISTER_KV_CACHE, conn_fd),
+                             register_payload(instance_id, caches, model))
+    return out
+
+
+def transfer(m: ServerDrivenTransferModule, mtype: MsgType, instance_id: int,
+             conn_fd: int = -1) -> dict[str, Any]:
+    tokens = list(range(100, 100 + 2 * CHUNK))
+    payload = PARSERS[mtype]([instance_id, ids_to_bytes(tokens), ids_to_bytes([0, 1])])
+    out: dict[str, Any] = m.handlers()[mtype].fn(RequestContext(2, mtype, conn_fd), payload)
+    return out
+
+
+def segment(caches: Caches) -> str:
+    return str(_layout(caches)[3][0][0])
+
+
+def maps_count(name: str) -> int:
+    with open("/proc/self/maps") as f:
+        return f.read().count(name)
+
+
+def entry(m: ServerDrivenTransferModule, instance_id: int) -> Any:
+    e = m.context_entry(instance_id)
+    assert e is not None, f"instance {instance_id} is not tracked"
+    return e
+
+
+# ------------------------------------------------------------------------ registration
+
+
+def test_register_inserts_an_unlatched_entry(module: Recording, clock: FakeClock,
+                                             make_caches: Callable[[], Caches]) -> None:
+    caches = make_caches()
+    assert register(module, 7, caches, conn_fd=11) == {"created": True, "chunk_size": CHUNK}
+    e = entry(module, 7)
+    assert (e.registered_at, e.last_seen) == (T0, T0)
+    assert e.has_liveness_signal is False
+    assert (e.conn_fd, e.disconnected) == (11, False)
+    assert (e.transfer_mode, e.memory, e.owner_pid, e.num_layers) == ("server_driven", "shm",
+                                                                       os.getpid(), 2)
+    assert module.tracked_instance_count() == 1
+    assert maps_count(segment(caches)) == 2  # the server mapped the worker's memory
+
+
+def test_repeat_register_refreshes_without_rebuilding_or_latching(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    caches = make_caches()
+    register(module, 7, caches)
+    clock.advance(50)
+    assert register(module, 7, caches, conn_fd=12)["created"] is False
+    e = entry(module, 7)
+    assert (e.registered_at, e.last_seen) == (T0, T0 + 50)  # same context, refreshed
+    assert e.has_liveness_signal is False  # REGISTER never latches
+    assert e.conn_fd == 12
+    assert module.released == []
+    assert maps_count(segment(caches)) == 2  # nothing mapped again
+
+
+def test_repeat_register_keeps_a_latched_signal(module: Recording, clock: FakeClock,
+                                                make_caches: Callable[[], Caches]) -> None:
+    caches = make_caches()
+    register(module, 7, caches)
+    assert module.touch_instance(7)
+    clock.advance(10)
+    register(module, 7, caches)
+    e = entry(module, 7)
+    assert e.has_liveness_signal is True and e.registered_at == T0
+
+
+def test_register_with_another_layout_replaces_and_releases_the_old_context(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    old, new = make_caches(), make_caches()
+    register(module, 7, old)
+    clock.advance(5)
+    assert register(module, 7, new)["created"] is True
+    assert entry(module, 7).registered_at == T0 + 5
+    assert module.released == [(7, "re-registered with a new layout")]
+    assert maps_count(segment(old)) == 1 and maps_count(segment(new)) == 2
+    assert module.tracked_instance_count() == 1
+
+
+# -------------------------------------------------------------------- touch and friends
+
+
+def test_touch_latches_and_refreshes(module: Recording, clock: FakeClock,
+                                     make_caches: Callable[[], Caches]) -> None:
+    register(module, 7, make_caches(), conn_fd=5)
+    clock.advance(30)
+    assert module.touch_instance(7, conn_fd=9) is True
+    e = entry(module, 7)
+    assert (e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0 + 30, True, 9)
+    clock.advance(1)
+    assert module.touch_instance(7) is True  # conn_fd -1: connection unknown, kept
+    assert (entry(module, 7).last_seen, entry(module, 7).conn_fd) == (T0 + 31, 9)
+
+
+def test_touch_of_an_unknown_id_is_a_no_op(module: Recording) -> None:
+    assert module.touch_instance(404, conn_fd=3) is False
+    assert module.tracked_instance_count() == 0
+    assert module.context_entry(404) is None
+    assert module.reap_stale_instances(0, 0) == []
+
+
+def test_get_and_touch_refreshes_without_latching(module: Recording, clock: FakeClock,
+                                                  make_caches: Callable[[], Caches]) -> None:
+    register(module, 7, make_caches())
+    clock.advance(40)
+    got = module.get_and_touch_context_entry(7)
+    assert got.instance_id == 7 and got.last_seen == T0 + 40
+    e = entry(module, 7)
+    assert (e.last_seen, e.has_liveness_signal) == (T0 + 40, False)
+    with pytest.raises(NotRegistered, match="not registered"):
+        module.get_and_touch_context_entry(404)
+
+
+def test_snapshot_is_a_copy(module: Recording, clock: FakeClock,
+                            make_caches: Callable[[], Caches]) -> None:
+    register(module, 7, make_caches())
+    register(module, 8, make_caches())
+    snap = module.context_entries_snapshot()
+    assert sorted(e.instance_id for e in snap) == [7, 8]
+    clock.advance(9)
+    module.touch_instance(7)
+    assert all(e.last_seen == T0 and not e.has_liveness_signal for e in snap)
+
+
+# ---------------------------------------------------------------------------- transfers
+
+
+@pytest.mark.parametrize("mtype", [MsgType.STORE, MsgType.RETRIEVE])
+def test_transfer_refreshes_without_latching(module: Recording, clock: FakeClock,
+                                             make_caches: Callable[[], Caches],
+                                             mtype: MsgType) -> None:
+    register(module, 7, make_caches())
+    clock.advance(60)
+    transfer(module, mtype, 7, conn_fd=13)
+    e = entry(module, 7)
+    assert (e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0 + 60, False, 13)
+
+
+def test_lookup_resolution_refreshes_without_latching(module: Recording, clock: FakeClock,
+                                                      make_caches: Callable[[], Caches]) -> None:
+    register(module, 7, make_caches())
+    clock.advance(60)
+    assert module.scope_of(7, conn_fd=14) is not None
+    e = entry(module, 7)
+    assert (e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0 + 60, False, 14)
+    assert module.scope_of(404) is None
+
+
+@pytest.mark.parametrize("mtype", [MsgType.STORE, MsgType.RETRIEVE])
+def test_transfer_for_an_unknown_id_raises_not_registered(module: Recording,
+                                                          mtype: MsgType) -> None:
+    with pytest.raises(NotRegistered, match="instance 404 is not registered"):
+        transfer(module, mtype, 404)
+    assert module.tracked_instance_count() == 0
+
+
+def test_transfers_keep_a_worker_with_a_starved_heartbeat_alive(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    register(module, 7, make_caches())
+    module.touch_instance(7)  # one PING, then only traffic
+    for _ in range(30):
+        clock.advance(TIMEOUT - 1)
+        transfer(module, MsgType.STORE, 7)
+        assert module.reap_stale_instances(TIMEOUT, GRACE) == []
+    assert entry(module, 7).last_seen == T0 + 30 * (TIMEOUT - 1)
+
+
+# ------------------------------------------------------------------------------- reaping
+
+
+def test_two_tier_reap_takes_only_the_stale_pinged_entry_and_releases_it_once(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches],
+        caplog: pytest.LogCaptureFixture) -> None:
+    stale, warming, fresh = make_caches(), make_caches(), make_caches()
+    register(module, 1, stale)
+    register(module, 2, warming)  # never pings: the registration grace applies
+    register(module, 3, fresh)
+    module.touch_instance(1)
+    clock.advance(TIMEOUT + 1)
+    module.touch_instance(3)
+    with caplog.at_level(logging.WARNING, "dataplane.modules.registry"):
+        assert module.reap_stale_instances(TIMEOUT, GRACE) == [1]
+    assert module.released == [(1, "reap")]
+    assert maps_count(segment(stale)) == 1  # the server's mapping is gone ...
+    assert maps_count(segment(warming)) == 2 and maps_count(segment(fresh)) == 2
+    assert sorted(e.instance_id for e in module.context_entries_snapshot()) == [2, 3]
+    assert module.reaps == [(1, "timeout", TIMEOUT + 1, True)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "reaped instance 1 " in warnings[0] and "silent 121.0s" in warnings[0]
+    assert "pinged" in warnings[0] and "never" not in warnings[0]
+    # ... and it is released exactly once, however often the reaper runs again
+    clock.advance(TIMEOUT + 1)
+    module.touch_instance(3)
+    assert module.reap_stale_instances(TIMEOUT, GRACE) == []
+    assert module.released == [(1, "reap")]
+
+
+@pytest.mark.parametrize("pinged, window, reason", [(True, TIMEOUT, "timeout"),
+                                                    (False, GRACE, "grace")])
+def test_window_boundary_is_strict(module: Recording, clock: FakeClock,
+                                   make_caches: Callable[[], Caches], pinged: bool,
+                                   window: float, reason: str) -> None:
+    register(module, 7, make_caches())
+    if pinged:
+        module.touch_instance(7)
+    clock.advance(window)  # exactly the window: not yet stale
+    assert module.reap_stale_instances(TIMEOUT, GRACE) == []
+    assert module.tracked_instance_count() == 1
+    clock.advance(0.25)  # just over
+    assert module.reap_stale_instances(TIMEOUT, GRACE) == [7]
+    assert module.reaps == [(7, reason, window + 0.25, pinged)]
+    assert module.released == [(7, "reap")]
+
+
+def test_a_never_pinged_entry_is_not_held_to_the_timeout(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches],
+        caplog: pytest.LogCaptureFixture) -> None:
+    register(module, 7, make_caches())
+    clock.advance(GRACE - 1)  # far beyond the timeout, within the grace
+    assert module.reap_stale_instances(TIMEOUT, GRACE) == []
+    clock.advance(2)
+    with caplog.at_level(logging.WARNING, "dataplane.modules.registry"):
+        assert module.reap_stale_instances(TIMEOUT, GRACE) == [7]
+    assert "never pinged" in caplog.text
+
+
+def test_a_failing_reap_listener_does_not_leak_the_reaped_context(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    def broken(*_: Any) -> None:
+        raise RuntimeError("metrics backend is gone")
+
+    caches = make_caches()
+    register(module, 7, caches)
+    module.touch_instance(7)
+    module.reap_listener = broken
+    clock.advance(TIMEOUT + 1)
+    try:
+        reaped = module.reap_stale_instances(TIMEOUT, GRACE)
+    except RuntimeError:
+        reaped = None
+    assert module.tracked_instance_count() == 0
+    # popped from the dict, so nobody else will ever release it: this reap must
+    assert module.released == [(7, "reap")], "the reaped context was never released"
+    assert maps_count(segment(caches)) == 1
+    assert reaped == [7]
+
+
+def test_remove_is_the_unregister_cleanup_and_is_idempotent(
+        module: Recording, make_caches: Callable[[], Caches]) -> None:
+    caches = make_caches()
+    register(module, 7, caches)
+    assert module.remove_instance(7, "unregister") is True
+    assert module.remove_instance(7, "unregister") is False
+    assert module.released == [(7, "unregister")]
+    assert module.tracked_instance_count() == 0 and maps_count(segment(caches)) == 1
+    with pytest.raises(NotRegistered):
+        transfer(module, MsgType.STORE, 7)
+    assert module.touch_instance(7) is False
+
+
+def test_reap_during_a_transfer_defers_the_release_to_its_end(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    caches = make_caches()
+    register(module, 7, caches)
+    module.touch_instance(7)
+    with module._use(7):  # a transfer holds the context
+        clock.advance(TIMEOUT + 1)
+        assert module.reap_stale_instances(TIMEOUT, GRACE) == [7]
+        assert module.tracked_instance_count() == 0
+        assert module.released == []  # its memory is still being copied
+        assert maps_count(segment(caches)) == 2
+    assert module.released == [(7, "deferred")]
+    assert maps_count(segment(caches)) == 1
+
+
+def test_close_releases_every_entry(clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    m = Recording(clock)
+    a, b = make_caches(), make_caches()
+    register(m, 1, a)
+    register(m, 2, b)
+    m.close()
+    assert sorted(m.released) == [(1, "shutdown"), (2, "shutdown")]
+    assert maps_count(segment(a)) == 1 and maps_count(segment(b)) == 1
+
+
+# ----------------------------------------------------------------------- disconnection
+
+
+def test_disconnected_instance_is_reaped_just_after_the_grace(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    register(module, 1, make_caches(), conn_fd=20)
+    register(module, 2, make_caches(), conn_fd=21)
+    module.touch_instance(1)
+    module.touch_instance(2)
+    assert module.mark_connection_closed(20, clock()) == 1
+    assert entry(module, 1).disconnected and not entry(module, 2).disconnected
+    clock.advance(10.0)  # exactly the grace: not yet
+    assert module.reap_disconnected_instances(10.0) == []
+    assert module.reap_stale_instances(TIMEOUT, GRACE) == []  # the windows do not care
+    clock.advance(0.25)
+    assert module.reap_disconnected_instances(10.0) == [1]
+    assert module.reaps == [(1, "disconnect", 10.25, True)]
+    assert module.released == [(1, "reap")]
+    assert module.reap_disconnected_instances(10.0) == []
+    assert module.tracked_instance_count() == 1
+
+
+def test_disconnect_counts_from_the_first_close(module: Recording, clock: FakeClock,
+                                                make_caches: Callable[[], Caches]) -> None:
+    register(module, 1, make_caches(), conn_fd=20)
+    module.mark_connection_closed(20, clock())
+    clock.advance(6)
+    assert module.mark_connection_closed(20, clock()) == 0  # already flagged
+    clock.advance(4.25)
+    assert module.reap_disconnected_instances(10.0) == [1]
+
+
+@pytest.mark.parametrize("how", ["ping", "register", "store", "lookup"])
+def test_instance_speaking_over_a_new_connection_is_not_reaped(
+        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches], how: str) -> None:
+    caches = make_caches()
+    register(module, 1, caches, conn_fd=20)
+    module.mark_connection_closed(20, clock())
+    clock.advance(3)
+    if how == "ping":
+        assert module.touch_instance(1, conn_fd=31)
+    elif how == "register":
+        register(module, 1, caches, conn_fd=31)
+    elif how == "store":
+        transfer(module, MsgType.STORE, 1, conn_fd=31)
+    else:
+        assert module.scope_of(1, conn_fd=31) is not None
+    e = entry(module, 1)
+    assert (e.disconnected, e.conn_fd) == (False, 31)
+    clock.advance(60)
+    assert module.reap_disconnected_instances(10.0) == []
+    assert module.tracked_instance_count() == 1
+    assert module.mark_connection_closed(20, clock()) == 0  # the old fd no longer names it
+
+
+# ------------------------------------------------------------------------ stuck release
+
+
+def test_stuck_release_is_bounded_and_blocks_no_touch(
+        clock: FakeClock, make_caches: Callable[[], Caches],
+        caplog: pytest.LogCaptureFixture) -> None:
+    m = Stuck(clock, stuck_ids={1})
+    try:
+        register(m, 1, make_caches())
+        register(m, 2, make_caches())
+        m.touch_instance(1)
+        clock.advance(TIMEOUT + 1)
+        m.touch_instance(2)
+        result: list[list[int]] = []
+        reaper = threading.Thread(target=lambda: result.append(m.reap_stale_instances(TIMEOUT, GRACE)))
+        with caplog.at_level(logging.ERROR, "dataplane.modules.registry"):
+            t0 = time.monotonic()
+            reaper.start()
+            assert m.entered.wait(5), "release never started"
+            # the release is stuck: PINGs (touch) and lookups of other instances go on
+            assert m.touch_instance(2) is True
+            assert m.scope_of(2) is not None
+            assert m.touch_instance(1) is False  # it is already gone from the dict
+            reaper.join(5)
+            took = time.monotonic() - t0
+        assert not reaper.is_alive() and result == [[1]]
+        assert took < 3.0, took  # bounded by release_timeout_s (0.2 s), not by the stuck call
+        assert "stuck" in caplog.text
+        assert m.released == []  # still stuck, abandoned
+        # the next cycle works: another instance is reaped and released normally
+        clock.advance(TIMEOUT + 1)
+        assert m.reap_stale_instances(TIMEOUT, GRACE) == [2]
+        assert m.released == [(2, "reap")]
+    finally:
+        m.unblock.set()
+        m.close()
+    wait = threading.Event()
+    deadline = time.monotonic() + 5
+    while (1, "reap") not in m.released and time.monotonic() < deadline:
+        wait.wait(0.01)
+    assert (1, "reap") in m.released  # once unblocked, the abandoned release finishes

@@ -1,0 +1,526 @@
+"""The management module's liveness role: PING, the reaper's lifecycle, status, release paths,
+disconnect detection over real sockets, and the liveness settings."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import zmq
+from pydantic import ValidationError
+
+from dataplane.client import _layout, allocate_kv_caches, free_kv_caches
+from dataplane.config import Settings, validate_liveness
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import InstanceLivenessTarget, RequestContext
+from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.management import ManagementModule
+from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.protocol import PARSERS, MsgType, Ping, Register, decode_reply, encode_request
+from dataplane.server import Server
+from dataplane.storage.l1 import L1Store
+from tests.helpers import wait_until
+
+CHUNK = 16
+T0 = 1000.0
+Caches = list[torch.Tensor]
+
+
+class FakeClock:
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+class BlendLike(InstanceLivenessTarget):
+    """Per-instance side state and nothing else: only ``drop_instance_state`` is overridden."""
+
+    def __init__(self, ids: tuple[int, ...] = ()) -> None:
+        self.state: dict[int, str] = {i: f"rope-{i}" for i in ids}
+        self.dropped: list[int] = []
+        self._lock = threading.Lock()  # guards state and dropped (the reaper thread writes)
+
+    def drop_instance_state(self, instance_id: int) -> None:
+        with self._lock:
+            self.dropped.append(instance_id)
+            self.state.pop(instance_id, None)
+
+    def seen(self) -> list[int]:
+        with self._lock:
+            return list(self.dropped)
+
+
+class TouchLog(InstanceLivenessTarget):
+    """A target that only writes down the touches it gets."""
+
+    def __init__(self) -> None:
+        self.touches: list[tuple[int, int]] = []
+
+    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
+        self.touches.append((instance_id, conn_fd))
+        return False
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server("tcp://127.0.0.1:*")
+    yield s
+    assert s.stop(5.0)
+
+
+@pytest.fixture
+def make_caches() -> Iterator[Callable[[], Caches]]:
+    made: list[Caches] = []
+
+    def make() -> Caches:
+        c = allocate_kv_caches(2, 16, 16, 2, 8, torch.bfloat16)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        free_kv_caches(c)
+
+
+def register_raw(instance_id: int, caches: Caches) -> list[Any]:
+    memory, dtype, shape, layers = _layout(caches)
+    return [instance_id, "m", 1, 0, "server_driven", memory, dtype, shape, os.getpid(), layers]
+
+
+def register(m: ServerDrivenTransferModule, instance_id: int, caches: Caches,
+             conn_fd: int = 5) -> None:
+    reg = PARSERS[MsgType.REGISTER_KV_CACHE](register_raw(instance_id, caches))
+    assert isinstance(reg, Register)
+    m.handlers()[MsgType.REGISTER_KV_CACHE].fn(RequestContext(1, MsgType.REGISTER_KV_CACHE,
+                                                              conn_fd), reg)
+
+
+def engine_register(m: EngineDrivenTransferModule, instance_id: int, conn_fd: int = 5) -> None:
+    payload = PARSERS[MsgType.ENGINE_REGISTER](
+        [instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, 4, os.getpid()])
+    m.handlers()[MsgType.ENGINE_REGISTER].fn(RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd),
+                                             payload)
+
+
+def modules(clock: Callable[[], float] = time.monotonic, metrics: DataPlaneMetrics | None = None
+            ) -> tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]:
+    l1, metrics = L1Store(8 << 20), metrics or DataPlaneMetrics()
+    return (ServerDrivenTransferModule(l1, CHUNK, metrics, clock),
+            EngineDrivenTransferModule(l1, CHUNK, metrics, clock))
+
+
+def ping(mgmt: ManagementModule, instance_id: int | None, conn_fd: int = 9) -> dict[str, Any]:
+    fn = mgmt.handlers()[MsgType.PING].fn
+    out: dict[str, Any] = fn(RequestContext(3, MsgType.PING, conn_fd), Ping(instance_id))
+    return out
+
+
+def sample(server: Server, name: str, **labels: str) -> float:
+    v = server.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def reaper_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvwarden-worker-reaper"]
+
+
+# ------------------------------------------------------------------------------------ PING
+
+
+def test_ping_touches_every_target_for_an_id(server: Server,
+                                             make_caches: Callable[[], Caches]) -> None:
+    clock = FakeClock()
+    sd, ed = modules(clock)
+    log = TouchLog()
+    mgmt = ManagementModule(server, CHUNK, [sd, ed, log, BlendLike()], clock=clock)
+    try:
+        register(sd, 7, make_caches())
+        engine_register(ed, 7)
+        clock.advance(30)
+        assert ping(mgmt, 7, conn_fd=9) == {"boot_token": server.boot_token, "tracked": True}
+        for m in (sd, ed):
+            e = m.context_entry(7)
+            assert e is not None
+            assert (e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0 + 30, True, 9)
+        assert log.touches == [(7, 9)]
+        assert sample(server, "kvwarden_pings_total") == 1
+    finally:
+        sd.close()
+        ed.close()
+
+
+def test_ping_without_an_id_touches_nothing(server: Server,
+                                            make_caches: Callable[[], Caches]) -> None:
+    clock = FakeClock()
+    sd, ed = modules(clock)
+    log = TouchLog()
+    mgmt = ManagementModule(server, CHUNK, [sd, ed, log], clock=clock)
+    try:
+        register(sd, 7, make_caches())
+        clock.advance(30)
+        assert ping(mgmt, None) == {"boot_token": server.boot_token, "tracked": None}
+        e = sd.context_entry(7)
+        assert e is not None and (e.last_seen, e.has_liveness_signal) == (T0, False)
+        assert log.touches == []
+        assert sample(server, "kvwarden_pings_total") == 1
+    finally:
+        sd.close()
+        ed.close()
+
+
+def test_ping_of_an_unknown_id_answers_untracked_and_inserts_nothing(server: Server) -> None:
+    sd, ed = modules()
+    mgmt = ManagementModule(server, CHUNK, [sd, ed])
+    assert ping(mgmt, 404) == {"boot_token": server.boot_token, "tracked": False}
+    assert sd.tracked_instance_count() == ed.tracked_instance_count() == 0
+    no_targets = ManagementModule(server, CHUNK, [])
+    assert ping(no_targets, 404)["tracked"] is False
+
+
+# ----------------------------------------------------------------------- the running server
+
+
+@dataclass
+class Running:
+    server: Server
+    management: ManagementModule
+    transfer: ServerDrivenTransferModule
+    engine: EngineDrivenTransferModule
+    blend: BlendLike
+    ctx: zmq.Context[Any]
+    socks: list[zmq.Socket[Any]]
+
+    def dealer(self) -> zmq.Socket[Any]:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.server.bound_endpoint)
+        self.socks.append(s)
+        return s
+
+    def close_sockets(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        self.ctx.term()
+
+
+def call(sock: zmq.Socket[Any], rid: int, mtype: MsgType, payload: list[Any],
+         timeout: float = 10.0) -> Any:
+    sock.send(encode_request(rid, mtype, payload))
+    assert sock.poll(int(timeout * 1000), zmq.POLLIN), f"no reply to {mtype} within {timeout}s"
+    reply = decode_reply(sock.recv())
+    assert reply.request_id == rid
+    assert reply.ok, reply.body
+    return reply.body
+
+
+@pytest.fixture
+def running() -> Iterator[Callable[..., Running]]:
+    """Real server loops in this process, assembled with the modules a test wants."""
+    made: list[Running] = []
+
+    def make(transfer: ServerDrivenTransferModule | None = None, *, reap_timeout_s: float = 0.0,
+             registration_grace_s: float = 3600.0, disconnect_grace_s: float = 0.0) -> Running:
+        server = Server("tcp://127.0.0.1:*")
+        sd, ed = modules(metrics=server.metrics)
+        sd = transfer or sd
+        blend = BlendLike()
+        mgmt = ManagementModule(server, CHUNK, [sd, ed, blend], reap_timeout_s=reap_timeout_s,
+                                registration_grace_s=registration_grace_s,
+                                disconnect_grace_s=disconnect_grace_s)
+        for m in (mgmt, sd, ed):
+            server.add_module(m)
+        server.start()
+        r = Running(server, mgmt, sd, ed, blend, zmq.Context(), [])
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close_sockets()
+        assert r.server.stop(5.0)
+
+
+def test_ping_is_answered_while_a_registration_is_slow(
+        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    gate, entered = threading.Event(), threading.Event()
+
+    class SlowRegister(ServerDrivenTransferModule):
+        def _register(self, rctx: RequestContext, reg: Register) -> dict[str, Any]:
+            entered.set()
+            gate.wait(30)
+            return super()._register(rctx, reg)
+
+    r = running(SlowRegister(L1Store(8 << 20), CHUNK, DataPlaneMetrics()))
+    slow, pinger = r.dealer(), r.dealer()
+    try:
+        slow.send(encode_request(1, MsgType.REGISTER_KV_CACHE, register_raw(7, make_caches())))
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        assert call(pinger, 2, MsgType.PING, [7])["tracked"] is False
+        assert call(pinger, 3, MsgType.PING, [None])["boot_token"] == r.server.boot_token
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        gate.set()
+    assert slow.poll(10_000, zmq.POLLIN)
+    assert decode_reply(slow.recv()).body["created"] is True
+    assert call(pinger, 4, MsgType.PING, [7])["tracked"] is True
+
+
+def test_closed_connection_gets_its_instance_reaped_after_the_grace(
+        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    grace = 0.5
+    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
+    sock = r.dealer()
+    call(sock, 1, MsgType.REGISTER_KV_CACHE, register_raw(7, make_caches()))
+    call(sock, 2, MsgType.PING, [7])
+    t_close = time.monotonic()
+    sock.close(linger=0)
+    wait_until(lambda: r.blend.seen() == [7], grace + 3, what="the disconnect reap")
+    took = time.monotonic() - t_close
+    assert grace < took < grace + 2, took
+    assert r.transfer.context_entry(7) is None
+    assert sample(r.server, "kvwarden_instances_reaped_total", reason="disconnect") == 1
+    assert r.management.reaped_total == 1
+
+
+def test_instance_that_speaks_over_a_new_connection_is_not_reaped(
+        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    grace = 0.5
+    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
+    old, new = r.dealer(), r.dealer()
+    call(old, 1, MsgType.REGISTER_KV_CACHE, register_raw(7, make_caches()))
+    call(new, 2, MsgType.PING, [None])  # the new connection is up before the old one goes
+    call(old, 3, MsgType.PING, [7])
+    old.close(linger=0)
+    wait_until(lambda: (e := r.transfer.context_entry(7)) is not None and e.disconnected, 3,
+               what="the close to be noticed")
+    assert call(new, 4, MsgType.PING, [7])["tracked"] is True
+    entry = r.transfer.context_entry(7)
+    assert entry is not None and not entry.disconnected
+    deadline = time.monotonic() + 3 * grace
+    tick = threading.Event()
+    while time.monotonic() < deadline:  # well past the grace: still there
+        assert r.transfer.context_entry(7) is not None
+        tick.wait(0.05)
+    assert r.blend.seen() == [] and r.management.reaped_total == 0
+
+
+def test_without_a_disconnect_grace_closing_flags_nothing(
+        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=0.0)
+    sock = r.dealer()
+    call(sock, 1, MsgType.REGISTER_KV_CACHE, register_raw(7, make_caches()))
+    sock.close(linger=0)
+    deadline = time.monotonic() + 1.0
+    tick = threading.Event()
+    while time.monotonic() < deadline:
+        e = r.transfer.context_entry(7)
+        assert e is not None and not e.disconnected
+        tick.wait(0.05)
+
+
+# ------------------------------------------------------------------------ reaper lifecycle
+
+
+def test_timeout_zero_starts_no_reaper(server: Server) -> None:
+    sd, ed = modules()
+    mgmt = ManagementModule(server, CHUNK, [sd, ed], reap_timeout_s=0.0)
+    before = len(reaper_threads())
+    mgmt.start()
+    assert mgmt.reaper is None and mgmt.reaper_alive() is None
+    assert len(reaper_threads()) == before
+    assert mgmt.report_status()["worker_liveness"]["enabled"] is False
+    mgmt.stop()
+
+
+def test_management_reaper_reaps_fans_out_and_counts(
+        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    r = running(reap_timeout_s=0.4, registration_grace_s=0.4)
+    assert r.management.reaper is not None and r.management.reaper_alive() is True
+    assert any(t.is_alive() for t in reaper_threads())
+    sock = r.dealer()
+    call(sock, 1, MsgType.REGISTER_KV_CACHE, register_raw(7, make_caches()))
+    call(sock, 2, MsgType.PING, [7])
+    wait_until(lambda: r.blend.seen() == [7], 5, what="the reaper")
+    assert r.transfer.context_entry(7) is None
+    assert r.management.reaped_total == 1
+    assert sample(r.server, "kvwarden_instances_reaped_total", reason="timeout") == 1
+    assert call(sock, 3, MsgType.PING, [7])["tracked"] is False  # the client will re-register
+
+
+def test_shutdown_joins_the_reaper_before_any_module_clears_its_state(
+        make_caches: Callable[[], Caches]) -> None:
+    seen_at_close: list[bool | None] = []
+
+    class Probe(ServerDrivenTransferModule):
+        mgmt: ManagementModule | None = None
+
+        def close(self) -> None:
+            assert self.mgmt is not None
+            seen_at_close.append(self.mgmt.reaper_alive())
+            super().close()
+
+    server = Server("tcp://127.0.0.1:*")
+    probe = Probe(L1Store(8 << 20), CHUNK, server.metrics)
+    mgmt = ManagementModule(server, CHUNK, [probe], reap_timeout_s=60.0, registration_grace_s=60.0)
+    probe.mgmt = mgmt
+    server.add_module(probe)  # added before management: the order of stop() must not matter
+    server.add_module(mgmt)
+    server.start()
+    register(probe, 7, make_caches())
+    assert mgmt.reaper_alive() is True
+    assert server.stop(5.0)
+    assert seen_at_close == [False]
+    assert probe.tracked_instance_count() == 0
+
+
+# --------------------------------------------------------------------------------- status
+
+
+def test_report_status_summarises_liveness(server: Server,
+                                           make_caches: Callable[[], Caches]) -> None:
+    sd, ed = modules()
+    mgmt = ManagementModule(server, CHUNK, [sd, ed, BlendLike()], reap_timeout_s=120.0,
+                            registration_grace_s=3600.0, disconnect_grace_s=10.0)
+    try:
+        register(sd, 1, make_caches())
+        register(sd, 2, make_caches())
+        engine_register(ed, 3)
+        assert mgmt.report_status() == {"worker_liveness": {
+            "enabled": True,
+            "reap_timeout_seconds": 120.0,
+            "registration_grace_seconds": 3600.0,
+            "disconnect_grace_seconds": 10.0,
+            "tracked_instances": 3,
+            "reaped_total": 0,
+        }}
+        assert mgmt.force_reap(2) == ["server_driven"]
+        status = mgmt.report_status()["worker_liveness"]
+        assert (status["tracked_instances"], status["reaped_total"]) == (2, 1)
+    finally:
+        sd.close()
+        ed.close()
+
+
+def test_report_status_without_targets_has_no_liveness_key(server: Server) -> None:
+    mgmt = ManagementModule(server, CHUNK, [], reap_timeout_s=120.0)
+    assert "worker_liveness" not in mgmt.report_status()
+    assert "worker_liveness" not in ManagementModule(server, CHUNK).report_status()
+
+
+# --------------------------------------------------------------------------- release paths
+
+
+def test_unregister_runs_the_cleanup_and_is_idempotent(
+        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    r = running()
+    r.blend.state[7] = "rope-7"
+    sock = r.dealer()
+    call(sock, 1, MsgType.REGISTER_KV_CACHE, register_raw(7, make_caches()))
+    assert call(sock, 2, MsgType.UNREGISTER_KV_CACHE, [7]) == {"removed": True}
+    assert r.transfer.context_entry(7) is None
+    assert r.blend.state == {} and r.blend.seen() == [7]
+    assert call(sock, 3, MsgType.UNREGISTER_KV_CACHE, [7]) == {"removed": False}
+    assert r.blend.seen() == [7, 7]  # fanned out again: a no-op for an unknown id
+    assert r.management.reaped_total == 0  # an UNREGISTER is not a reap
+
+
+def test_force_reap_releases_everywhere_and_counts_as_admin(
+        server: Server, make_caches: Callable[[], Caches]) -> None:
+    sd, ed = modules()
+    blend = BlendLike((7, 8))
+    mgmt = ManagementModule(server, CHUNK, [sd, ed, blend])
+    try:
+        register(sd, 7, make_caches())
+        engine_register(ed, 7)
+        assert sorted(mgmt.force_reap(7)) == ["engine_driven", "server_driven"]
+        assert sd.context_entry(7) is None and ed.context_entry(7) is None
+        assert blend.state == {8: "rope-8"}
+        assert mgmt.reaped_total == 1
+        assert sample(server, "kvwarden_instances_reaped_total", reason="admin") == 1
+        assert mgmt.force_reap(7) == []
+        assert mgmt.reaped_total == 1
+    finally:
+        sd.close()
+        ed.close()
+
+
+# ------------------------------------------------------------------------------- settings
+
+
+@pytest.fixture
+def no_kvwarden_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("KVWARDEN_"):
+            monkeypatch.delenv(k)
+
+
+@pytest.mark.parametrize("timeout, grace, disconnect, names", [
+    (10.0, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+    (29.9, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+    (-1.0, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+    (math.nan, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+    (math.inf, math.inf, 0.0, "worker_reap_timeout_seconds"),
+    (120.0, 60.0, 0.0, "worker_registration_grace_seconds"),
+    (120.0, math.nan, 0.0, "worker_registration_grace_seconds"),
+    (120.0, math.inf, 0.0, "worker_registration_grace_seconds"),
+    (120.0, 3600.0, 0.5, "worker_disconnect_grace_seconds"),
+    (120.0, 3600.0, -1.0, "worker_disconnect_grace_seconds"),
+    (120.0, 3600.0, 121.0, "worker_disconnect_grace_seconds"),
+])
+def test_liveness_rules_reject(timeout: float, grace: float, disconnect: float,
+                               names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        validate_liveness(timeout, grace, disconnect)
+
+
+@pytest.mark.parametrize("timeout, grace, disconnect", [
+    (0.0, 0.0, 0.0), (0.0, 0.0, 10.0), (30.0, 30.0, 30.0), (120.0, 3600.0, 10.0),
+    (120.0, 120.0, 1.0),
+])
+def test_liveness_rules_accept(timeout: float, grace: float, disconnect: float) -> None:
+    validate_liveness(timeout, grace, disconnect)
+
+
+def test_rejection_message_gives_the_rule() -> None:
+    with pytest.raises(ValueError) as exc:
+        validate_liveness(10.0, 3600.0)
+    assert ">= 30" in str(exc.value) and "heartbeat" in str(exc.value)
+    with pytest.raises(ValueError) as exc:
+        validate_liveness(120.0, 60.0)
+    assert "warming" in str(exc.value)
+
+
+@pytest.mark.usefixtures("no_kvwarden_env")
+@pytest.mark.parametrize("kw", [
+    {"worker_reap_timeout_seconds": 10},
+    {"worker_reap_timeout_seconds": 120, "worker_registration_grace_seconds": 60},
+    {"worker_reap_timeout_seconds": -1},
+    {"worker_reap_timeout_seconds": math.nan},
+    {"worker_reap_timeout_seconds": math.inf},
+    {"worker_registration_grace_seconds": math.inf},
+])
+def test_settings_reject(kw: dict[str, float]) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_kvwarden_env")
+def test_settings_accept_zero_and_the_defaults() -> None:
+    off = Settings(worker_reap_timeout_seconds=0, worker_registration_grace_seconds=0)
+    assert (off.worker_reap_timeout_seconds, off.worker_registration_grace_seconds) == (0, 0)
+    d = Settings()
+    assert (d.worker_reap_timeout_seconds, d.worker_registration_grace_seconds,
+            d.worker_disconnect_grace_seconds) == (120, 3600, 10)
