@@ -18,6 +18,7 @@ of waiting on a dead server.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import threading
@@ -33,6 +34,7 @@ import zmq
 from dataplane.errors import (
     ClientError,
     KVWardenError,
+    NotRegistered,
     RequestTimeout,
     ServerClosed,
     error_from_reply,
@@ -99,8 +101,14 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
 
 
 def free_kv_caches(caches: Sequence[torch.Tensor]) -> None:
-    """Unlink the segments behind ``caches`` (mappings stay valid until the tensors die)."""
-    for name in {_segment_of(t)[0].name for t in caches if t.device.type == "cpu"}:
+    """Unlink the segments behind ``caches`` (mappings stay valid until the tensors die).
+    Segments already unlinked (by ``WorkerAdapter.close``) are skipped."""
+    names = set()
+    for t in caches:
+        if t.device.type == "cpu":
+            with contextlib.suppress(ValueError):
+                names.add(_segment_of(t)[0].name)
+    for name in names:
         with _SEGMENTS_LOCK:
             entry = _SEGMENTS.pop(name, None)
         if entry is not None:
@@ -389,19 +397,37 @@ class WorkerAdapter:
 
     # ------------------------------------------------------------- transfers
     def store(self, token_ids: TokenIds, block_ids: TokenIds) -> bool:
-        """Store every full chunk; True when all of them are held by the server afterwards."""
-        return self.store_detail(token_ids, block_ids)["rejected"] == 0 and self.is_healthy
+        """Store every full chunk; True when all of them are held by the server afterwards.
+        False, without waiting, while unhealthy or when the server no longer knew us."""
+        r = self._store(token_ids, block_ids)
+        return r is not None and r["rejected"] == 0
 
     def store_detail(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int]:
         """STORE's counts: chunks, stored (written now), present (already held), rejected."""
+        r = self._store(token_ids, block_ids)
+        return r if r is not None else {"chunks": 0, "stored": 0, "present": 0, "rejected": 0}
+
+    def _store(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int] | None:
         if not self._healthy.is_set():
-            return {"chunks": 0, "stored": 0, "present": 0, "rejected": 0}
-        if self.transfer_mode == "engine_driven":
-            return self._engine_store(token_ids, block_ids)
-        r: dict[str, int] = self._chan.request(
-            MsgType.STORE, [self.instance_id, _ids(token_ids), _ids(block_ids)],
-            self.request_timeout)
-        return r
+            return None
+        try:
+            if self.transfer_mode == "engine_driven":
+                return self._engine_store(token_ids, block_ids)
+            r: dict[str, int] = self._chan.request(
+                MsgType.STORE, [self.instance_id, _ids(token_ids), _ids(block_ids)],
+                self.request_timeout)
+            return r
+        except NotRegistered:
+            self._reregister_now()
+            return None
+
+    def _reregister_now(self) -> None:
+        """The server dropped us (reaped while paused, or by an operator) and our next PING
+        has not told us yet: re-register now; this request counts as a miss."""
+        logger.warning("kvwarden client: server does not know instance %d: re-registering",
+                       self.instance_id)
+        if self._boot_token is not None and self._recover(self._boot_token):
+            self._set_health(True)
 
     def _engine_store(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int]:
         tokens = _ids(token_ids)
@@ -431,21 +457,30 @@ class WorkerAdapter:
         return total
 
     def lookup(self, token_ids: TokenIds) -> int:
+        """Prefix tokens the server holds (0 while unhealthy)."""
         if not self._healthy.is_set():
             return 0
-        r = self._chan.request(MsgType.LOOKUP, [self.instance_id, _ids(token_ids)],
-                               self.request_timeout)
+        try:
+            r = self._chan.request(MsgType.LOOKUP, [self.instance_id, _ids(token_ids)],
+                                   self.request_timeout)
+        except NotRegistered:
+            self._reregister_now()
+            return 0
         return int(r["hit_tokens"])
 
     def retrieve(self, token_ids: TokenIds, block_ids: TokenIds) -> int:
         """Write the longest stored prefix into ``block_ids``; returns its token count."""
         if not self._healthy.is_set():
             return 0
-        if self.transfer_mode == "engine_driven":
-            return self._engine_retrieve(token_ids, block_ids)
-        r = self._chan.request(MsgType.RETRIEVE,
-                               [self.instance_id, _ids(token_ids), _ids(block_ids)],
-                               self.request_timeout)
+        try:
+            if self.transfer_mode == "engine_driven":
+                return self._engine_retrieve(token_ids, block_ids)
+            r = self._chan.request(MsgType.RETRIEVE,
+                                   [self.instance_id, _ids(token_ids), _ids(block_ids)],
+                                   self.request_timeout)
+        except NotRegistered:
+            self._reregister_now()
+            return 0
         return int(r["retrieved_tokens"])
 
     def _engine_retrieve(self, token_ids: TokenIds, block_ids: TokenIds) -> int:

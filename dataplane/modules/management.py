@@ -51,10 +51,13 @@ class WorkerReaper:
 
     def reap_once(self) -> list[int]:
         ids: list[int] = []
-        for t in self.targets:
-            ids.extend(t.reap_stale_instances(self.reap_timeout_s, self.registration_grace_s))
-            if self.disconnect_grace_s > 0:
-                ids.extend(t.reap_disconnected_instances(self.disconnect_grace_s))
+        for t in self.targets:  # one failing target never keeps the others from being reaped
+            try:
+                ids.extend(t.reap_stale_instances(self.reap_timeout_s, self.registration_grace_s))
+                if self.disconnect_grace_s > 0:
+                    ids.extend(t.reap_disconnected_instances(self.disconnect_grace_s))
+            except Exception:
+                logger.exception("reaper: reaping %s failed", getattr(t, "name", t))
         if ids:
             for t in self.targets:
                 for iid in ids:
@@ -180,7 +183,8 @@ class ManagementModule:
                 "enabled": self.reaper is not None,
                 "reap_timeout_seconds": self.reap_timeout_s,
                 "registration_grace_seconds": self.registration_grace_s,
-                "disconnect_grace_seconds": self.disconnect_grace_s,
+                # disconnect reaping needs the reaper: with reaping off it is off too
+                "disconnect_grace_seconds": self.disconnect_grace_s if self.reaper else 0.0,
                 "tracked_instances": sum(t.tracked_instance_count() for t in self.targets),
                 "reaped_total": reaped,
             }
@@ -230,7 +234,7 @@ class ManagementModule:
         self._server.metrics.reaped.labels(reason=reason).inc()
 
     def _on_connection(self, fd: int, connected: bool) -> None:
-        if connected or self.disconnect_grace_s <= 0:
+        if connected or self.disconnect_grace_s <= 0 or self.reaper is None:
             return
         now = self._clock()
         marked = sum(t.mark_connection_closed(fd, now) for t in self.targets)

@@ -156,14 +156,17 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                         reaped.append((e, reason))
                         if e.users == 0:  # else the last user releases it
                             idle.append(e)
+        self._bounded_release(idle, "reap")  # first: nothing below can leak a popped entry
         for e, reason in reaped:
             silence = now - e.last_seen
             pinged = e.has_liveness_signal
             logger.warning("reaper: reaped instance %d (%s; silent %.1fs; %s)", e.instance_id,
                            reason, silence, "pinged" if pinged else "never pinged")
             if self.reap_listener is not None:
-                self.reap_listener(e.instance_id, reason, silence, pinged)
-        self._bounded_release(idle, "reap")
+                try:
+                    self.reap_listener(e.instance_id, reason, silence, pinged)
+                except Exception:
+                    logger.exception("reaper: reap listener failed for %d", e.instance_id)
         return [e.instance_id for e, _ in reaped]
 
     # ----------------------------------------------------------- accessors
