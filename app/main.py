@@ -10,8 +10,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from app.api.main import api_router
+from app.core.coalesce import Coalescer
 from app.core.health import DEFAULT_PROVIDERS, CheckProvider, HealthChecker
 from app.core.metrics import DataPlaneStateCollector
+from app.core.status import build_snapshot
 from dataplane import __version__
 from dataplane.runtime import DataPlane
 
@@ -34,6 +36,7 @@ def create_app(dp: DataPlane,
     app.state.dp = dp
     health = HealthChecker(dp, check_providers)
     app.state.health = health
+    app.state.status_source = Coalescer(lambda: build_snapshot(dp, health))
     registry = CollectorRegistry()  # this app's own: never the global REGISTRY
     registry.register(DataPlaneStateCollector(dp, health))
     app.state.metrics_registry = registry

@@ -36,6 +36,10 @@ class _ThreadServer(uvicorn.Server):
         return None
 
 
+class SidecarStartError(RuntimeError):
+    """The sidecar could not start serving (the message says where and why)."""
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must say TCP: asyncio sets TCP_NODELAY only on sockets that say so, and without it
@@ -75,8 +79,7 @@ class Sidecar:
         try:
             sock = _listen(self.host, self.port)
         except OSError as exc:
-            raise OSError(exc.errno, f"HTTP sidecar cannot listen on {self.url}: "
-                                     f"{exc.strerror}") from exc
+            raise SidecarStartError(f"cannot listen on {self.url}: {exc.strerror}") from exc
         self._sock = sock
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(
@@ -96,10 +99,11 @@ class Sidecar:
         while not server.started:
             if not self._thread.is_alive():
                 self._close_socket()
-                raise RuntimeError(f"HTTP sidecar on {self.url} stopped during start-up")
+                raise SidecarStartError(f"the HTTP server on {self.url} stopped during start-up")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"HTTP sidecar on {self.url} did not start in {timeout_s:g}s")
+                raise SidecarStartError(
+                    f"the HTTP server on {self.url} did not start in {timeout_s:g}s")
             tick.wait(0.005)
         logger.info("sidecar: serving on %s", self.url)
 

@@ -13,7 +13,9 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
 
+from app.core.coalesce import Coalescer
 from app.core.health import HealthChecker
+from app.core.status import StatusSnapshot
 from dataplane.runtime import DataPlane
 
 
@@ -32,7 +34,13 @@ def get_metrics_registry(request: Request) -> CollectorRegistry:
     return registry
 
 
+def get_status_source(request: Request) -> Coalescer[StatusSnapshot]:
+    source: Coalescer[StatusSnapshot] = request.app.state.status_source
+    return source
+
+
 DataPlaneDep = Annotated[DataPlane, Depends(get_dataplane)]
+StatusSourceDep = Annotated[Coalescer[StatusSnapshot], Depends(get_status_source)]
 HealthDep = Annotated[HealthChecker, Depends(get_health)]
 MetricsRegistryDep = Annotated[CollectorRegistry, Depends(get_metrics_registry)]
 

@@ -3,7 +3,9 @@
 A *provider* is a callable ``provider(dp) -> Sequence[HealthCheck]`` run once when the app is
 built; it returns the checks that apply to this data plane (none when it does not apply, e.g.
 no reaper check when reaping is disabled). A *check* is cheap and non-blocking: it reads state
-through the data plane's public accessors and returns a `CheckResult`. The overall status is
+through the data plane's public accessors (flags and cached results: `/health` runs the checks
+on the event loop, so a check must never wait on a lock, a socket or a remote backend) and
+returns a `CheckResult`. The overall status is
 ``fail`` when any check fails, else ``warn`` when any warns (serving, degraded: a backend
 bypassed under the ``local_cpu`` fallback policy), else ``pass``. A check that raises counts as
 failed. Later components (the remote tier's health monitor) add a provider to

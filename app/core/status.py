@@ -3,18 +3,20 @@
 Nothing here holds a data-plane lock: each accessor takes its module's leaf lock, copies, and
 lets go; the document is assembled from those copies afterwards. The result is a plain dict of
 the `app.models.StatusPublic` shape, encoded directly (no per-instance model validation), so
-`/status` stays within its budget with 10,000 tracked instances.
+`/status` stays within its budget with 10,000 tracked instances. Builds go through a
+`app.core.coalesce.Coalescer` (one at a time, shared, bounded duty cycle).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic_core import to_json
 
-from app.core.health import HealthReport
+from app.core.health import HealthChecker, HealthReport
 
 if TYPE_CHECKING:
     from dataplane.modules.transfer import ContextEntry
@@ -147,8 +149,23 @@ def encode_instances(instances: list[dict[str, Any]]) -> bytes:
     return b"[" + b",".join(parts) + b"]"
 
 
-def encode_status(doc: dict[str, Any], instances: list[dict[str, Any]]) -> bytes:
+def encode_status(doc: dict[str, Any], instances_json: bytes) -> bytes:
+    """The document with the (already encoded) instance list spliced in."""
     head = to_json(doc)
     marker = b'"instances":null'
     i = head.index(marker)
-    return head[:i] + b'"instances":' + encode_instances(instances) + head[i + len(marker):]
+    return head[:i] + b'"instances":' + instances_json + head[i + len(marker):]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusSnapshot:
+    """One build of the status document, encoded: what `/status` and `/instances` serve."""
+
+    status_json: bytes
+    instances_json: bytes
+
+
+def build_snapshot(dp: DataPlane, health: HealthChecker) -> StatusSnapshot:
+    doc, instances = status_document(dp, health.run())
+    instances_json = encode_instances(instances)
+    return StatusSnapshot(encode_status(doc, instances_json), instances_json)

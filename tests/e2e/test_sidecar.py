@@ -8,6 +8,7 @@ registers exactly one fresh context. Worker B is untouched throughout.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -158,7 +159,10 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
         wait_until(lambda: _livez(url), 60, what="the HTTP sidecar")
         yield srv
     finally:
-        srv.stop()
+        rc = srv.stop()
+    # SIGTERM: the sidecar and the data plane both stop within their bounds
+    assert rc == 0, srv.output()
+    assert "sidecar: stopped" in srv.output()
 
 
 @pytest.fixture
@@ -314,3 +318,19 @@ def test_reap_exit_codes_for_unknown_ids_and_bad_tokens(server: ServerProcess,
     wait_until(lambda: server.output().count("audit: admin reap_instance") >= 4, 30,
                what="the audit lines")
     assert server.output().count("audit: admin reap_instance") == 4
+
+
+def test_serve_exits_1_when_the_http_port_is_taken(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        srv = ServerProcess(tmp_path / "server", "--http-port", str(port))
+        try:
+            rc = srv.proc.wait(60)
+        finally:
+            srv.stop()
+    assert rc == 1
+    err = srv.stderr_path.read_text()
+    assert (f"kvwarden serve: cannot start the HTTP sidecar: cannot listen on "
+            f"http://127.0.0.1:{port}: Address already in use\n") in err, err

@@ -35,7 +35,9 @@ async def livez() -> LivezPublic:
     responses={503: {"model": HealthPublic, "description": "a check fails: not serving",
                      "content": {HEALTH_MEDIA_TYPE: {}}}},
 )
-def read_health(dp: DataPlaneDep, health: HealthDep) -> HealthJSONResponse:
+async def read_health(dp: DataPlaneDep, health: HealthDep) -> HealthJSONResponse:
+    # on the event loop, not the threadpool: the checks only read flags (no locks, no I/O), and
+    # health must answer even while every pool thread waits on a slow /status
     report = health.run()
     checks: dict[str, list[dict[str, Any]]] = {}
     for r in report.results:

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, status
 
 from app.api.audit import AuditedRoute
-from app.api.deps import AdminDep, DataPlaneDep
-from app.core.status import encode_instances, find_instance, holders_of, iter_instances
+from app.api.deps import AdminDep, DataPlaneDep, StatusSourceDep
+from app.core.status import find_instance, holders_of
 from app.models import InstancePublic, Message, ReapResult
 
 logger = logging.getLogger(__name__)
@@ -26,8 +26,8 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
 
 @router.get("", response_model=list[InstancePublic], name="list_instances",
             summary="Every tracked instance")
-def list_instances(dp: DataPlaneDep) -> Response:
-    return Response(encode_instances(list(iter_instances(dp))), media_type="application/json")
+def list_instances(source: StatusSourceDep) -> Response:
+    return Response(source.get().instances_json, media_type="application/json")
 
 
 @router.get("/{instance_id}", response_model=InstancePublic, name="read_instance",
