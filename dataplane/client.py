@@ -17,12 +17,8 @@ of waiting on a dead server.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import itertools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,172 +27,27 @@ import numpy as np
 import torch
 import zmq
 
+from dataplane.channel import Channel
 from dataplane.errors import (
     ClientError,
     KVWardenError,
     NotRegistered,
-    RequestTimeout,
-    ServerClosed,
-    error_from_reply,
 )
+from dataplane.kvalloc import _layout, allocate_kv_caches, free_kv_caches, unlink_segments
 from dataplane.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors, token_slots
 from dataplane.protocol import (
     MAX_POOL_CHUNKS,
     MsgType,
-    decode_reply,
-    encode_request,
     ids_to_bytes,
 )
 from dataplane.shm import Segment
+
+__all__ = ["WorkerAdapter", "allocate_kv_caches", "free_kv_caches"]
 
 logger = logging.getLogger(__name__)
 
 REAP_TIMEOUT_FLOOR_S = 30.0
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
-
-# segments made by allocate_kv_caches in this process: name -> (segment, base address)
-_SEGMENTS: dict[str, tuple[Segment, int]] = {}
-_SEGMENTS_LOCK = threading.Lock()  # guards _SEGMENTS
-
-
-def _unlink_all_at_exit() -> None:
-    with _SEGMENTS_LOCK:
-        for seg, _ in _SEGMENTS.values():
-            seg.unlink()
-        _SEGMENTS.clear()
-
-
-atexit.register(_unlink_all_at_exit)
-
-
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                       device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
-
-    On CPU all layers live in one shared-memory segment the server maps (zero-filled);
-    on CUDA they are ordinary device tensors shared through CUDA IPC at registration.
-    """
-    for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
-                    ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                    ("head_dim", head_dim)):
-        if int(v) <= 0:
-            raise ValueError(f"{name} must be > 0, got {v}")
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPE_NAMES.values())}")
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        full = torch.zeros(shape, dtype=dtype, device=dev)
-        return list(full.unbind(0))
-    if dev.type != "cpu":
-        raise ValueError(f"device {dev} is not supported (cpu or cuda)")
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    seg = Segment.create(nbytes)
-    flat = seg.as_tensor()
-    with _SEGMENTS_LOCK:
-        _SEGMENTS[seg.name] = (seg, flat.data_ptr())
-    full = flat.view(dtype).view(shape)
-    return list(full.unbind(0))
-
-
-def free_kv_caches(caches: Sequence[torch.Tensor]) -> None:
-    """Unlink the segments behind ``caches`` (mappings stay valid until the tensors die).
-    Segments already unlinked (by ``WorkerAdapter.close``) are skipped."""
-    names = set()
-    for t in caches:
-        if t.device.type == "cpu":
-            with contextlib.suppress(ValueError):
-                names.add(_segment_of(t)[0].name)
-    for name in names:
-        with _SEGMENTS_LOCK:
-            entry = _SEGMENTS.pop(name, None)
-        if entry is not None:
-            entry[0].unlink()
-
-
-def _segment_of(t: torch.Tensor) -> tuple[Segment, int]:
-    ptr = t.data_ptr()
-    with _SEGMENTS_LOCK:
-        for seg, base in _SEGMENTS.values():
-            if base <= ptr < base + seg.size:
-                return seg, ptr - base
-    raise ValueError("tensor is not backed by shared memory from allocate_kv_caches()")
-
-
-def _layout(caches: Sequence[torch.Tensor]) -> tuple[str, str, list[int], list[list[Any]]]:
-    if not caches:
-        raise ValueError("no KV cache tensors")
-    first = caches[0]
-    shape = list(first.shape)
-    if len(shape) != 5 or shape[0] != 2:
-        raise ValueError(f"KV tensors must be [2, num_blocks, block_size, heads, head_dim], got {shape}")
-    for i, t in enumerate(caches):
-        if list(t.shape) != shape or t.dtype != first.dtype or t.device != first.device:
-            raise ValueError(f"layer {i}: shape/dtype/device differ from layer 0")
-        if not t.is_contiguous():
-            raise ValueError(f"layer {i}: tensor is not contiguous")
-    strides = list(first.stride())
-    item = first.element_size()
-    layers: list[list[Any]] = []
-    if first.device.type == "cuda":
-        memory = "cuda_ipc"
-        for t in caches:
-            st = t.untyped_storage()
-            dev, handle, size, off, rc_h, rc_off, ev_h, ev_sync = st._share_cuda_()  # type: ignore[attr-defined,no-untyped-call]
-            uuid_s = str(torch.cuda.get_device_properties(dev).uuid)
-            layers.append([uuid_s, int(dev), bytes(handle), int(size), int(off),
-                           t.storage_offset() * item, bytes(rc_h), int(rc_off), bytes(ev_h or b""),
-                           bool(ev_sync), strides])
-    else:
-        memory = "shm"
-        for t in caches:
-            seg, offset = _segment_of(t)
-            layers.append([seg.name, offset, strides])
-    return memory, DTYPE_NAMES[first.dtype], shape, layers
-
-
-class _Channel:
-    """One DEALER socket: requests in order, replies matched by request id."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue onto a dead connection
-        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self.sock.connect(endpoint)
-        self.lock = threading.Lock()  # guards sock: one request at a time
-
-    def request(self, mtype: MsgType, payload: list[Any], timeout_s: float) -> Any:
-        rid = next(self._ids)
-        frame = encode_request(rid, mtype, payload)
-        deadline = time.monotonic() + timeout_s
-        with self.lock:
-            if self.sock.closed:
-                raise ServerClosed("adapter is closed")
-            if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
-                raise RequestTimeout(f"{mtype}: no connection to the server within {timeout_s:g}s")
-            self.sock.send(frame, zmq.NOBLOCK)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                    raise RequestTimeout(f"{mtype}: no reply within {timeout_s:g}s")
-                reply = decode_reply(self.sock.recv())
-                if reply.request_id != rid and not (reply.request_id == 0 and not reply.ok):
-                    continue  # a late reply to an earlier, timed-out request
-                # (id 0: the server could not read our id; one request is in flight: it is ours)
-                if not reply.ok:
-                    body = reply.body if isinstance(reply.body, dict) else {}
-                    raise error_from_reply(str(body.get("code")), str(body.get("message")))
-                return reply.body
-
-    def close(self) -> None:
-        with self.lock:
-            self.sock.close(linger=0)
-
 
 def _id_array(x: TokenIds) -> np.ndarray:
     if isinstance(x, torch.Tensor):
@@ -246,8 +97,8 @@ class WorkerAdapter:
                 "floor: a server at the floor may reap this live worker", 3 * heartbeat_interval,
                 REAP_TIMEOUT_FLOOR_S)
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._chan = _Channel(self._ctx, endpoint)
-        self._hb_chan = _Channel(self._ctx, endpoint)
+        self._chan = Channel(self._ctx, endpoint)
+        self._hb_chan = Channel(self._ctx, endpoint)
         self._healthy = threading.Event()
         self._healthy.set()  # healthy from the start: the first transfer is not gated
         self._stop = threading.Event()
@@ -305,7 +156,7 @@ class WorkerAdapter:
             self._send_register(self._chan)
         self.start_heartbeat()
 
-    def _send_register(self, chan: _Channel) -> bool:
+    def _send_register(self, chan: Channel) -> bool:
         assert self._register_payload is not None
         mtype = (MsgType.ENGINE_REGISTER if self.transfer_mode == "engine_driven"
                  else MsgType.REGISTER_KV_CACHE)
@@ -544,11 +395,7 @@ class WorkerAdapter:
             pool[1].clear()
             pool[0].close()
         if unlink:
-            for name in self._segments:
-                with _SEGMENTS_LOCK:
-                    entry = _SEGMENTS.pop(name, None)
-                if entry is not None:
-                    entry[0].unlink()
+            unlink_segments(self._segments)
 
     def __enter__(self) -> WorkerAdapter:
         return self

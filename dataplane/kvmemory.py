@@ -269,7 +269,9 @@ def map_local_tensors(caches: list[torch.Tensor]) -> MappedKV:
     _, nb, bs, heads, hd = first.shape
     layers = [t.view(2, nb * bs, heads * hd) for t in caches]
     stacked = None
-    if len(caches) > 1 and first.device.type == "cpu":
+    base = first.untyped_storage().data_ptr()
+    one_storage = all(t.untyped_storage().data_ptr() == base for t in caches)
+    if len(caches) > 1 and first.device.type == "cpu" and one_storage:
         item = first.element_size()
         ptrs = [t.data_ptr() for t in caches]
         step = ptrs[1] - ptrs[0]
@@ -277,6 +279,7 @@ def map_local_tensors(caches: list[torch.Tensor]) -> MappedKV:
             stacked = first.as_strided(
                 (len(caches), 2, nb * bs, heads * hd),
                 (step // item, nb * bs * heads * hd, heads * hd, 1),
+                first.storage_offset(),
             )
     return MappedKV(MemoryKind.SHM, first.dtype, len(caches), nb, bs, heads, hd, layers, stacked,
                     [], first.device)

@@ -1,0 +1,55 @@
+"""One DEALER socket to the server: requests in order, replies matched by request id."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from dataplane.errors import RequestTimeout, ServerClosed, error_from_reply
+from dataplane.protocol import MsgType, decode_reply, encode_request
+
+
+class Channel:
+    """One DEALER socket: requests in order, replies matched by request id."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue onto a dead connection
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self.sock.connect(endpoint)
+        self.lock = threading.Lock()  # guards sock: one request at a time
+
+    def request(self, mtype: MsgType, payload: list[Any], timeout_s: float) -> Any:
+        rid = next(self._ids)
+        frame = encode_request(rid, mtype, payload)
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            if self.sock.closed:
+                raise ServerClosed("adapter is closed")
+            if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+                raise RequestTimeout(f"{mtype}: no connection to the server within {timeout_s:g}s")
+            self.sock.send(frame, zmq.NOBLOCK)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                    raise RequestTimeout(f"{mtype}: no reply within {timeout_s:g}s")
+                reply = decode_reply(self.sock.recv())
+                if reply.request_id != rid and not (reply.request_id == 0 and not reply.ok):
+                    continue  # a late reply to an earlier, timed-out request
+                # (id 0: the server could not read our id; one request is in flight: it is ours)
+                if not reply.ok:
+                    body = reply.body if isinstance(reply.body, dict) else {}
+                    raise error_from_reply(str(body.get("code")), str(body.get("message")))
+                return reply.body
+
+    def close(self) -> None:
+        with self.lock:
+            self.sock.close(linger=0)
