@@ -274,7 +274,11 @@ class WorkerAdapter:
 
     def _reregister_now(self) -> None:
         """The server dropped us (reaped while paused, or by an operator) and our next PING
-        has not told us yet: re-register now; this request counts as a miss."""
+        has not told us yet: re-register now; this request counts as a miss. An adapter that
+        never registered gets the error: that is a usage error, not an outage."""
+        if self._register_payload is None:
+            raise NotRegistered(f"instance {self.instance_id} is not registered: "
+                                "call register_kv_caches() first")
         logger.warning("kvwarden client: server does not know instance %d: re-registering",
                        self.instance_id)
         if self._boot_token is not None and self._recover(self._boot_token):

@@ -162,6 +162,10 @@ class Server:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def pools_alive(self) -> bool:
+        """Both worker pools still accept work (False once shutdown began)."""
+        return not (self._normal._shutdown or self._transfer_pool._shutdown)
+
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
         with self._state_lock:

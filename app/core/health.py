@@ -116,12 +116,7 @@ def dataplane_checks(dp: DataPlane) -> list[HealthCheck]:
         return None
 
     def pools() -> str | None:
-        # ThreadPoolExecutor has no public "is shut down"; the server shuts both pools down in
-        # stop(), after which nothing submitted to them would ever run.
-        down = [name for name, pool in (("normal", server._normal),
-                                        ("transfer", server._transfer_pool))
-                if pool._shutdown]
-        return f"{' and '.join(down)} pool shut down" if down else None
+        return None if server.pools_alive() else "worker pools shut down"
 
     checks: list[HealthCheck] = [FunctionCheck("dataplane:loop", loop),
                                  FunctionCheck("dataplane:pools", pools)]

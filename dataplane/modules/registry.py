@@ -180,8 +180,11 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             return _public(e)
 
     def context_entries_snapshot(self) -> list[ContextEntry]:
+        # copy plain tuples under the lock (PING waits on it); build the entries after
         with self._lock:
-            return [_public(e) for e in self._entries.values()]
+            rows = [(e.instance_id, e.info, e.registered_at, e.last_seen, e.has_liveness_signal,
+                     e.disconnected_at is not None, e.conn_fd) for e in self._entries.values()]
+        return [_from_row(*r) for r in rows]
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         with self._lock:
@@ -261,9 +264,13 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
 
 
 
+def _from_row(iid: int, i: InstanceInfo, registered_at: float, last_seen: float,
+              signal: bool, disconnected: bool, conn_fd: int) -> ContextEntry:
+    return ContextEntry(iid, i.transfer_mode, i.memory, i.model_name, i.world_size, i.worker_id,
+                        i.owner_pid, i.num_layers, i.dtype, registered_at, last_seen, signal,
+                        disconnected, conn_fd)
+
+
 def _public(e: Entry) -> ContextEntry:
-    i = e.info
-    return ContextEntry(e.instance_id, i.transfer_mode, i.memory, i.model_name, i.world_size,
-                        i.worker_id, i.owner_pid, i.num_layers, i.dtype, e.registered_at,
-                        e.last_seen, e.has_liveness_signal, e.disconnected_at is not None,
-                        e.conn_fd)
+    return _from_row(e.instance_id, e.info, e.registered_at, e.last_seen, e.has_liveness_signal,
+                     e.disconnected_at is not None, e.conn_fd)
