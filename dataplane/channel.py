@@ -32,16 +32,26 @@ class Channel:
         frame = encode_request(rid, mtype, payload)
         deadline = time.monotonic() + timeout_s
         with self.lock:
-            if self.sock.closed:
+            sock = self.sock
+            if sock.closed:
                 raise ServerClosed("adapter is closed")
-            if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
-                raise RequestTimeout(f"{mtype}: no connection to the server within {timeout_s:g}s")
-            self.sock.send(frame, zmq.NOBLOCK)
+            try:  # the common case costs no poll: IMMEDIATE refuses only with no connection
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+                    raise RequestTimeout(
+                        f"{mtype}: no connection to the server within {timeout_s:g}s") from None
+                sock.send(frame, zmq.NOBLOCK)
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                if left <= 0:
                     raise RequestTimeout(f"{mtype}: no reply within {timeout_s:g}s")
-                reply = decode_reply(self.sock.recv())
+                sock.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
+                try:
+                    data = sock.recv()
+                except zmq.Again:
+                    raise RequestTimeout(f"{mtype}: no reply within {timeout_s:g}s") from None
+                reply = decode_reply(data)
                 if reply.request_id != rid and not (reply.request_id == 0 and not reply.ok):
                     continue  # a late reply to an earlier, timed-out request
                 # (id 0: the server could not read our id; one request is in flight: it is ours)

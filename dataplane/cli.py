@@ -59,6 +59,11 @@ def serve(ns: argparse.Namespace) -> int:
     # the GIL hands over every 1 ms instead of 5: a PING on the loop never waits long behind a
     # transfer or HTTP thread
     sys.setswitchinterval(0.001)
+    import torch
+
+    # copies are split across threads by the data plane's CopySplitter: one intra-op thread each
+    # (an OpenMP team spinning at its barrier stalls whenever another process takes a core)
+    torch.set_num_threads(1)
 
     try:
         dp = build_dataplane(settings)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +78,43 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(s), int(slots[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
+class CopySplitter:
+    """Splits one big copy across ``ways`` threads by ranges of an outer dimension (layers).
+
+    The calling thread takes the last range; the others run on this object's helper threads.
+    Each torch copy runs single-threaded: threads that wait on events, unlike OpenMP teams
+    spinning at a barrier, lose nothing when a core is briefly taken by another process.
+    """
+
+    def __init__(self, ways: int) -> None:
+        self.ways = max(1, ways)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        if self.ways > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(self.ways - 1, thread_name_prefix="kvwarden-copy")
+
+    def stop(self) -> None:
+        """Stop and join the helper threads (copies already submitted finish first)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def run(self, fn: Callable[[int, int], None], n: int) -> None:
+        pool = self._pool
+        ways = min(self.ways, n) if pool is not None else 1
+        if ways <= 1:
+            fn(0, n)
+            return
+        bounds = [n * k // ways for k in range(ways + 1)]
+        futures = [pool.submit(fn, bounds[k], bounds[k + 1]) for k in range(ways - 1)]  # type: ignore[union-attr]
+        try:
+            fn(bounds[-2], bounds[-1])
+        finally:
+            for f in futures:
+                f.result()
+
+
 @dataclass
 class MappedKV:
     """The server's mapping of one registered KV cache."""
@@ -104,35 +143,46 @@ class MappedKV:
     def _views(self, buf: torch.Tensor, n_tokens: int) -> torch.Tensor:
         return buf.view(self.dtype).view(self.num_layers, 2, n_tokens, self.token_row)
 
-    def gather(self, slots: np.ndarray, buf: torch.Tensor) -> None:
+    def gather(self, slots: np.ndarray, buf: torch.Tensor,
+               splitter: CopySplitter | None = None) -> None:
         """Copy the token slots ``slots`` (block * block_size + offset) into the chunk ``buf``."""
         out = self._views(buf, len(slots))
-        self._move(slots, out, to_chunk=True)
+        self._move(slots, out, True, splitter)
 
-    def scatter(self, slots: np.ndarray, buf: torch.Tensor) -> None:
+    def scatter(self, slots: np.ndarray, buf: torch.Tensor,
+                splitter: CopySplitter | None = None) -> None:
         src = self._views(buf, len(slots))
-        self._move(slots, src, to_chunk=False)
+        self._move(slots, src, False, splitter)
 
-    def _move(self, slots: np.ndarray, chunk: torch.Tensor, *, to_chunk: bool) -> None:
+    def _move(self, slots: np.ndarray, chunk: torch.Tensor, to_chunk: bool,
+              splitter: CopySplitter | None) -> None:
         runs = slot_runs(slots)
-        sources = [(self.stacked, chunk)] if self.stacked is not None else [
-            (layer, chunk[i]) for i, layer in enumerate(self.layers)
-        ]
-        for kv, part in sources:
-            assert kv is not None
-            if len(runs) > _MAX_RUNS:
-                idx = torch.from_numpy(slots.astype(np.int64)).to(kv.device)
-                dim = kv.dim() - 2
-                if to_chunk:
-                    part.copy_(kv.index_select(dim, idx))
-                else:
-                    kv.index_copy_(dim, idx, part.to(kv.device))
-                continue
-            for dst, src, n in runs:
-                if to_chunk:
-                    part.narrow(-2, dst, n).copy_(kv.narrow(-2, src, n))
-                else:
-                    kv.narrow(-2, src, n).copy_(part.narrow(-2, dst, n))
+        idx = (torch.from_numpy(slots.astype(np.int64)).to(self.device)
+               if len(runs) > _MAX_RUNS else None)
+
+        def layers(lo: int, hi: int) -> None:
+            if self.stacked is not None:
+                pairs = [(self.stacked[lo:hi], chunk[lo:hi])]
+            else:
+                pairs = [(self.layers[i], chunk[i]) for i in range(lo, hi)]
+            for kv, part in pairs:
+                if idx is not None:
+                    dim = kv.dim() - 2
+                    if to_chunk:
+                        part.copy_(kv.index_select(dim, idx))
+                    else:
+                        kv.index_copy_(dim, idx, part.to(kv.device))
+                    continue
+                for dst, src, n in runs:
+                    if to_chunk:
+                        part.narrow(-2, dst, n).copy_(kv.narrow(-2, src, n))
+                    else:
+                        kv.narrow(-2, src, n).copy_(part.narrow(-2, dst, n))
+
+        if splitter is None or self.device.type == "cuda":
+            layers(0, self.num_layers)
+        else:
+            splitter.run(layers, self.num_layers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

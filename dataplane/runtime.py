@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dataplane.config import Settings
+from dataplane.kvmemory import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
@@ -32,14 +34,18 @@ class DataPlane:
     transfer: ServerDrivenTransferModule
     engine: EngineDrivenTransferModule
     metrics: DataPlaneMetrics
+    splitter: CopySplitter
     clock: Callable[[], float] = time.monotonic
     swept_segments: list[str] = field(default_factory=list)
 
     def start(self) -> None:
+        self.splitter.start()
         self.server.start()
 
     def stop(self, timeout_s: float | None = None) -> bool:
-        return self.server.stop(timeout_s)
+        clean = self.server.stop(timeout_s)
+        self.splitter.stop()  # after the server: no transfer is left to use it
+        return clean
 
     @property
     def transfer_modules(self) -> list[ServerDrivenTransferModule | EngineDrivenTransferModule]:
@@ -69,8 +75,10 @@ def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monoto
         max_frame_bytes=settings.max_frame_bytes,
         metrics=metrics,
     )
-    transfer = ServerDrivenTransferModule(l1, settings.chunk_size, metrics, clock)
-    engine = EngineDrivenTransferModule(l1, settings.chunk_size, metrics, clock)
+    splitter = CopySplitter(min(os.cpu_count() or 1, 4))
+    transfer = ServerDrivenTransferModule(l1, settings.chunk_size, metrics, clock,
+                                          splitter=splitter)
+    engine = EngineDrivenTransferModule(l1, settings.chunk_size, metrics, clock, splitter=splitter)
     management = ManagementModule(
         server, settings.chunk_size, targets=[transfer, engine],
         reap_timeout_s=settings.worker_reap_timeout_seconds,
@@ -82,4 +90,5 @@ def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monoto
     server.add_module(transfer)
     server.add_module(engine)
     server.add_module(LookupModule(l1, settings.chunk_size, metrics, [transfer, engine]))
-    return DataPlane(settings, server, l1, management, transfer, engine, metrics, clock, swept)
+    return DataPlane(settings, server, l1, management, transfer, engine, metrics, splitter, clock,
+                     swept)

@@ -23,7 +23,7 @@ import numpy as np
 
 from dataplane.errors import RequestError
 from dataplane.keys import chunk_keys, scope_digest
-from dataplane.kvmemory import MappedKV, map_registration, token_slots
+from dataplane.kvmemory import CopySplitter, MappedKV, map_registration, token_slots
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.registry import Clock, ContextEntry, Entry, InstanceInfo, LivenessRegistry
@@ -49,8 +49,10 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
     name = "server_driven"
 
     def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
-                 clock: Clock = time.monotonic, release_timeout_s: float = 10.0) -> None:
+                 clock: Clock = time.monotonic, release_timeout_s: float = 10.0,
+                 splitter: CopySplitter | None = None) -> None:
         super().__init__(clock, release_timeout_s)
+        self.splitter = splitter
         self.l1 = l1
         self.chunk_size = chunk_size
         self.metrics = metrics
@@ -144,7 +146,7 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
                         rejected = len(missing) - n
                         break
                     try:
-                        kv.gather(slots[i * cs:(i + 1) * cs], buf)
+                        kv.gather(slots[i * cs:(i + 1) * cs], buf, self.splitter)
                     except BaseException:
                         self.l1.abort(buf)
                         raise
@@ -182,7 +184,7 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
             try:
                 slots = self._slots(c, p, len(bufs) * cs)
                 for i, buf in enumerate(bufs):
-                    kv.scatter(slots[i * cs:(i + 1) * cs], buf)
+                    kv.scatter(slots[i * cs:(i + 1) * cs], buf, self.splitter)
             finally:
                 self.l1.release(held)
             nbytes = kv.chunk_nbytes(cs) * len(bufs)
