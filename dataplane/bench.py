@@ -33,7 +33,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     t = sub.add_parser("transfer", help="STORE/RETRIEVE GB/s vs memcpy, raw ZMQ and Redis")
     t.add_argument("--rounds", type=int, default=15, help="samples of each figure")
-    t.add_argument("--chunks-per-request", type=int, default=1)
+    t.add_argument("--chunks-per-request", default="1,4",
+                   help="comma-separated: one report per value (1 = a 256-token request, "
+                        "4 = a 1K-token prompt)")
     t.add_argument("--layers", type=int, default=32)
     t.add_argument("--heads", type=int, default=8)
     t.add_argument("--head-dim", type=int, default=128)
@@ -117,16 +119,38 @@ def _start_redis() -> tuple[subprocess.Popen[bytes], Any] | None:
 
 
 def run_transfer(ns: argparse.Namespace) -> int:
+    try:
+        values = [int(v) for v in str(ns.chunks_per_request).split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        print("bench: --chunks-per-request takes positive integers, e.g. 1,4", file=sys.stderr)
+        return 2
+    reports = []
+    for cpr in values:
+        rc, report = _run_transfer_once(ns, cpr)
+        if rc:
+            return rc
+        reports.append(report)
+    if ns.json:
+        print(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
+    else:
+        for report in reports:
+            _print(report)
+    return 0
+
+
+def _run_transfer_once(ns: argparse.Namespace, cpr: int) -> tuple[int, dict[str, Any]]:
     import torch
 
     from dataplane.client import WorkerAdapter, allocate_kv_caches
     from dataplane.kvmemory import TORCH_DTYPES
 
     dtype = TORCH_DTYPES[ns.dtype]
-    cs, bs, cpr = ns.chunk_size, ns.block_size, ns.chunks_per_request
+    cs, bs = ns.chunk_size, ns.block_size
     if cs % bs:
         print("bench: --chunk-size must be a multiple of --block-size", file=sys.stderr)
-        return 2
+        return 2, {}
     item = torch.empty((), dtype=dtype).element_size()
     chunk_bytes = ns.layers * 2 * cs * ns.heads * ns.head_dim * item
     blocks_per_req = cpr * cs // bs
@@ -243,8 +267,7 @@ def run_transfer(ns: argparse.Namespace) -> int:
         if "redis_set" in med:
             report["ratios"]["store_vs_redis_set"] = med["store"] / med["redis_set"]
             report["ratios"]["retrieve_vs_redis_get"] = med["retrieve"] / med["redis_get"]
-        _print(report, ns.json)
-        return 0
+        return 0, report
     finally:
         if w is not None:
             w.close()
@@ -260,10 +283,7 @@ def run_transfer(ns: argparse.Namespace) -> int:
             proc.wait()
 
 
-def _print(report: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(report, indent=2))
-        return
+def _print(report: dict[str, Any]) -> None:
     mib = report["chunk_bytes"] / (1 << 20)
     print(f"kvwarden bench transfer: {mib:.0f} MiB chunks, {report['chunks_per_request']} per "
           f"request, median of {report['rounds']} rounds")
