@@ -8,13 +8,20 @@ import signal
 import sys
 import threading
 import types
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import SecretStr, ValidationError
 
 from dataplane.config import Settings, format_validation_error
 
 logger = logging.getLogger("kvwarden")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors print one line naming the problem (not the whole usage) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _add_settings_flags(p: argparse.ArgumentParser) -> None:
@@ -108,8 +115,8 @@ def _start_sidecar(dp: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvwarden", description="KV-cache server for LLM inference")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="kvwarden", description="KV-cache server for LLM inference")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     ps = sub.add_parser("serve", help="run the server (data plane + HTTP sidecar)")
     _add_settings_flags(ps)
     ps.set_defaults(func=serve)
