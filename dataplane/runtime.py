@@ -65,6 +65,9 @@ class DataPlane:
 
 def build_dataplane(settings: Settings, clock: Callable[[], float] = time.monotonic) -> DataPlane:
     swept = sweep_orphans()
+    if settings.remote_url:
+        logger.warning("kvwarden: remote_url is set, but this version serves the local CPU tier "
+                       "only; the remote tier is not used")
     metrics = DataPlaneMetrics()
     l1 = L1Store(settings.l1_capacity_bytes, hot_cache=settings.local_cpu,
                  pin_memory=torch.cuda.is_available())
