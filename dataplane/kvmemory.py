@@ -290,7 +290,7 @@ def _map_cuda(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) ->
         with torch.cuda.device(device):
             storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
                 device.index, layer.ipc_handle, layer.storage_nbytes, layer.storage_offset,
-                layer.ref_counter_handle, layer.ref_counter_offset, layer.event_handle,
+                layer.ref_counter_handle, layer.ref_counter_offset, layer.event_handle or None,
                 layer.event_sync_required,
             )
         t = torch.empty(0, dtype=dtype, device=device).set_(
