@@ -36,6 +36,19 @@ def wait_until(
         pause.wait(interval)
 
 
+class FakeClock:
+    """An injected monotonic clock that moves only when a test says so."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

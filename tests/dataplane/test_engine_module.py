@@ -22,22 +22,12 @@ from dataplane.modules.base import RequestContext
 from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
 from dataplane.protocol import PARSERS, MsgType, ids_to_bytes
 from dataplane.storage.l1 import L1Store
+from tests.helpers import FakeClock
 
 CHUNK = 16
 T0 = 1000.0
 TIMEOUT, GRACE = 120.0, 3600.0
 SLOT_BYTES = 2 * 2 * CHUNK * 2 * 8 * 2  # layers * K/V * tokens * heads * head_dim * bf16
-
-
-class FakeClock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 class Recording(EngineDrivenTransferModule):

@@ -25,21 +25,11 @@ from dataplane.modules.base import RequestContext
 from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
 from dataplane.protocol import PARSERS, MsgType, Register, ids_to_bytes
 from dataplane.storage.l1 import L1Store
+from tests.helpers import FakeClock
 
 CHUNK = 16
 T0 = 1000.0
 TIMEOUT, GRACE = 120.0, 3600.0
-
-
-class FakeClock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 class Recording(ServerDrivenTransferModule):

@@ -26,22 +26,11 @@ from dataplane.modules.transfer import ServerDrivenTransferModule
 from dataplane.protocol import PARSERS, MsgType, Ping, Register, decode_reply, encode_request
 from dataplane.server import Server
 from dataplane.storage.l1 import L1Store
-from tests.helpers import wait_until
+from tests.helpers import FakeClock, wait_until
 
 CHUNK = 16
 T0 = 1000.0
 Caches = list[torch.Tensor]
-
-
-class FakeClock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 class BlendLike(InstanceLivenessTarget):

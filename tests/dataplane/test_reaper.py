@@ -26,23 +26,12 @@ from dataplane.modules.registry import LivenessRegistry
 from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
 from dataplane.protocol import PARSERS, MsgType
 from dataplane.storage.l1 import L1Store
-from tests.helpers import wait_until
+from tests.helpers import FakeClock, wait_until
 
 CHUNK = 16
 T0 = 1000.0
 TIMEOUT, GRACE, DISCONNECT = 120.0, 3600.0, 10.0
 Clock = Callable[[], float]
-
-
-class FakeClock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 class BlendLike(InstanceLivenessTarget):
