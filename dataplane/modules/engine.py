@@ -24,7 +24,8 @@ from dataplane.keys import chunk_keys, scope_digest
 from dataplane.kvmemory import TORCH_DTYPES, CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.registry import Clock, Entry, InstanceInfo, LivenessRegistry
+from dataplane.modules.registry import Clock, Entry, InstanceInfo
+from dataplane.modules.transfer_base import TransferModule
 from dataplane.protocol import EngineRegister, EngineTransfer, MsgType
 from dataplane.shm import Segment
 from dataplane.storage.l1 import L1Store
@@ -54,37 +55,21 @@ class EngineContext(Entry):
     strategy: PoolStrategy | None = None
 
 
-class EngineDrivenTransferModule(LivenessRegistry[EngineContext]):
+class EngineDrivenTransferModule(TransferModule[EngineContext]):
     name = "engine_driven"
 
     def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
                  clock: Clock = time.monotonic, release_timeout_s: float = 10.0,
                  max_pool_bytes: int = 4 << 30, splitter: CopySplitter | None = None) -> None:
-        super().__init__(clock, release_timeout_s)
-        self.splitter = splitter
-        self.l1 = l1
-        self.chunk_size = chunk_size
-        self.metrics = metrics
+        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter)
         self.max_pool_bytes = max_pool_bytes
 
     def handlers(self) -> dict[MsgType, Handler]:
-        def key(p: Any) -> int:
-            return int(p.instance_id)
-
         return {
             MsgType.ENGINE_REGISTER: Handler(HandlerKind.NORMAL, self._register),
-            MsgType.ENGINE_STORE: Handler(HandlerKind.TRANSFER, self._store, key),
-            MsgType.ENGINE_RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, key),
+            MsgType.ENGINE_STORE: Handler(HandlerKind.TRANSFER, self._store, self.order_key),
+            MsgType.ENGINE_RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, self.order_key),
         }
-
-    def start(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None
-
-    def report_status(self) -> dict[str, Any]:
-        return {"tracked_instances": self.tracked_instance_count()}
 
     def strategy_count(self) -> int:
         with self._lock:
@@ -169,28 +154,10 @@ class EngineDrivenTransferModule(LivenessRegistry[EngineContext]):
             assert s is not None
             keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
             self._check(p, s, keys)
-            wanted = keys[p.first_chunk:p.first_chunk + p.n_chunks]
-            # the prefix before this batch and the batch stay pinned: never evict our own prefix
-            _, pinned = self.l1.pin_present(keys[:p.first_chunk])
-            missing, batch_pinned = self.l1.pin_present(wanted)
-            pinned += batch_pinned
-            stored = rejected = 0
-            try:
-                for n, i in enumerate(missing):
-                    buf = self.l1.reserve(c.chunk_bytes)
-                    if buf is None:
-                        rejected = len(missing) - n
-                        break
-                    self._copy(buf, s.slots[i])
-                    stored += self.l1.commit(wanted[i], buf, pin=True)
-                    pinned.append(wanted[i])
-            finally:
-                self.l1.release(pinned)
-        if rejected:
-            self.metrics.rejected_chunks.inc(rejected)
-        self.metrics.transfer_bytes.labels(direction="store").inc(stored * c.chunk_bytes)
-        return {"chunks": len(wanted), "stored": stored, "present": len(wanted) - len(missing),
-                "rejected": rejected}
+            slots = s.slots
+            return self.write_chunks(
+                p.instance_id, keys[p.first_chunk:p.first_chunk + p.n_chunks], c.chunk_bytes,
+                lambda i, buf: self._copy(buf, slots[i]), prefix=keys[:p.first_chunk])
 
     def _retrieve(self, rctx: RequestContext, p: EngineTransfer) -> dict[str, Any]:
         with self._use(p.instance_id, rctx.conn_fd) as c:

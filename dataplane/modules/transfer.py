@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from dataplane.errors import RequestError
 from dataplane.keys import chunk_keys, scope_digest
-from dataplane.kvmemory import CopySplitter, MappedKV, map_registration, token_slots
-from dataplane.metrics import DataPlaneMetrics
+from dataplane.kvmemory import MappedKV, map_registration, token_slots
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.registry import Clock, ContextEntry, Entry, InstanceInfo, LivenessRegistry
+from dataplane.modules.registry import ContextEntry, Entry, InstanceInfo
+from dataplane.modules.transfer_base import TransferModule
 from dataplane.protocol import MsgType, Register, Transfer
 from dataplane.shm import unlink_if_owner_gone
-from dataplane.storage.l1 import L1Store
 
 logger = logging.getLogger(__name__)
 
@@ -45,37 +44,15 @@ class CacheContext(Entry):
 __all__ = ["CacheContext", "ContextEntry", "ServerDrivenTransferModule"]
 
 
-class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
+class ServerDrivenTransferModule(TransferModule[CacheContext]):
     name = "server_driven"
 
-    def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
-                 clock: Clock = time.monotonic, release_timeout_s: float = 10.0,
-                 splitter: CopySplitter | None = None) -> None:
-        super().__init__(clock, release_timeout_s)
-        self.splitter = splitter
-        self.l1 = l1
-        self.chunk_size = chunk_size
-        self.metrics = metrics
-
-    # ------------------------------------------------------------ module API
     def handlers(self) -> dict[MsgType, Handler]:
-        def key(p: Any) -> int:
-            return int(p.instance_id)
-
         return {
             MsgType.REGISTER_KV_CACHE: Handler(HandlerKind.NORMAL, self._register),
-            MsgType.STORE: Handler(HandlerKind.TRANSFER, self._store, key),
-            MsgType.RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, key),
+            MsgType.STORE: Handler(HandlerKind.TRANSFER, self._store, self.order_key),
+            MsgType.RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, self.order_key),
         }
-
-    def start(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None
-
-    def report_status(self) -> dict[str, Any]:
-        return {"tracked_instances": self.tracked_instance_count()}
 
     # ------------------------------------------------------------- internals
     def _release(self, c: CacheContext, why: str) -> None:
@@ -134,33 +111,11 @@ class ServerDrivenTransferModule(LivenessRegistry[CacheContext]):
             self._check_blocks(kv, p)
             keys = chunk_keys(c.scope, p.token_ids, cs)
             slots = self._slots(c, p, len(keys) * cs)
-            nbytes = kv.chunk_nbytes(cs)
-            # the prompt's own chunks stay pinned until the reply: a long prompt never evicts
-            # its own prefix (which would make everything after it unreachable)
-            missing, pinned = self.l1.pin_present(keys)
-            stored = rejected = 0
-            try:
-                for n, i in enumerate(missing):
-                    buf = self.l1.reserve(nbytes)
-                    if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
-                        rejected = len(missing) - n
-                        break
-                    try:
-                        kv.gather(slots[i * cs:(i + 1) * cs], buf, self.splitter)
-                    except BaseException:
-                        self.l1.abort(buf)
-                        raise
-                    stored += self.l1.commit(keys[i], buf, pin=True)
-                    pinned.append(keys[i])
-            finally:
-                self.l1.release(pinned)
-        if rejected:
-            self.metrics.rejected_chunks.inc(rejected)
-            logger.warning("transfer: STORE of instance %d: L1 full, %d chunk(s) not stored",
-                           p.instance_id, rejected)
-        self.metrics.transfer_bytes.labels(direction="store").inc(stored * nbytes)
-        return {"chunks": len(keys), "stored": stored, "present": len(keys) - len(missing),
-                "rejected": rejected}
+
+            def fill(i: int, buf: torch.Tensor) -> None:
+                kv.gather(slots[i * cs:(i + 1) * cs], buf, self.splitter)
+
+            return self.write_chunks(p.instance_id, keys, kv.chunk_nbytes(cs), fill)
 
     @staticmethod
     def _check_blocks(kv: MappedKV, p: Transfer) -> None:

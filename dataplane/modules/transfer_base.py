@@ -1,0 +1,85 @@
+"""What the two transfer modules share: their wiring, and writing chunks into L1.
+
+A STORE pins the prompt's own chunks in L1 until it replies, so a prompt longer than L1 never
+evicts its own prefix (which would make every chunk after it unreachable); chunks L1 cannot
+take are counted as rejected, never reported stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from dataplane.kvmemory import CopySplitter
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.registry import Clock, Entry, LivenessRegistry
+from dataplane.storage.l1 import L1Store
+
+logger = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=Entry)
+
+
+class TransferModule(LivenessRegistry[E]):
+    name = "transfer"
+
+    def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
+                 clock: Clock = time.monotonic, release_timeout_s: float = 10.0,
+                 splitter: CopySplitter | None = None) -> None:
+        super().__init__(clock, release_timeout_s)
+        self.l1 = l1
+        self.chunk_size = chunk_size
+        self.metrics = metrics
+        self.splitter = splitter
+
+    @staticmethod
+    def order_key(payload: Any) -> int:
+        """Transfers of one instance run in arrival order."""
+        return int(payload.instance_id)
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def report_status(self) -> dict[str, Any]:
+        return {"tracked_instances": self.tracked_instance_count()}
+
+    def write_chunks(self, instance_id: int, keys: list[bytes], nbytes: int,
+                     fill: Callable[[int, torch.Tensor], None],
+                     prefix: list[bytes] | None = None) -> dict[str, int]:
+        """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes.
+
+        ``prefix``: keys before these (already stored) that must not be evicted meanwhile.
+        Returns the STORE reply counts: chunks, stored, present, rejected."""
+        _, pinned = self.l1.pin_present(prefix or [])
+        missing, held = self.l1.pin_present(keys)
+        pinned += held
+        stored = rejected = 0
+        try:
+            for n, i in enumerate(missing):
+                buf = self.l1.reserve(nbytes)
+                if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
+                    rejected = len(missing) - n
+                    break
+                try:
+                    fill(i, buf)
+                except BaseException:
+                    self.l1.abort(buf)
+                    raise
+                stored += self.l1.commit(keys[i], buf, pin=True)
+                pinned.append(keys[i])
+        finally:
+            self.l1.release(pinned)
+        if rejected:
+            self.metrics.rejected_chunks.inc(rejected)
+            logger.warning("transfer: STORE of instance %d: L1 full, %d chunk(s) not stored",
+                           instance_id, rejected)
+        self.metrics.transfer_bytes.labels(direction="store").inc(stored * nbytes)
+        return {"chunks": len(keys), "stored": stored, "present": len(keys) - len(missing),
+                "rejected": rejected}
