@@ -25,7 +25,7 @@ from dataplane.modules.base import InstanceLivenessTarget
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-_SLICE = 4096
+_SLICE = 1024
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,9 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                         reaped.append((e, reason))
                         if e.users == 0:  # else the last user releases it
                             idle.append(e)
+            # Lock and GIL are not fair: without a pause this thread would take the lock
+            # straight back and a PING waiting on it would wait out the whole scan.
+            time.sleep(0)
         self._bounded_release(idle, "reap")  # first: nothing below can leak a popped entry
         for e, reason in reaped:
             silence = now - e.last_seen
