@@ -45,11 +45,6 @@ class Recording(EngineDrivenTransferModule):
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
 def module(clock: FakeClock) -> Iterator[Recording]:
     m = Recording(clock)
     yield m

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from dataplane.client import _layout, allocate_kv_caches, free_kv_caches
+from dataplane.client import _layout
 from dataplane.errors import NotRegistered
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext
@@ -63,25 +63,6 @@ class Stuck(Recording):
 
 
 Caches = list[torch.Tensor]
-
-
-@pytest.fixture
-def make_caches() -> Iterator[Callable[[], Caches]]:
-    made: list[Caches] = []
-
-    def make() -> Caches:
-        c = allocate_kv_caches(2, 16, 16, 2, 8, torch.bfloat16)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        free_kv_caches(c)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 import zmq
 from pydantic import ValidationError
 
-from dataplane.client import _layout, allocate_kv_caches, free_kv_caches
+from dataplane.client import _layout
 from dataplane.config import Settings, validate_liveness
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import InstanceLivenessTarget, RequestContext
@@ -26,29 +26,12 @@ from dataplane.modules.transfer import ServerDrivenTransferModule
 from dataplane.protocol import PARSERS, MsgType, Ping, Register, decode_reply, encode_request
 from dataplane.server import Server
 from dataplane.storage.l1 import L1Store
+from tests.dataplane.fakes import BlendLike
 from tests.helpers import FakeClock, wait_until
 
 CHUNK = 16
 T0 = 1000.0
 Caches = list[torch.Tensor]
-
-
-class BlendLike(InstanceLivenessTarget):
-    """Per-instance side state and nothing else: only ``drop_instance_state`` is overridden."""
-
-    def __init__(self, ids: tuple[int, ...] = ()) -> None:
-        self.state: dict[int, str] = {i: f"rope-{i}" for i in ids}
-        self.dropped: list[int] = []
-        self._lock = threading.Lock()  # guards state and dropped (the reaper thread writes)
-
-    def drop_instance_state(self, instance_id: int) -> None:
-        with self._lock:
-            self.dropped.append(instance_id)
-            self.state.pop(instance_id, None)
-
-    def seen(self) -> list[int]:
-        with self._lock:
-            return list(self.dropped)
 
 
 class TouchLog(InstanceLivenessTarget):
@@ -67,20 +50,6 @@ def server() -> Iterator[Server]:
     s = Server("tcp://127.0.0.1:*")
     yield s
     assert s.stop(5.0)
-
-
-@pytest.fixture
-def make_caches() -> Iterator[Callable[[], Caches]]:
-    made: list[Caches] = []
-
-    def make() -> Caches:
-        c = allocate_kv_caches(2, 16, 16, 2, 8, torch.bfloat16)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        free_kv_caches(c)
 
 
 def register_raw(instance_id: int, caches: Caches) -> list[Any]:

@@ -26,30 +26,13 @@ from dataplane.modules.registry import LivenessRegistry
 from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
 from dataplane.protocol import PARSERS, MsgType
 from dataplane.storage.l1 import L1Store
+from tests.dataplane.fakes import BlendLike
 from tests.helpers import FakeClock, wait_until
 
 CHUNK = 16
 T0 = 1000.0
 TIMEOUT, GRACE, DISCONNECT = 120.0, 3600.0, 10.0
 Clock = Callable[[], float]
-
-
-class BlendLike(InstanceLivenessTarget):
-    """Per-instance side state and nothing else: only ``drop_instance_state`` is overridden."""
-
-    def __init__(self, ids: list[int] = []) -> None:  # noqa: B006  (never mutated)
-        self.state: dict[int, str] = {i: f"rope-{i}" for i in ids}
-        self.dropped: list[int] = []
-        self._lock = threading.Lock()  # guards state and dropped (the reaper thread writes)
-
-    def drop_instance_state(self, instance_id: int) -> None:
-        with self._lock:
-            self.dropped.append(instance_id)
-            self.state.pop(instance_id, None)
-
-    def seen(self) -> list[int]:
-        with self._lock:
-            return list(self.dropped)
 
 
 class StuckTransfer(ServerDrivenTransferModule):
@@ -73,11 +56,6 @@ def caches() -> Iterator[list[torch.Tensor]]:
     c = allocate_kv_caches(2, 16, 16, 2, 8, torch.bfloat16)
     yield c
     free_kv_caches(c)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture
