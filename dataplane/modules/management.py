@@ -45,8 +45,9 @@ class WorkerReaper:
         self._on_reaped = on_reaped
         self._stop = threading.Event()
         self._kick = threading.Event()
-        self._lock = threading.Lock()  # guards _disconnect_deadlines
+        self._lock = threading.Lock()  # guards _disconnect_deadlines and _closed
         self._disconnect_deadlines: list[float] = []
+        self._closed: list[tuple[int, float]] = []  # (fd, when) closes not yet marked
         self._thread: threading.Thread | None = None
 
     def reap_once(self) -> list[int]:
@@ -77,6 +78,30 @@ class WorkerReaper:
             self._disconnect_deadlines.append(now + self.disconnect_grace_s)
         self._kick.set()
 
+    def note_closed(self, conn_fd: int, now: float) -> None:
+        """The loop saw connection ``conn_fd`` close at ``now``: this thread flags the instances
+        last seen over it (a scan of every entry, kept off the loop), then waits out the grace."""
+        if self.disconnect_grace_s <= 0:
+            return
+        with self._lock:
+            self._closed.append((conn_fd, now))
+        self._kick.set()
+
+    def _mark_closed(self) -> None:
+        with self._lock:
+            closed, self._closed = self._closed, []
+        for fd, now in closed:
+            marked = 0
+            for t in self.targets:
+                try:
+                    marked += t.mark_connection_closed(fd, now)
+                except Exception:
+                    logger.exception("reaper: marking fd %d closed failed", fd)
+            if marked:
+                logger.info("liveness: connection fd %d closed; %d instance(s) reaped in %.1fs "
+                            "unless they reconnect", fd, marked, self.disconnect_grace_s)
+                self.note_disconnect(now)
+
     def _next_wait(self) -> float:
         now = self._clock()
         with self._lock:
@@ -102,6 +127,7 @@ class WorkerReaper:
             if self._stop.is_set():
                 return
             try:
+                self._mark_closed()
                 self.reap_once()
             except Exception:
                 logger.exception("reaper: cycle failed")
@@ -236,12 +262,7 @@ class ManagementModule:
     def _on_connection(self, fd: int, connected: bool) -> None:
         if connected or self.disconnect_grace_s <= 0 or self.reaper is None:
             return
-        now = self._clock()
-        marked = sum(t.mark_connection_closed(fd, now) for t in self.targets)
-        if marked and self.reaper is not None:
-            logger.info("liveness: connection fd %d closed; %d instance(s) reaped in %.1fs "
-                        "unless they reconnect", fd, marked, self.disconnect_grace_s)
-            self.reaper.note_disconnect(now)
+        self.reaper.note_closed(fd, self._clock())  # the scan runs on the reaper thread
 
     def _unregister(self, rctx: RequestContext, p: InstanceOnly) -> dict[str, Any]:
         return {"removed": bool(self.release_instance(p.instance_id, "unregister"))}

@@ -111,12 +111,20 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             return len(self._entries)
 
     def mark_connection_closed(self, conn_fd: int, now: float) -> int:
-        n = 0
         with self._lock:
-            for e in self._entries.values():
-                if e.conn_fd == conn_fd and e.disconnected_at is None:
-                    e.disconnected_at = now
-                    n += 1
+            ids = list(self._entries)
+        n = 0
+        for start in range(0, len(ids), _SLICE):  # in slices, like the reaper: PINGs go between
+            with self._lock:
+                for iid in ids[start:start + _SLICE]:
+                    e = self._entries.get(iid)
+                    # last_seen > now: it spoke after the close, over a new connection that
+                    # reuses the fd number; it is alive
+                    if (e is not None and e.conn_fd == conn_fd and e.disconnected_at is None
+                            and e.last_seen <= now):
+                        e.disconnected_at = now
+                        n += 1
+            time.sleep(0)
         return n
 
     def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[int]:
