@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from dataplane.errors import RequestTimeout, ServerClosed, error_from_reply
+from dataplane.errors import RequestAborted, RequestTimeout, ServerClosed, error_from_reply
 from dataplane.protocol import MsgType, decode_reply, encode_request
+
+ABORT_POLL_S = 0.1
 
 
 class Channel:
@@ -27,7 +30,10 @@ class Channel:
         self.sock.connect(endpoint)
         self.lock = threading.Lock()  # guards sock: one request at a time
 
-    def request(self, mtype: MsgType, payload: list[Any], timeout_s: float) -> Any:
+    def request(self, mtype: MsgType, payload: list[Any], timeout_s: float,
+                abort: Callable[[], bool] | None = None) -> Any:
+        """Send and wait for the reply. ``abort`` is checked every ``ABORT_POLL_S`` while
+        waiting: when it turns true the wait ends with ``RequestAborted``."""
         rid = next(self._ids)
         frame = encode_request(rid, mtype, payload)
         deadline = time.monotonic() + timeout_s
@@ -46,11 +52,14 @@ class Channel:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RequestTimeout(f"{mtype}: no reply within {timeout_s:g}s")
-                sock.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
+                step = left if abort is None else min(left, ABORT_POLL_S)
+                sock.setsockopt(zmq.RCVTIMEO, max(1, int(step * 1000)))
                 try:
                     data = sock.recv()
                 except zmq.Again:
-                    raise RequestTimeout(f"{mtype}: no reply within {timeout_s:g}s") from None
+                    if abort is not None and abort():
+                        raise RequestAborted(f"{mtype}: abandoned, the server is unhealthy") from None
+                    continue
                 reply = decode_reply(data)
                 if reply.request_id != rid and not (reply.request_id == 0 and not reply.ok):
                     continue  # a late reply to an earlier, timed-out request

@@ -32,6 +32,7 @@ from dataplane.errors import (
     ClientError,
     KVWardenError,
     NotRegistered,
+    RequestAborted,
 )
 from dataplane.kvalloc import _layout, allocate_kv_caches, free_kv_caches, unlink_segments
 from dataplane.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors, token_slots
@@ -264,13 +265,19 @@ class WorkerAdapter:
         try:
             if self.transfer_mode == "engine_driven":
                 return self._engine_store(token_ids, block_ids)
-            r: dict[str, int] = self._chan.request(
-                MsgType.STORE, [self.instance_id, _ids(token_ids), _ids(block_ids)],
-                self.request_timeout)
+            r: dict[str, int] = self._xfer(MsgType.STORE, _ids(token_ids), _ids(block_ids))
             return r
         except NotRegistered:
             self._reregister_now()
             return None
+        except RequestAborted:
+            return None
+
+    def _xfer(self, mtype: MsgType, *payload: Any) -> Any:
+        """A transfer request; abandoned (RequestAborted) as soon as the heartbeat declares the
+        server unhealthy, so a frozen server never holds a worker for the whole timeout."""
+        return self._chan.request(mtype, [self.instance_id, *payload], self.request_timeout,
+                                  abort=lambda: not self._healthy.is_set())
 
     def _reregister_now(self) -> None:
         """The server dropped us (reaped while paused, or by an operator) and our next PING
@@ -300,9 +307,7 @@ class WorkerAdapter:
                 for i in range(k):
                     c = first + i
                     local.gather(slots[c * cs:(c + 1) * cs], pool[i])
-                r = self._chan.request(MsgType.ENGINE_STORE,
-                                       [self.instance_id, tokens[:(first + k) * cs * 4], first, k],
-                                       self.request_timeout)
+                r = self._xfer(MsgType.ENGINE_STORE, tokens[:(first + k) * cs * 4], first, k)
                 for key in ("stored", "present", "rejected"):
                     total[key] += int(r[key])
                 if r["rejected"]:
@@ -316,10 +321,11 @@ class WorkerAdapter:
         if not self._healthy.is_set():
             return 0
         try:
-            r = self._chan.request(MsgType.LOOKUP, [self.instance_id, _ids(token_ids)],
-                                   self.request_timeout)
+            r = self._xfer(MsgType.LOOKUP, _ids(token_ids))
         except NotRegistered:
             self._reregister_now()
+            return 0
+        except RequestAborted:
             return 0
         return int(r["hit_tokens"])
 
@@ -330,11 +336,11 @@ class WorkerAdapter:
         try:
             if self.transfer_mode == "engine_driven":
                 return self._engine_retrieve(token_ids, block_ids)
-            r = self._chan.request(MsgType.RETRIEVE,
-                                   [self.instance_id, _ids(token_ids), _ids(block_ids)],
-                                   self.request_timeout)
+            r = self._xfer(MsgType.RETRIEVE, _ids(token_ids), _ids(block_ids))
         except NotRegistered:
             self._reregister_now()
+            return 0
+        except RequestAborted:
             return 0
         return int(r["retrieved_tokens"])
 
@@ -349,9 +355,7 @@ class WorkerAdapter:
             pool = self._pool[1]
             while first < n_full:
                 k = min(len(pool), n_full - first)
-                r = self._chan.request(MsgType.ENGINE_RETRIEVE,
-                                       [self.instance_id, tokens[:(first + k) * cs * 4], first, k],
-                                       self.request_timeout)
+                r = self._xfer(MsgType.ENGINE_RETRIEVE, tokens[:(first + k) * cs * 4], first, k)
                 got = int(r["chunks"])
                 slots = token_slots(blocks, local.block_size, local.num_blocks, (first + got) * cs)
                 for i in range(got):

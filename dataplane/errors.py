@@ -10,6 +10,7 @@
     ├── ServerError              an unexpected failure inside a handler
     └── ClientError              raised only by `dataplane.client`
         ├── RequestTimeout       no reply within the request's timeout
+        ├── RequestAborted       a transfer abandoned because the server went unhealthy
         └── ServerClosed         the adapter was closed
 
 Every server-side error maps to an error reply ``{code, message}`` whose code is the class's
@@ -63,6 +64,10 @@ class ClientError(KVWardenError):
 
 class RequestTimeout(ClientError):
     code = "TIMEOUT"
+
+
+class RequestAborted(ClientError):
+    code = "ABORTED"
 
 
 class ServerClosed(ClientError):
