@@ -80,7 +80,7 @@ def serve(ns: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: types.FrameType | None) -> None:
-        logger.info("kvwarden: %s received, shutting down", signal.Signals(signum).name)
+        logger.info("%s received, shutting down", signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
