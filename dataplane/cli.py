@@ -10,7 +10,7 @@ import threading
 import types
 from typing import Any, NoReturn
 
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
 from dataplane.config import Settings, format_validation_error
 
@@ -142,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-__all__ = ["SecretStr", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,7 @@ from pydantic_core import to_json
 from app.core.health import HealthChecker, HealthReport
 
 if TYPE_CHECKING:
-    from dataplane.modules.transfer import ContextEntry
+    from dataplane.modules.registry import ContextEntry
     from dataplane.runtime import DataPlane
 
 TRANSFER_MODES = ("server_driven", "engine_driven")

@@ -25,7 +25,7 @@ from dataplane.errors import RequestError
 from dataplane.keys import chunk_keys, scope_digest
 from dataplane.kvmemory import MappedKV, map_registration, token_slots
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.registry import ContextEntry, Entry, InstanceInfo
+from dataplane.modules.registry import Entry, InstanceInfo
 from dataplane.modules.transfer_base import TransferModule
 from dataplane.protocol import MsgType, Register, Transfer
 from dataplane.shm import unlink_if_owner_gone
@@ -39,9 +39,6 @@ class CacheContext(Entry):
 
     layout: bytes = b""  # digest of the registered layout: a repeat register compares it
     kv: MappedKV | None = None
-
-
-__all__ = ["CacheContext", "ContextEntry", "ServerDrivenTransferModule"]
 
 
 class ServerDrivenTransferModule(TransferModule[CacheContext]):
