@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from dataplane.protocol import MsgType
+
 # sub-millisecond resolution for PING/LOOKUP, up to seconds for big transfers
 DURATION_BUCKETS = (
     50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
@@ -47,3 +49,7 @@ class DataPlaneMetrics:
             self.reaped.labels(reason=reason)
         for d in ("store", "retrieve"):
             self.transfer_bytes.labels(direction=d)
+        for t in MsgType:  # every series exists from the start: dashboards see 0, not nothing
+            self.duration.labels(type=t.value)
+            for outcome in ("ok", "error"):
+                self.requests.labels(type=t.value, outcome=outcome)
