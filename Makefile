@@ -26,7 +26,7 @@ DEV_STAMP := $(VENV)/.installed-dev-$(PYPROJECT_HASH)
 # external programs the tests need: program -> Debian package
 REQUIRED_PROGRAMS := redis-server:redis-server promtool:prometheus
 
-.PHONY: help run test lint typecheck pytest tools install install-dev bench openapi clean
+.PHONY: help run test lint typecheck pytest soak tools install install-dev bench openapi clean
 
 help:
 	@echo "kvwarden make targets:"
@@ -35,6 +35,7 @@ help:
 	@echo "  lint       ruff check dataplane app tests"
 	@echo "  typecheck  mypy (configured in pyproject.toml)"
 	@echo "  pytest     pytest only (PYTEST_ARGS=... adds arguments)"
+	@echo "  soak       the slow suites: workers crash and return for minutes (KVWARDEN_SOAK_SECONDS)"
 	@echo "  bench      kvwarden bench transfer (ARGS=... adds flags)"
 	@echo "  openapi    regenerate openapi/openapi.json"
 	@echo "  clean      remove caches, build outputs and install stamps (keeps $(VENV))"
@@ -143,3 +144,6 @@ clean:
 	find . -path ./$(VENV) -prune -o -name '*.egg-info' -type d -prune -exec rm -rf {} +
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 	rm -f $(VENV)/.installed-*
+
+soak: $(DEV_STAMP) tools
+	KVWARDEN_SLOW=1 $(BIN)/python -m pytest tests/soak $(PYTEST_ARGS)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,17 @@ import zmq
 from tests.helpers import ServerProcess, dealer
 
 DealerFactory = Callable[[str], zmq.Socket[Any]]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow suites (soak) run only with KVWARDEN_SLOW=1; otherwise they are deselected (not
+    skipped: they are not part of the default run at all)."""
+    if os.environ.get("KVWARDEN_SLOW"):
+        return
+    slow = [i for i in items if i.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if not i.get_closest_marker("slow")]
 ServerFactory = Callable[..., ServerProcess]
 
 
