@@ -24,7 +24,9 @@ from dataplane import shm
 from tests.e2e.workers import LAYOUT, WorkerProcess
 from tests.helpers import ServerProcess, dealer, ping, wait_until
 
-pytestmark = pytest.mark.slow
+SECONDS = float(os.environ.get("KVWARDEN_SOAK_SECONDS", "120"))
+# the per-test timeout of the default suite is too short for a soak: its duration plus set-up
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SECONDS + 240)]
 
 CHUNK = 32
 BS = LAYOUT["block_size"]
@@ -52,7 +54,7 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 def test_soak(server: ServerProcess, tmp_path: Path) -> None:
     import zmq
 
-    seconds = float(os.environ.get("KVWARDEN_SOAK_SECONDS", "120"))
+    seconds = SECONDS
     rng = random.Random(7)
     writers: list[WorkerProcess] = []
     dead: list[int] = []
