@@ -57,6 +57,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 15.0) -> None:
+    """SIGTERM (the server drains and exits), SIGKILL if it has not within ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -275,12 +285,7 @@ def _run_transfer_once(ns: argparse.Namespace, cpr: int) -> tuple[int, dict[str,
         if redis_pair is not None:
             redis_pair[0].kill()
             redis_pair[0].wait()
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _print(report: dict[str, Any]) -> None:

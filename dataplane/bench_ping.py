@@ -69,7 +69,7 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 
 def run_ping(ns: argparse.Namespace) -> int:
-    from dataplane.bench import _wait_ready, free_port
+    from dataplane.bench import _wait_ready, free_port, stop_process
     from dataplane.client import WorkerAdapter
 
     port, http_port = free_port(), free_port()
@@ -125,9 +125,4 @@ def run_ping(ns: argparse.Namespace) -> int:
         echo.kill()
         echo.wait()
         ctx.destroy(linger=0)
-        server.terminate()
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server)

@@ -148,12 +148,17 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 f"{len(keys)} full chunks of token_ids"
             )
 
+    def _batch(self, c: EngineContext, p: EngineTransfer) -> tuple[PoolStrategy, list[bytes]]:
+        """The pool and every full chunk's key, the request checked against both."""
+        s = c.strategy
+        assert s is not None
+        keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
+        self._check(p, s, keys)
+        return s, keys
+
     def _store(self, rctx: RequestContext, p: EngineTransfer) -> dict[str, Any]:
         with self._use(p.instance_id, rctx.conn_fd) as c:
-            s = c.strategy
-            assert s is not None
-            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
-            self._check(p, s, keys)
+            s, keys = self._batch(c, p)
             slots = s.slots
             return self.write_chunks(
                 p.instance_id, keys[p.first_chunk:p.first_chunk + p.n_chunks], c.chunk_bytes,
@@ -161,10 +166,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
 
     def _retrieve(self, rctx: RequestContext, p: EngineTransfer) -> dict[str, Any]:
         with self._use(p.instance_id, rctx.conn_fd) as c:
-            s = c.strategy
-            assert s is not None
-            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
-            self._check(p, s, keys)
+            s, keys = self._batch(c, p)
             wanted = keys[p.first_chunk:p.first_chunk + p.n_chunks]
             bufs = self.l1.acquire_prefix(wanted)
             try:

@@ -7,14 +7,12 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from tests.conftest import ServerFactory
 from tests.helpers import ServerProcess
 
 pytestmark = [
@@ -27,14 +25,8 @@ LAYERS, BLOCKS, BS, HEADS, HD = 4, 64, 16, 2, 8
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    s = ServerProcess(tmp_path, "--chunk-size", str(CHUNK), "--l1-size-gb", "0.1")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.proc.terminate()
-        s.proc.wait(20)
+def server(make_server: ServerFactory) -> ServerProcess:
+    return make_server("--chunk-size", str(CHUNK), "--l1-size-gb", "0.1")
 
 
 def _tokens(caches: list[torch.Tensor], blocks: np.ndarray, n: int) -> torch.Tensor:

@@ -7,28 +7,23 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
+from tests.conftest import ServerFactory
 from tests.helpers import ServerProcess, wait_until
 
 CHUNK = 32
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    s = ServerProcess(tmp_path, "--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        os.kill(s.proc.pid, signal.SIGCONT)
-        s.proc.terminate()
-        s.proc.wait(20)
+def server(make_server: ServerFactory) -> Iterator[ServerProcess]:
+    s = make_server("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+    yield s
+    os.kill(s.proc.pid, signal.SIGCONT)  # a stopped server would only die by SIGKILL
 
 
 def test_frozen_server_transfer_returns_a_miss_not_a_hang(server: ServerProcess) -> None:

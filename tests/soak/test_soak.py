@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dataplane import shm
+from tests.conftest import ServerFactory
 from tests.e2e.workers import LAYOUT, WorkerProcess
 from tests.helpers import ServerProcess, dealer, ping, wait_until
 
@@ -40,15 +40,9 @@ def _rss_kib(pid: int) -> int:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    s = ServerProcess(tmp_path, "--chunk-size", str(CHUNK), "--l1-size-gb", "0.004",
-                      "--worker-disconnect-grace-seconds", "1", "--log-level", "warning")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.proc.terminate()
-        s.proc.wait(30)
+def server(make_server: ServerFactory) -> ServerProcess:
+    return make_server("--chunk-size", str(CHUNK), "--l1-size-gb", "0.004",
+                       "--worker-disconnect-grace-seconds", "1", "--log-level", "warning")
 
 
 def test_soak(server: ServerProcess, tmp_path: Path) -> None:
