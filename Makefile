@@ -18,6 +18,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
+LINT_PATHS := dataplane app tests scripts
 
 PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
 INSTALL_STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
@@ -26,13 +27,13 @@ DEV_STAMP := $(VENV)/.installed-dev-$(PYPROJECT_HASH)
 # external programs the tests need: program -> Debian package
 REQUIRED_PROGRAMS := redis-server:redis-server promtool:prometheus
 
-.PHONY: help run test lint typecheck pytest soak tools install install-dev bench openapi clean
+.PHONY: help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi clean
 
 help:
 	@echo "kvwarden make targets:"
 	@echo "  run        install into $(VENV) (once) and start 'kvwarden serve' (ARGS=... adds flags)"
 	@echo "  test       dev install, external programs, then ruff, mypy and pytest"
-	@echo "  lint       ruff check dataplane app tests"
+	@echo "  lint       ruff check and format --check, import contracts (lint-imports), sizes"
 	@echo "  typecheck  mypy (configured in pyproject.toml)"
 	@echo "  pytest     pytest only (PYTEST_ARGS=... adds arguments)"
 	@echo "  soak       the slow suites: workers crash and return for minutes (KVWARDEN_SOAK_SECONDS)"
@@ -117,15 +118,25 @@ run: $(INSTALL_STAMP)
 	exec $(BIN)/kvwarden serve $(ARGS)
 
 test: $(DEV_STAMP) tools
-	@echo "==> ruff"
-	$(BIN)/ruff check dataplane app tests
+	@$(MAKE) --no-print-directory lint-steps
 	@echo "==> mypy"
 	$(BIN)/python -m mypy
 	@echo "==> pytest"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
-	$(BIN)/ruff check dataplane app tests
+	@$(MAKE) --no-print-directory lint-steps
+
+# ruff (lint and formatting), the import contracts of pyproject.toml, module and function sizes
+lint-steps:
+	@echo "==> ruff check"
+	$(BIN)/ruff check $(LINT_PATHS)
+	@echo "==> ruff format --check"
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	@echo "==> lint-imports"
+	$(BIN)/lint-imports
+	@echo "==> module and function sizes"
+	$(BIN)/python scripts/check_shape.py dataplane app
 
 typecheck: $(DEV_STAMP)
 	$(BIN)/python -m mypy

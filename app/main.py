@@ -15,11 +15,13 @@ from app.core.health import DEFAULT_PROVIDERS, CheckProvider, HealthChecker
 from app.core.metrics import DataPlaneStateCollector
 from app.core.status import build_snapshot
 from dataplane import __version__
-from dataplane.runtime import DataPlane
+from dataplane.server.facade import DataPlaneView
 
 TITLE = "kvwarden sidecar"
-DESCRIPTION = ("HTTP sidecar of the kvwarden KV-cache server: liveness, health, status, "
-               "tracked worker instances, admin reap and Prometheus metrics.")
+DESCRIPTION = (
+    "HTTP sidecar of the kvwarden KV-cache server: liveness, health, status, "
+    "tracked worker instances, admin reap and Prometheus metrics."
+)
 # latency buckets of the HTTP histogram: the routes answer in well under a millisecond to tens
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -29,10 +31,10 @@ def operation_id(route: APIRoute) -> str:
     return f"{route.tags[0]}-{route.name}" if route.tags else route.name
 
 
-def create_app(dp: DataPlane,
-               check_providers: Sequence[CheckProvider] = DEFAULT_PROVIDERS) -> FastAPI:
-    app = FastAPI(title=TITLE, description=DESCRIPTION, version=__version__,
-                  generate_unique_id_function=operation_id)
+def create_app(dp: DataPlaneView, check_providers: Sequence[CheckProvider] = DEFAULT_PROVIDERS) -> FastAPI:
+    app = FastAPI(
+        title=TITLE, description=DESCRIPTION, version=__version__, generate_unique_id_function=operation_id
+    )
     app.state.dp = dp
     health = HealthChecker(dp, check_providers)
     app.state.health = health
@@ -41,6 +43,7 @@ def create_app(dp: DataPlane,
     registry.register(DataPlaneStateCollector(dp, health))
     app.state.metrics_registry = registry
     Instrumentator(registry=registry, excluded_handlers=["/metrics"]).instrument(
-        app, metric_namespace="kvwarden", latency_lowr_buckets=LATENCY_BUCKETS)
+        app, metric_namespace="kvwarden", latency_lowr_buckets=LATENCY_BUCKETS
+    )
     app.include_router(api_router)
     return app

@@ -44,9 +44,7 @@ class HealthPublic(BaseModel):
     service_id: str
     description: str = "kvwarden data plane"
     output: str = Field("", description="the first failing check's output, if any")
-    checks: dict[str, list[CheckPublic]] = Field(
-        description="check name -> its results (one each here)"
-    )
+    checks: dict[str, list[CheckPublic]] = Field(description="check name -> its results (one each here)")
 
 
 class ServerPublic(BaseModel):

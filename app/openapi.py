@@ -34,6 +34,6 @@ def _no_checks(_dp: Any) -> list[Any]:
 
 def openapi_text() -> str:
     from app.main import create_app
-    from dataplane.runtime import DataPlane
+    from dataplane.server.facade import DataPlaneView
 
-    return render_openapi(create_app(cast(DataPlane, _Unused()), check_providers=[_no_checks]))
+    return render_openapi(create_app(cast(DataPlaneView, _Unused()), check_providers=[_no_checks]))

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from app.main import create_app
-from dataplane.runtime import DataPlane
+from dataplane.server.facade import DataPlaneView
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,14 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class Sidecar:
-    def __init__(self, dp: DataPlane, host: str | None = None, port: int | None = None,
-                 app: FastAPI | None = None, graceful_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        dp: DataPlaneView,
+        host: str | None = None,
+        port: int | None = None,
+        app: FastAPI | None = None,
+        graceful_timeout_s: float = 3.0,
+    ) -> None:
         self.dp = dp
         self.host = host if host is not None else dp.settings.http_host
         self.port = port if port is not None else dp.settings.http_port  # 0: any free port
@@ -91,8 +97,9 @@ class Sidecar:
         )
         server = _ThreadServer(config)
         self._server = server
-        self._thread = threading.Thread(target=self._run, args=(server, sock),
-                                        name="kvwarden-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(server, sock), name="kvwarden-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         tick = threading.Event()
@@ -102,8 +109,7 @@ class Sidecar:
                 raise SidecarStartError(f"the HTTP server on {self.url} stopped during start-up")
             if time.monotonic() > deadline:
                 self.stop()
-                raise SidecarStartError(
-                    f"the HTTP server on {self.url} did not start in {timeout_s:g}s")
+                raise SidecarStartError(f"the HTTP server on {self.url} did not start in {timeout_s:g}s")
             tick.wait(0.005)
         logger.info("sidecar: serving on %s", self.url)
 

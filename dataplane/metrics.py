@@ -9,12 +9,26 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from dataplane.protocol import MsgType
+from dataplane.wire.messages import MsgType
 
 # sub-millisecond resolution for PING/LOOKUP, up to seconds for big transfers
 DURATION_BUCKETS = (
-    50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0,
+    50e-6,
+    100e-6,
+    200e-6,
+    500e-6,
+    1e-3,
+    2e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 REAP_REASONS = ("timeout", "grace", "disconnect", "admin")
 
@@ -25,16 +39,23 @@ class DataPlaneMetrics:
         r = self.registry
         self.pings = Counter("kvwarden_pings", "PING requests answered.", registry=r)
         self.requests = Counter(
-            "kvwarden_requests", "Requests by type and outcome (ok, error).", ["type", "outcome"],
+            "kvwarden_requests",
+            "Requests by type and outcome (ok, error).",
+            ["type", "outcome"],
             registry=r,
         )
         self.duration = Histogram(
-            "kvwarden_request_duration_seconds", "Request handling time by type.", ["type"],
-            buckets=DURATION_BUCKETS, registry=r,
+            "kvwarden_request_duration_seconds",
+            "Request handling time by type.",
+            ["type"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
         )
         self.transfer_bytes = Counter(
-            "kvwarden_transfer_bytes", "KV bytes copied, by direction (store, retrieve).",
-            ["direction"], registry=r,
+            "kvwarden_transfer_bytes",
+            "KV bytes copied, by direction (store, retrieve).",
+            ["direction"],
+            registry=r,
         )
         self.lookup_tokens = Counter("kvwarden_lookup_tokens", "Tokens asked about.", registry=r)
         self.hit_tokens = Counter("kvwarden_hit_tokens", "Tokens found stored.", registry=r)
@@ -42,7 +63,8 @@ class DataPlaneMetrics:
             "kvwarden_instances_reaped", "Instances reaped, by reason.", ["reason"], registry=r
         )
         self.rejected_chunks = Counter(
-            "kvwarden_store_rejected_chunks", "Chunks a STORE could not write (L1 full).",
+            "kvwarden_store_rejected_chunks",
+            "Chunks a STORE could not write (L1 full).",
             registry=r,
         )
         for reason in REAP_REASONS:

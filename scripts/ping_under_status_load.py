@@ -81,8 +81,7 @@ def status_load(url: str, rate: float, stop: Any, results: Any) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--instances", type=int, default=1000)
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--rate", type=float, default=50.0, help="/status requests per second")
@@ -93,14 +92,14 @@ def main() -> int:
     import zmq
 
     from dataplane.client import WorkerAdapter, allocate_kv_caches
-    from dataplane.protocol import MsgType, decode_reply, encode_request
+    from dataplane.wire.messages import MsgType
+    from dataplane.wire.protocol import decode_reply, encode_request
 
     port, http_port = free_port(), free_port()
     endpoint, url = f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
     fd, log_name = tempfile.mkstemp(prefix="kvwarden-ping-", suffix=".log")
     env = dict(os.environ, PYTHONPATH=str(ROOT), KVWARDEN_LOG_LEVEL="warning")
-    cmd = [sys.executable, "-m", "dataplane.cli", "serve", "--port", str(port), "--http-port",
-           str(http_port)]
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--http-port", str(http_port)]
     with os.fdopen(fd, "wb") as log:
         server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     ctx: zmq.Context[Any] = zmq.Context()
@@ -137,10 +136,9 @@ def main() -> int:
         window = 256
         ids = [uuid.uuid4().int & ((1 << 63) - 1) for _ in range(ns.instances - 1)]
         for i in range(0, len(ids), window):
-            batch = ids[i:i + window]
+            batch = ids[i : i + window]
             for iid in batch:
-                sock.send(encode_request(next(rids), MsgType.REGISTER_KV_CACHE,
-                                         [iid, *payload[1:]]))
+                sock.send(encode_request(next(rids), MsgType.REGISTER_KV_CACHE, [iid, *payload[1:]]))
             for _ in batch:
                 if not sock.poll(60_000):
                     raise RuntimeError("REGISTER replies stopped")
@@ -184,21 +182,24 @@ def main() -> int:
         server.wait(30)
 
     def line(name: str, xs: list[float]) -> str:
-        return (f"{name:<28} n={len(xs):5d}  p50 {statistics.median(xs) * 1e6:8.0f} us  "
-                f"p99 {pct(xs, 0.99) * 1e6:8.0f} us")
+        return (
+            f"{name:<28} n={len(xs):5d}  p50 {statistics.median(xs) * 1e6:8.0f} us  "
+            f"p99 {pct(xs, 0.99) * 1e6:8.0f} us"
+        )
 
-    print(f"PING round trip, {tracked} tracked instances, one PING every "
-          f"{ns.ping_interval_ms:g} ms:")
+    print(f"PING round trip, {tracked} tracked instances, one PING every {ns.ping_interval_ms:g} ms:")
     print(line("idle", idle))
     print(line(f"/status at {ns.rate:g}/s", loaded))
     print(line("idle again", idle2))
     base = max(pct(idle, 0.99), pct(idle2, 0.99))
     print(f"loaded p99 / idle p99 (worse idle block): {pct(loaded, 0.99) / base:.2f}x")
     if status_lat:
-        print(f"/status during the load: {issued} issued, {len(status_lat)} answered, "
-              f"{errors} errors, "
-              f"p50 {statistics.median(status_lat) * 1e3:.1f} ms, "
-              f"p99 {pct(status_lat, 0.99) * 1e3:.1f} ms")
+        print(
+            f"/status during the load: {issued} issued, {len(status_lat)} answered, "
+            f"{errors} errors, "
+            f"p50 {statistics.median(status_lat) * 1e3:.1f} ms, "
+            f"p99 {pct(status_lat, 0.99) * 1e3:.1f} ms"
+        )
     return 0
 
 

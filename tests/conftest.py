@@ -22,6 +22,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [i for i in items if not i.get_closest_marker("slow")]
+
+
 ServerFactory = Callable[..., ServerProcess]
 
 

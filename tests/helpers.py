@@ -16,7 +16,8 @@ from typing import Any
 
 import zmq
 
-from dataplane.protocol import MsgType, Reply, decode_reply, encode_request
+from dataplane.wire.messages import MsgType
+from dataplane.wire.protocol import Reply, decode_reply, encode_request
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,9 +64,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def request(
-    sock: zmq.Socket[Any], frames: bytes | Sequence[bytes], timeout: float = 10.0
-) -> list[bytes]:
+def request(sock: zmq.Socket[Any], frames: bytes | Sequence[bytes], timeout: float = 10.0) -> list[bytes]:
     """Send one message (a frame or a multipart list) and return the reply's frames."""
     if isinstance(frames, bytes):
         sock.send(frames)
@@ -123,7 +122,7 @@ class ServerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "dataplane.cli",
+            "app.cli",
             "serve",
             "--port",
             str(self.port),
@@ -132,14 +131,10 @@ class ServerProcess:
             *args,
         ]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=out, stderr=err, env=env or subprocess_env()
-            )
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, env=env or subprocess_env())
 
     def output(self) -> str:
-        return self.stdout_path.read_text(errors="replace") + self.stderr_path.read_text(
-            errors="replace"
-        )
+        return self.stdout_path.read_text(errors="replace") + self.stderr_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Poll HELLO until the server answers; returns its server info."""
@@ -152,13 +147,10 @@ class ServerProcess:
             while True:
                 if self.proc.poll() is not None:
                     raise AssertionError(
-                        f"server exited with {self.proc.returncode} before answering HELLO:\n"
-                        + self.output()
+                        f"server exited with {self.proc.returncode} before answering HELLO:\n" + self.output()
                     )
                 if time.monotonic() >= deadline:
-                    raise AssertionError(
-                        f"server did not answer HELLO in {timeout:g}s:\n" + self.output()
-                    )
+                    raise AssertionError(f"server did not answer HELLO in {timeout:g}s:\n" + self.output())
                 if sock.poll(50, zmq.POLLIN):
                     reply = decode_reply(sock.recv())
                     assert reply.ok and reply.request_id == rid, reply
@@ -202,9 +194,7 @@ class LineReader:
             if ready:
                 data = os.read(self.fd, 65536)
                 if not data:
-                    raise AssertionError(
-                        f"pid {self.proc.pid} closed its output (exit {self.proc.poll()})"
-                    )
+                    raise AssertionError(f"pid {self.proc.pid} closed its output (exit {self.proc.poll()})")
                 self.buf += data
         line, self.buf = self.buf.split(b"\n", 1)
         return line.decode()

@@ -46,9 +46,12 @@ class AuditedRoute(APIRoute):
                 result = getattr(request.state, "audit_result", "")
                 logger.warning(
                     "audit: admin %s who=%s from=%s instance=%s dry_run=%s outcome=%d%s",
-                    name, getattr(request.state, "audit_who", "unchecked"), where,
+                    name,
+                    getattr(request.state, "audit_who", "unchecked"),
+                    where,
                     _short(request.path_params.get("instance_id")),
-                    _short(request.query_params.get("dry_run", "false")), status_code,
+                    _short(request.query_params.get("dry_run", "false")),
+                    status_code,
                     f" ({result})" if result else "",
                 )
 

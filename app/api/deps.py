@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 from app.core.coalesce import Coalescer
 from app.core.health import HealthChecker
 from app.core.status import StatusSnapshot
-from dataplane.runtime import DataPlane
+from dataplane.server.facade import DataPlaneView
 
 
-def get_dataplane(request: Request) -> DataPlane:
-    dp: DataPlane = request.app.state.dp
+def get_dataplane(request: Request) -> DataPlaneView:
+    dp: DataPlaneView = request.app.state.dp
     return dp
 
 
@@ -39,7 +39,7 @@ def get_status_source(request: Request) -> Coalescer[StatusSnapshot]:
     return source
 
 
-DataPlaneDep = Annotated[DataPlane, Depends(get_dataplane)]
+DataPlaneDep = Annotated[DataPlaneView, Depends(get_dataplane)]
 StatusSourceDep = Annotated[Coalescer[StatusSnapshot], Depends(get_status_source)]
 HealthDep = Annotated[HealthChecker, Depends(get_health)]
 MetricsRegistryDep = Annotated[CollectorRegistry, Depends(get_metrics_registry)]
@@ -52,8 +52,7 @@ bearer_scheme = HTTPBearer(
 
 def _unauthorised(request: Request, who: str, detail: str, header: str) -> HTTPException:
     request.state.audit_who = who
-    return HTTPException(status.HTTP_401_UNAUTHORIZED, detail,
-                         headers={"WWW-Authenticate": header})
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": header})
 
 
 def require_admin(
@@ -67,15 +66,16 @@ def require_admin(
     expected = configured.get_secret_value() if configured is not None else ""
     if not expected:
         request.state.audit_who = "refused (no admin token configured)"
-        raise HTTPException(status.HTTP_403_FORBIDDEN,
-                            "admin routes are disabled: the server has no admin token")
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, "admin routes are disabled: the server has no admin token"
+        )
     if credentials is None:
-        raise _unauthorised(request, "refused (no bearer token)", "missing bearer token",
-                            "Bearer")
+        raise _unauthorised(request, "refused (no bearer token)", "missing bearer token", "Bearer")
     given = credentials.credentials.encode("utf-8", "surrogateescape")
     if not hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape")):
-        raise _unauthorised(request, "refused (wrong token)", "invalid bearer token",
-                            'Bearer error="invalid_token"')
+        raise _unauthorised(
+            request, "refused (wrong token)", "invalid bearer token", 'Bearer error="invalid_token"'
+        )
     request.state.audit_who = "admin (token ok)"
 
 

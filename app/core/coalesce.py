@@ -26,8 +26,9 @@ T = TypeVar("T")
 
 
 class Coalescer(Generic[T]):
-    def __init__(self, build: Callable[[], T], max_duty: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, build: Callable[[], T], max_duty: float = 0.25, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not 0 < max_duty <= 1:
             raise ValueError("max_duty must be in (0, 1]")
         self._build = build

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
-    from dataplane.runtime import DataPlane
+    from dataplane.server.facade import DataPlaneView
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class HealthCheck(Protocol):
     def check(self) -> CheckResult: ...
 
 
-CheckProvider = Callable[["DataPlane"], Sequence[HealthCheck]]
+CheckProvider = Callable[["DataPlaneView"], Sequence[HealthCheck]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ class FunctionCheck:
 class HealthChecker:
     """Runs every check of every provider; cheap enough for each `/health` and scrape."""
 
-    def __init__(self, dp: DataPlane, providers: Sequence[CheckProvider]) -> None:
+    def __init__(self, dp: DataPlaneView, providers: Sequence[CheckProvider]) -> None:
         self.checks: list[HealthCheck] = []
         for provider in providers:
             self.checks.extend(provider(dp))
@@ -104,26 +104,28 @@ class HealthChecker:
 # ---------------------------------------------------------------- the data plane's own checks
 
 
-def dataplane_checks(dp: DataPlane) -> list[HealthCheck]:
+def dataplane_checks(dp: DataPlaneView) -> list[HealthCheck]:
     """The loop thread, the worker pools and (when reaping is on) the reaper thread."""
-    server = dp.server
 
     def loop() -> str | None:
-        if server.loop_error is not None:
-            return f"loop thread died: {server.loop_error!r}"
-        if not server.is_alive():
-            return f"loop thread is not running (server {server.state.value})"
+        c = dp.components()
+        if c.loop_error is not None:
+            return f"loop thread died: {c.loop_error}"
+        if not c.loop_alive:
+            return f"loop thread is not running (server {c.state})"
         return None
 
     def pools() -> str | None:
-        return None if server.pools_alive() else "worker pools shut down"
+        return None if dp.components().pools_alive else "worker pools shut down"
 
-    checks: list[HealthCheck] = [FunctionCheck("dataplane:loop", loop),
-                                 FunctionCheck("dataplane:pools", pools)]
-    if dp.management.reaper_alive() is not None:
-        def reaper() -> str | None:
-            return None if dp.management.reaper_alive() else "worker reaper thread is not running"
+    def reaper() -> str | None:
+        return None if dp.components().reaper_alive else "worker reaper thread is not running"
 
+    checks: list[HealthCheck] = [
+        FunctionCheck("dataplane:loop", loop),
+        FunctionCheck("dataplane:pools", pools),
+    ]
+    if dp.components().reaper_alive is not None:
         checks.append(FunctionCheck("dataplane:reaper", reaper))
     return checks
 

@@ -17,40 +17,45 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from app.core.health import HealthChecker
-from app.core.status import tracked_by_mode
 
 if TYPE_CHECKING:
-    from dataplane.runtime import DataPlane
+    from dataplane.server.facade import DataPlaneView
 
 
 class DataPlaneStateCollector(Collector):
-    def __init__(self, dp: DataPlane, health: HealthChecker) -> None:
+    def __init__(self, dp: DataPlaneView, health: HealthChecker) -> None:
         self._dp = dp
         self._health = health
 
     def collect(self) -> Iterator[Metric]:
         dp = self._dp
         yield GaugeMetricFamily(
-            "kvwarden_healthy", "1 while no health check fails, else 0.",
+            "kvwarden_healthy",
+            "1 while no health check fails, else 0.",
             value=1.0 if self._health.run().is_healthy else 0.0,
         )
         tracked = GaugeMetricFamily(
-            "kvwarden_tracked_instances", "Worker instances tracked, by transfer mode.",
+            "kvwarden_tracked_instances",
+            "Worker instances tracked, by transfer mode.",
             labels=["transfer_mode"],
         )
-        for mode, n in tracked_by_mode(dp).items():
+        for mode, n in dp.tracked_by_mode().items():
             tracked.add_metric([mode], n)
         yield tracked
-        stats = dp.l1.stats()
-        yield GaugeMetricFamily("kvwarden_l1_used_bytes",
-                                "Bytes of L1 held by committed and reserved chunks.",
-                                value=stats.used_bytes)
-        yield GaugeMetricFamily("kvwarden_l1_capacity_bytes", "L1 capacity in bytes.",
-                                value=stats.capacity_bytes)
-        yield CounterMetricFamily("kvwarden_l1_evictions", "Chunks evicted from L1 (LRU).",
-                                  value=stats.evictions)
+        stats = dp.l1_stats()
+        yield GaugeMetricFamily(
+            "kvwarden_l1_used_bytes",
+            "Bytes of L1 held by committed and reserved chunks.",
+            value=stats.used_bytes,
+        )
+        yield GaugeMetricFamily(
+            "kvwarden_l1_capacity_bytes", "L1 capacity in bytes.", value=stats.capacity_bytes
+        )
+        yield CounterMetricFamily(
+            "kvwarden_l1_evictions", "Chunks evicted from L1 (LRU).", value=stats.evictions
+        )
 
 
-def render_metrics(dp: DataPlane, app_registry: CollectorRegistry) -> bytes:
+def render_metrics(dp: DataPlaneView, app_registry: CollectorRegistry) -> bytes:
     """Prometheus text format: the data plane's registry, then the app's."""
-    return generate_latest(dp.metrics.registry) + generate_latest(app_registry)
+    return dp.render_metrics() + generate_latest(app_registry)

@@ -11,36 +11,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from pydantic_core import to_json
 
 from app.core.health import HealthChecker, HealthReport
 
 if TYPE_CHECKING:
-    from dataplane.modules.registry import ContextEntry
-    from dataplane.runtime import DataPlane
+    from dataplane.server.facade import ContextEntry, DataPlaneView
 
-TRANSFER_MODES = ("server_driven", "engine_driven")
 # encode the instance list in slices: one encoder call holds the GIL throughout, and the
 # data-plane loop shares this process; slices give it a chance to run between them
 _ENCODE_SLICE = 1024
-
-
-class _SnapshotSource(Protocol):
-    def context_entries_snapshot(self) -> list[ContextEntry]: ...
-
-    def context_entry(self, instance_id: int) -> ContextEntry | None: ...
-
-
-def snapshot_sources(dp: DataPlane) -> list[_SnapshotSource]:
-    """Every module that tracks instances and offers the locked snapshot accessors."""
-    sources: list[Any] = [dp.transfer]
-    for t in dp.management.targets:
-        if hasattr(t, "context_entries_snapshot") and all(t is not s for s in sources):
-            sources.append(t)
-    return sources
 
 
 def instance_view(e: ContextEntry, now: float) -> dict[str, Any]:
@@ -58,39 +41,19 @@ def instance_view(e: ContextEntry, now: float) -> dict[str, Any]:
     }
 
 
-def iter_instances(dp: DataPlane) -> Iterator[dict[str, Any]]:
-    for source in snapshot_sources(dp):
-        entries = source.context_entries_snapshot()  # a copy, taken under the module lock
-        now = dp.clock()
-        for e in entries:
-            yield instance_view(e, now)
+def iter_instances(dp: DataPlaneView) -> Iterator[dict[str, Any]]:
+    entries = dp.context_entries_snapshot()  # copies, each taken under its module's lock
+    now = dp.clock()
+    for e in entries:
+        yield instance_view(e, now)
 
 
-def find_instance(dp: DataPlane, instance_id: int) -> dict[str, Any] | None:
-    for source in snapshot_sources(dp):
-        e = source.context_entry(instance_id)
-        if e is not None:
-            return instance_view(e, dp.clock())
-    return None
+def find_instance(dp: DataPlaneView, instance_id: int) -> dict[str, Any] | None:
+    e = dp.context_entry(instance_id)
+    return None if e is None else instance_view(e, dp.clock())
 
 
-def holders_of(dp: DataPlane, instance_id: int) -> list[str]:
-    """Names of the modules tracking ``instance_id`` (what a reap would release)."""
-    return [str(getattr(s, "name", type(s).__name__)) for s in snapshot_sources(dp)
-            if s.context_entry(instance_id) is not None]
-
-
-def tracked_by_mode(dp: DataPlane) -> dict[str, int]:
-    """Tracked instances per transfer mode; every mode present (0 when none)."""
-    counts = dict.fromkeys(TRANSFER_MODES, 0)
-    for t in dp.management.targets:
-        mode = getattr(t, "name", None)
-        if mode in counts:
-            counts[mode] += t.tracked_instance_count()
-    return counts
-
-
-def health_summary(dp: DataPlane, report: HealthReport) -> dict[str, Any]:
+def health_summary(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
     return {
         "fallback_policy": str(dp.settings.fallback_policy.value),
         "checks": [check_view(r) for r in report.results],
@@ -99,42 +62,33 @@ def health_summary(dp: DataPlane, report: HealthReport) -> dict[str, Any]:
 
 
 def check_view(r: Any) -> dict[str, Any]:
-    return {"name": r.name, "status": r.status, "component_type": r.component_type,
-            "output": r.output}
+    return {"name": r.name, "status": r.status, "component_type": r.component_type, "output": r.output}
 
 
-def status_document(dp: DataPlane, report: HealthReport) -> tuple[dict[str, Any],
-                                                                   list[dict[str, Any]]]:
+def status_document(dp: DataPlaneView, report: HealthReport) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the document without its instances, the instances): see `encode_status`."""
     instances = list(iter_instances(dp))
-    s = dp.server
-    settings = dp.settings
-    liveness = dp.management.report_status().get("worker_liveness")
-    if liveness is None:  # no liveness targets: report reaping as off
-        liveness = {
-            "enabled": False,
-            "reap_timeout_seconds": float(settings.worker_reap_timeout_seconds),
-            "registration_grace_seconds": float(settings.worker_registration_grace_seconds),
-            "disconnect_grace_seconds": float(settings.worker_disconnect_grace_seconds),
-            "tracked_instances": len(instances),
-            "reaped_total": 0,
-        }
-    l1 = dp.l1.stats()
+    info = dp.server_info()
+    l1 = dp.l1_stats()
     doc: dict[str, Any] = {
         "server": {
-            "server_id": s.server_id,
-            "boot_token": s.boot_token,
-            "version": s.version,
-            "uptime_seconds": max(0.0, time.time() - s.started_at),
-            "zmq_endpoint": s.bound_endpoint,
-            "chunk_size": settings.chunk_size,
+            "server_id": info.server_id,
+            "boot_token": info.boot_token,
+            "version": info.version,
+            "uptime_seconds": max(0.0, time.time() - info.started_at),
+            "zmq_endpoint": info.endpoint,
+            "chunk_size": info.chunk_size,
         },
         "is_healthy": report.is_healthy,
-        "worker_liveness": liveness,
+        "worker_liveness": asdict(dp.liveness_status()),
         "instances": None,  # placeholder, filled by encode_status
         "storage": {
-            "l1": {"used_bytes": l1.used_bytes, "capacity_bytes": l1.capacity_bytes,
-                   "chunks": l1.chunks, "hot_cache": l1.hot_cache},
+            "l1": {
+                "used_bytes": l1.used_bytes,
+                "capacity_bytes": l1.capacity_bytes,
+                "chunks": l1.chunks,
+                "hot_cache": l1.hot_cache,
+            },
             "remote": None,
         },
         "health": health_summary(dp, report),
@@ -144,8 +98,7 @@ def status_document(dp: DataPlane, report: HealthReport) -> tuple[dict[str, Any]
 
 def encode_instances(instances: list[dict[str, Any]]) -> bytes:
     # pydantic-core's encoder: about 5x json.dumps on this shape (floats dominate)
-    parts = [to_json(instances[i:i + _ENCODE_SLICE])[1:-1]
-             for i in range(0, len(instances), _ENCODE_SLICE)]
+    parts = [to_json(instances[i : i + _ENCODE_SLICE])[1:-1] for i in range(0, len(instances), _ENCODE_SLICE)]
     return b"[" + b",".join(parts) + b"]"
 
 
@@ -154,7 +107,7 @@ def encode_status(doc: dict[str, Any], instances_json: bytes) -> bytes:
     head = to_json(doc)
     marker = b'"instances":null'
     i = head.index(marker)
-    return head[:i] + b'"instances":' + instances_json + head[i + len(marker):]
+    return head[:i] + b'"instances":' + instances_json + head[i + len(marker) :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +118,7 @@ class StatusSnapshot:
     instances_json: bytes
 
 
-def build_snapshot(dp: DataPlane, health: HealthChecker) -> StatusSnapshot:
+def build_snapshot(dp: DataPlaneView, health: HealthChecker) -> StatusSnapshot:
     doc, instances = status_document(dp, health.run())
     instances_json = encode_instances(instances)
     return StatusSnapshot(encode_status(doc, instances_json), instances_json)

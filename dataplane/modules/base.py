@@ -1,4 +1,9 @@
-"""What a module gives the server: its handlers, its lifecycle, and its liveness role."""
+"""What a module gives the server (its handlers and lifecycle) and what it is given.
+
+A module never sees the server loop: it gets the values it needs (`ServerInfo`) at
+construction, and the assembler (`dataplane.server.runtime`) subscribes its callbacks (the
+management module's connection events) to the loop.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dataplane.protocol import MsgType
+from dataplane.wire.messages import MsgType
 
 
 class HandlerKind(enum.Enum):
@@ -34,46 +39,18 @@ class Handler:
     order_key: Callable[[Any], int] | None = None
 
 
-ReapListener = Callable[[int, str, float, bool], None]  # (id, reason, silence_s, pinged)
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """Who this server is: what HELLO answers and `/status` shows (fixed for its lifetime)."""
 
-
-class InstanceLivenessTarget:
-    """The liveness protocol; every method is a no-op until a module overrides its role.
-
-    Transfer modules implement the first three; modules holding per-instance side state (blend)
-    implement only ``drop_instance_state``. Beyond the reference protocol, transfer modules
-    also track the connection each instance last spoke over (``mark_connection_closed``,
-    ``reap_disconnected_instances``) and report each reaped id with its reason to
-    ``reap_listener`` (set by the management module).
-    """
-
-    reap_listener: ReapListener | None = None
-
-    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
-        """Refresh ``last_seen`` and latch ``has_liveness_signal``; never inserts.
-
-        Returns whether the id is tracked here."""
-        return False
-
-    def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[int]:
-        return []
-
-    def tracked_instance_count(self) -> int:
-        return 0
-
-    def drop_instance_state(self, instance_id: int) -> None:
-        return None
-
-    def remove_instance(self, instance_id: int, why: str) -> bool:
-        """Release the instance's state through the UNREGISTER cleanup; False when unknown."""
-        return False
-
-    def mark_connection_closed(self, conn_fd: int, now: float) -> int:
-        """Flag the instances last seen over ``conn_fd``; returns how many."""
-        return 0
-
-    def reap_disconnected_instances(self, disconnect_grace_s: float) -> list[int]:
-        return []
+    server_id: str
+    boot_token: int  # random per start: a client that sees it change re-registers
+    version: str
+    protocol_version: int
+    started_at: float  # wall clock (time.time())
+    endpoint: str  # the bound ZMQ endpoint
+    chunk_size: int
+    max_frame_bytes: int
 
 
 class Module(Protocol):
@@ -88,5 +65,3 @@ class Module(Protocol):
 
     def close(self) -> None:
         """Release all state; called after the loop and every background thread stopped."""
-
-    def report_status(self) -> dict[str, Any]: ...

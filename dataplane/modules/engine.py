@@ -19,16 +19,24 @@ from typing import Any
 
 import torch
 
-from dataplane.errors import RequestError
-from dataplane.keys import chunk_keys, scope_digest
-from dataplane.kvmemory import TORCH_DTYPES, CopySplitter
+from dataplane.liveness.registry import Clock, Entry, InstanceInfo
+from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter
+from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.registry import Clock, Entry, InstanceInfo
-from dataplane.modules.transfer_base import TransferModule
-from dataplane.protocol import EngineRegister, EngineTransfer, MsgType
-from dataplane.shm import Segment
+from dataplane.modules.transfer_common import TransferModule
+from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.errors import RequestError
+from dataplane.wire.messages import (
+    EngineRegister,
+    EngineRetrieve,
+    EngineStore,
+    EngineTransfer,
+    MemoryKind,
+    MsgType,
+    TransferMode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +66,16 @@ class EngineContext(Entry):
 class EngineDrivenTransferModule(TransferModule[EngineContext]):
     name = "engine_driven"
 
-    def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
-                 clock: Clock = time.monotonic, release_timeout_s: float = 10.0,
-                 max_pool_bytes: int = 4 << 30, splitter: CopySplitter | None = None) -> None:
+    def __init__(
+        self,
+        l1: L1Store,
+        chunk_size: int,
+        metrics: DataPlaneMetrics,
+        clock: Clock = time.monotonic,
+        release_timeout_s: float = 10.0,
+        max_pool_bytes: int = 4 << 30,
+        splitter: CopySplitter | None = None,
+    ) -> None:
         super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter)
         self.max_pool_bytes = max_pool_bytes
 
@@ -72,8 +87,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         }
 
     def strategy_count(self) -> int:
-        with self._lock:
-            return sum(1 for c in self._entries.values() if c.strategy is not None)
+        return self.registry.count(lambda c: c.strategy is not None)
 
     # ---------------------------------------------------------------- hooks
     def _release(self, c: EngineContext, why: str) -> None:
@@ -86,12 +100,11 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         dtype = TORCH_DTYPES[reg.dtype]
         item = torch.empty((), dtype=dtype).element_size()
         chunk_bytes = reg.num_layers * 2 * self.chunk_size * reg.heads * reg.head_dim * item
-        with self._lock:
-            old = self._entries.get(reg.instance_id)
-            if old is not None and old.strategy is not None and old.reg == reg:
-                old.last_seen = self._clock()  # repeat register: refresh, never latch
-                self._seen_over(old, rctx.conn_fd)
-                return self._pool_info(old.strategy, chunk_bytes, created=False)
+        old = self.registry.refresh_if(
+            reg.instance_id, lambda c: c.strategy is not None and c.reg == reg, rctx.conn_fd
+        )
+        if old is not None and old.strategy is not None:  # a repeat register: refreshed
+            return self._pool_info(old.strategy, chunk_bytes, created=False)
         if chunk_bytes * reg.pool_chunks > self.max_pool_bytes:
             raise RequestError(
                 f"pool_chunks: {reg.pool_chunks} chunks of {chunk_bytes} bytes exceed the pool "
@@ -99,27 +112,44 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             )
         seg = Segment.create(chunk_bytes * reg.pool_chunks)  # slow: outside the lock
         flat = seg.as_tensor()
-        strat = PoolStrategy(seg, [flat[i * chunk_bytes:(i + 1) * chunk_bytes]
-                                   for i in range(reg.pool_chunks)])
+        strat = PoolStrategy(
+            seg, [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(reg.pool_chunks)]
+        )
         del flat
-        scope = scope_digest(reg.model_name, reg.world_size, reg.worker_id, reg.dtype,
-                             reg.num_layers, reg.heads, reg.head_dim)
+        scope = scope_digest(
+            reg.model_name, reg.world_size, reg.worker_id, reg.dtype, reg.num_layers, reg.heads, reg.head_dim
+        )
         now = self._clock()
-        info = InstanceInfo("engine_driven", "shm", reg.model_name, reg.world_size, reg.worker_id,
-                            reg.owner_pid, reg.num_layers, reg.dtype)
-        ctx = EngineContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, reg=reg,
-                            chunk_bytes=chunk_bytes, strategy=strat)
-        with self._lock:
-            replaced = self._pop_locked(reg.instance_id)
-            self._entries[reg.instance_id] = ctx
-            idle = replaced is not None and replaced.users == 0
-            if replaced is not None:
-                replaced.removed = True
-        if idle and replaced is not None:
-            self._bounded_release([replaced], "re-registered")
-        logger.info("engine: registered instance %d (%s, rank %d/%d, pool of %d chunks)",
-                    reg.instance_id, reg.model_name, reg.worker_id, reg.world_size,
-                    reg.pool_chunks)
+        info = InstanceInfo(
+            TransferMode.ENGINE_DRIVEN.value,
+            MemoryKind.SHM.value,
+            reg.model_name,
+            reg.world_size,
+            reg.worker_id,
+            reg.owner_pid,
+            reg.num_layers,
+            reg.dtype,
+        )
+        ctx = EngineContext(
+            reg.instance_id,
+            now,
+            now,
+            scope,
+            info,
+            conn_fd=rctx.conn_fd,
+            reg=reg,
+            chunk_bytes=chunk_bytes,
+            strategy=strat,
+        )
+        self.registry.put(ctx, "re-registered")
+        logger.info(
+            "engine: registered instance %d (%s, rank %d/%d, pool of %d chunks)",
+            reg.instance_id,
+            reg.model_name,
+            reg.worker_id,
+            reg.world_size,
+            reg.pool_chunks,
+        )
         return self._pool_info(strat, chunk_bytes, created=True)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -136,8 +166,13 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             self.splitter.run(part, 16)
 
     def _pool_info(self, s: PoolStrategy, chunk_bytes: int, created: bool) -> dict[str, Any]:
-        return {"created": created, "chunk_size": self.chunk_size, "segment": s.segment.name,
-                "slot_bytes": chunk_bytes, "slots": len(s.slots)}
+        return {
+            "created": created,
+            "chunk_size": self.chunk_size,
+            "segment": s.segment.name,
+            "slot_bytes": chunk_bytes,
+            "slots": len(s.slots),
+        }
 
     def _check(self, p: EngineTransfer, s: PoolStrategy, keys: list[bytes]) -> None:
         if p.n_chunks > len(s.slots):
@@ -156,24 +191,27 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         self._check(p, s, keys)
         return s, keys
 
-    def _store(self, rctx: RequestContext, p: EngineTransfer) -> dict[str, Any]:
-        with self._use(p.instance_id, rctx.conn_fd) as c:
+    def _store(self, rctx: RequestContext, p: EngineStore) -> dict[str, Any]:
+        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
             s, keys = self._batch(c, p)
             slots = s.slots
             return self.write_chunks(
-                p.instance_id, keys[p.first_chunk:p.first_chunk + p.n_chunks], c.chunk_bytes,
-                lambda i, buf: self._copy(buf, slots[i]), prefix=keys[:p.first_chunk])
+                p.instance_id,
+                keys[p.first_chunk : p.first_chunk + p.n_chunks],
+                c.chunk_bytes,
+                lambda i, buf: self._copy(buf, slots[i]),
+                prefix=keys[: p.first_chunk],
+            )
 
-    def _retrieve(self, rctx: RequestContext, p: EngineTransfer) -> dict[str, Any]:
-        with self._use(p.instance_id, rctx.conn_fd) as c:
+    def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> dict[str, Any]:
+        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
             s, keys = self._batch(c, p)
-            wanted = keys[p.first_chunk:p.first_chunk + p.n_chunks]
+            wanted = keys[p.first_chunk : p.first_chunk + p.n_chunks]
             bufs = self.l1.acquire_prefix(wanted)
             try:
                 for i, buf in enumerate(bufs):
                     self._copy(s.slots[i], buf)
             finally:
-                self.l1.release(wanted[:len(bufs)])
+                self.l1.release(wanted[: len(bufs)])
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
         return {"chunks": len(bufs)}
-

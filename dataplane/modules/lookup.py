@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from dataplane.errors import NotRegistered
-from dataplane.keys import chunk_keys
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.protocol import Lookup, MsgType
+from dataplane.storage.keys import chunk_keys
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.errors import NotRegistered
+from dataplane.wire.messages import Lookup, MsgType
 
 
 class ScopeSource(Protocol):
@@ -19,8 +19,9 @@ class ScopeSource(Protocol):
 class LookupModule:
     name = "lookup"
 
-    def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
-                 sources: list[ScopeSource]) -> None:
+    def __init__(
+        self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics, sources: list[ScopeSource]
+    ) -> None:
         self.l1 = l1
         self.chunk_size = chunk_size
         self.metrics = metrics

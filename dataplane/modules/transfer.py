@@ -4,11 +4,10 @@ REGISTER_KV_CACHE maps the worker's per-layer KV tensors; STORE gathers every fu
 yet stored into L1; RETRIEVE scatters the longest stored prefix into the given blocks; LOOKUP
 counts the stored prefix; UNREGISTER_KV_CACHE releases. KV bytes never cross the socket.
 
-The per-instance dict and its liveness live in `LivenessRegistry` behind one leaf lock, never
-held across mapping memory, a copy, a storage call or another component. Outside readers use
-``get_and_touch_context_entry`` and ``context_entries_snapshot`` only. A context in use by a
-transfer is released by its last user, so an UNREGISTER or reap racing a copy never unmaps
-memory under it.
+The per-instance contexts and their liveness live in the module's `LivenessRegistry` behind one
+leaf lock, never held across mapping memory, a copy, a storage call or another component.
+Outside readers use its locked accessors only. A context in use by a transfer is released by
+its last user, so an UNREGISTER or reap racing a copy never unmaps memory under it.
 """
 
 from __future__ import annotations
@@ -21,14 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane.errors import RequestError
-from dataplane.keys import chunk_keys, scope_digest
-from dataplane.kvmemory import MappedKV, map_registration, token_slots
+from dataplane.liveness.registry import Entry, InstanceInfo
+from dataplane.memory.kvmemory import MappedKV, map_registration, token_slots
+from dataplane.memory.shm import unlink_if_owner_gone
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.registry import Entry, InstanceInfo
-from dataplane.modules.transfer_base import TransferModule
-from dataplane.protocol import MsgType, Register, Transfer
-from dataplane.shm import unlink_if_owner_gone
+from dataplane.modules.transfer_common import TransferModule
+from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.wire.errors import RequestError
+from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -57,39 +56,45 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         closed = c.kv.release()
         for seg in c.kv.segments:
             unlink_if_owner_gone(seg.name)
-        logger.info("transfer: released instance %d (%s%s)", c.instance_id, why,
-                    "" if closed else "; mapping freed when its last view goes")
+        logger.info(
+            "transfer: released instance %d (%s%s)",
+            c.instance_id,
+            why,
+            "" if closed else "; mapping freed when its last view goes",
+        )
 
     # -------------------------------------------------------------- handlers
     def _register(self, rctx: RequestContext, reg: Register) -> dict[str, Any]:
-        with self._lock:
-            old = self._entries.get(reg.instance_id)
-            layout = _layout_digest(reg)
-            if old is not None and old.layout == layout:
-                old.last_seen = self._clock()  # a repeat register refreshes; it never latches
-                self._seen_over(old, rctx.conn_fd)
-                return {"created": False, "chunk_size": self.chunk_size}
+        layout = _layout_digest(reg)
+        if self.registry.refresh_if(reg.instance_id, lambda c: c.layout == layout, rctx.conn_fd):
+            return {"created": False, "chunk_size": self.chunk_size}  # a repeat: refreshed
         _, _, _, heads, hd = reg.kv_shape
         kv = map_registration(reg)  # slow (maps and pre-faults): outside the lock
-        scope = scope_digest(reg.model_name, reg.world_size, reg.worker_id, reg.dtype,
-                             len(reg.layers), heads, hd)
+        scope = scope_digest(
+            reg.model_name, reg.world_size, reg.worker_id, reg.dtype, len(reg.layers), heads, hd
+        )
         now = self._clock()
-        info = InstanceInfo(reg.transfer_mode, reg.memory.value, reg.model_name, reg.world_size,
-                            reg.worker_id, reg.owner_pid, len(reg.layers), reg.dtype)
-        ctx = CacheContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, layout=layout,
-                           kv=kv)
-        with self._lock:
-            replaced = self._entries.get(reg.instance_id)
-            self._entries[reg.instance_id] = ctx
-            idle = False
-            if replaced is not None:
-                replaced.removed = True
-                idle = replaced.users == 0
-        if replaced is not None and idle:
-            self._bounded_release([replaced], "re-registered with a new layout")
-        logger.info("transfer: registered instance %d (%s, rank %d/%d, %d layers, %s)",
-                    reg.instance_id, reg.model_name, reg.worker_id, reg.world_size,
-                    len(reg.layers), reg.memory.value)
+        info = InstanceInfo(
+            reg.transfer_mode.value,
+            reg.memory.value,
+            reg.model_name,
+            reg.world_size,
+            reg.worker_id,
+            reg.owner_pid,
+            len(reg.layers),
+            reg.dtype,
+        )
+        ctx = CacheContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, layout=layout, kv=kv)
+        self.registry.put(ctx, "re-registered with a new layout")
+        logger.info(
+            "transfer: registered instance %d (%s, rank %d/%d, %d layers, %s)",
+            reg.instance_id,
+            reg.model_name,
+            reg.worker_id,
+            reg.world_size,
+            len(reg.layers),
+            reg.memory.value,
+        )
         return {"created": True, "chunk_size": self.chunk_size}
 
     def _slots(self, c: CacheContext, p: Transfer, n_tokens: int) -> np.ndarray:
@@ -100,9 +105,9 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 
-    def _store(self, rctx: RequestContext, p: Transfer) -> dict[str, Any]:
+    def _store(self, rctx: RequestContext, p: Store) -> dict[str, Any]:
         cs = self.chunk_size
-        with self._use(p.instance_id, rctx.conn_fd) as c:
+        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
@@ -110,7 +115,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             slots = self._slots(c, p, len(keys) * cs)
 
             def fill(i: int, buf: torch.Tensor) -> None:
-                kv.gather(slots[i * cs:(i + 1) * cs], buf, self.splitter)
+                kv.gather(slots[i * cs : (i + 1) * cs], buf, self.splitter)
 
             return self.write_chunks(p.instance_id, keys, kv.chunk_nbytes(cs), fill)
 
@@ -121,22 +126,24 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             bad = np.flatnonzero((p.block_ids < 0) | (p.block_ids >= kv.num_blocks))
             if len(bad):
                 i = int(bad[0])
-                raise RequestError(f"block_ids[{i}]: block {int(p.block_ids[i])} is outside the "
-                                   f"registered cache [0, {kv.num_blocks})")
+                raise RequestError(
+                    f"block_ids[{i}]: block {int(p.block_ids[i])} is outside the "
+                    f"registered cache [0, {kv.num_blocks})"
+                )
 
-    def _retrieve(self, rctx: RequestContext, p: Transfer) -> dict[str, Any]:
+    def _retrieve(self, rctx: RequestContext, p: Retrieve) -> dict[str, Any]:
         cs = self.chunk_size
-        with self._use(p.instance_id, rctx.conn_fd) as c:
+        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
             keys = chunk_keys(c.scope, p.token_ids, cs)
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
             bufs = self.l1.acquire_prefix(keys)
-            held = keys[:len(bufs)]
+            held = keys[: len(bufs)]
             try:
                 slots = self._slots(c, p, len(bufs) * cs)
                 for i, buf in enumerate(bufs):
-                    kv.scatter(slots[i * cs:(i + 1) * cs], buf, self.splitter)
+                    kv.scatter(slots[i * cs : (i + 1) * cs], buf, self.splitter)
             finally:
                 self.l1.release(held)
             nbytes = kv.chunk_nbytes(cs) * len(bufs)
@@ -149,7 +156,14 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
 def _layout_digest(reg: Register) -> bytes:
     """Everything a REGISTER describes but the id, hashed (a context keeps 16 bytes, not the
     per-layer descriptions)."""
-    key = (reg.model_name, reg.world_size, reg.worker_id, reg.transfer_mode, reg.memory,
-           reg.dtype, reg.kv_shape, reg.layers)
+    key = (
+        reg.model_name,
+        reg.world_size,
+        reg.worker_id,
+        reg.transfer_mode,
+        reg.memory,
+        reg.dtype,
+        reg.kv_shape,
+        reg.layers,
+    )
     return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
-

@@ -173,8 +173,15 @@ class L1Store:
 
     def stats(self) -> L1Stats:
         with self._lock:
-            return L1Stats(self._used, self.capacity_bytes, self._pooled, len(self._entries),
-                           self.hot_cache, self._evictions, self._rejected)
+            return L1Stats(
+                self._used,
+                self.capacity_bytes,
+                self._pooled,
+                len(self._entries),
+                self.hot_cache,
+                self._evictions,
+                self._rejected,
+            )
 
     # ------------------------------------------------------- lock held below
     def _pin(self, e: _Entry) -> None:

@@ -9,13 +9,13 @@ from typing import Any
 import zmq
 
 from dataplane.client import WorkerAdapter
-from dataplane.protocol import MsgType, decode_reply, encode_request
+from dataplane.wire.messages import MsgType
+from dataplane.wire.protocol import decode_reply, encode_request
 
 _WINDOW = 256  # requests in flight at once
 
 
-def register_many(endpoint: str, template: WorkerAdapter, n: int, timeout_s: float = 60.0
-                  ) -> list[int]:
+def register_many(endpoint: str, template: WorkerAdapter, n: int, timeout_s: float = 60.0) -> list[int]:
     """Register ``n`` more instances mapping ``template``'s (registered) cache; their ids."""
     payload = template._register_payload
     assert payload is not None, "the template adapter must be registered"
@@ -31,8 +31,7 @@ def register_many(endpoint: str, template: WorkerAdapter, n: int, timeout_s: flo
         done = 0
         while done < n:
             for iid in it:
-                sock.send(encode_request(next(rids), MsgType.REGISTER_KV_CACHE,
-                                         [iid, *payload[1:]]))
+                sock.send(encode_request(next(rids), MsgType.REGISTER_KV_CACHE, [iid, *payload[1:]]))
                 pending += 1
                 if pending >= _WINDOW:
                     break

@@ -16,8 +16,8 @@ from pydantic import SecretStr
 from app.main import create_app
 from app.server import Sidecar
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.config import Settings
-from dataplane.runtime import DataPlane, build_dataplane
+from dataplane.server.config import Settings
+from dataplane.server.runtime import DataPlane, build_dataplane
 from tests.helpers import free_port
 
 TOKEN = "s3cret-admin-token"
@@ -34,8 +34,12 @@ def make_dp() -> Iterator[DataPlaneFactory]:
     made: list[DataPlane] = []
 
     def make(**overrides: Any) -> DataPlane:
-        fields: dict[str, Any] = {"port": free_port(), "http_port": free_port(),
-                                  "chunk_size": CHUNK, "admin_token": SecretStr(TOKEN)}
+        fields: dict[str, Any] = {
+            "port": free_port(),
+            "http_port": free_port(),
+            "chunk_size": CHUNK,
+            "admin_token": SecretStr(TOKEN),
+        }
         fields.update(overrides)
         dp = build_dataplane(Settings(**fields))
         made.append(dp)
@@ -91,7 +95,7 @@ class Worker:
 
     @property
     def segment(self) -> str:
-        from dataplane.shm import SHM_DIR
+        from dataplane.memory.shm import SHM_DIR
 
         return str(SHM_DIR / self.adapter._segments[0])
 
@@ -106,8 +110,13 @@ def make_worker(dp: DataPlane) -> Iterator[WorkerFactory]:
     made: list[WorkerAdapter] = []
 
     def make(model: str = "m", heartbeat_interval: float = 10.0, **kw: Any) -> Worker:
-        w = WorkerAdapter(dp.server.bound_endpoint, model_name=model,
-                          heartbeat_interval=heartbeat_interval, request_timeout=10.0, **kw)
+        w = WorkerAdapter(
+            dp.server.bound_endpoint,
+            model_name=model,
+            heartbeat_interval=heartbeat_interval,
+            request_timeout=10.0,
+            **kw,
+        )
         made.append(w)
         caches = allocate_kv_caches(*LAYOUT, dtype=torch.bfloat16)
         w.register_kv_caches(caches)
@@ -120,5 +129,8 @@ def make_worker(dp: DataPlane) -> Iterator[WorkerFactory]:
 
 def mappings_of(path: str) -> int:
     """How many mappings of ``path`` this process holds (worker's and server's alike)."""
-    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
-               if line.endswith(path) or line.endswith(path + " (deleted)"))
+    return sum(
+        1
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if line.endswith(path) or line.endswith(path + " (deleted)")
+    )

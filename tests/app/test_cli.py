@@ -7,9 +7,8 @@ import json
 import httpx
 import pytest
 
-from app.cli import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNAUTHORISED, EXIT_USAGE
-from dataplane.cli import main
-from dataplane.runtime import DataPlane
+from app.cli import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNAUTHORISED, EXIT_USAGE, main
+from dataplane.server.runtime import DataPlane
 from tests.app.conftest import TOKEN, AppFactory, DataPlaneFactory, WorkerFactory
 from tests.helpers import free_port
 
@@ -18,16 +17,18 @@ def url_of(client: httpx.Client) -> str:
     return str(client.base_url).rstrip("/")
 
 
-def test_status_json_is_the_raw_document(client: httpx.Client, make_worker: WorkerFactory,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_json_is_the_raw_document(
+    client: httpx.Client, make_worker: WorkerFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
     w = make_worker()
     assert main(["status", "--url", url_of(client), "--json"]) == EXIT_OK
     doc = json.loads(capsys.readouterr().out)
     assert [i["instance_id"] for i in doc["instances"]] == [w.id]
 
 
-def test_status_table(client: httpx.Client, dp: DataPlane, make_worker: WorkerFactory,
-                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_table(
+    client: httpx.Client, dp: DataPlane, make_worker: WorkerFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
     w = make_worker(model="llama-3-8b")
     assert main(["status", "--url", url_of(client)]) == EXIT_OK
     out = capsys.readouterr().out
@@ -45,9 +46,12 @@ def test_status_without_a_server_exits_1(capsys: pytest.CaptureFixture[str]) -> 
     assert err.startswith("kvwarden status: cannot reach") and err.count("\n") == 1
 
 
-def test_reap_exit_codes(client: httpx.Client, make_worker: WorkerFactory,
-                         monkeypatch: pytest.MonkeyPatch,
-                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_reap_exit_codes(
+    client: httpx.Client,
+    make_worker: WorkerFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     w = make_worker()
     url = url_of(client)
     monkeypatch.setenv("KVWARDEN_ADMIN_TOKEN", TOKEN)
@@ -73,8 +77,11 @@ def test_reap_exit_codes(client: httpx.Client, make_worker: WorkerFactory,
 
 
 def test_reap_against_a_server_without_a_token_exits_4(
-        make_dp: DataPlaneFactory, serve_app: AppFactory, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    make_dp: DataPlaneFactory,
+    serve_app: AppFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     c = serve_app(make_dp(admin_token=None))
     monkeypatch.setenv("KVWARDEN_ADMIN_TOKEN", TOKEN)
     assert main(["reap", "5", "--url", url_of(c)]) == EXIT_UNAUTHORISED

@@ -19,8 +19,9 @@ from tests.app.conftest import AUTH, TOKEN, WorkerFactory
 
 MAX_EXAMPLES = 50
 DOC: dict[str, Any] = json.loads(OPENAPI_PATH.read_text())
-_TEXT = st.text(alphabet=string.ascii_letters + string.digits + "-_.~%+ é", min_size=1,
-                max_size=30).filter(lambda s: s.strip(".") != "")
+_TEXT = st.text(alphabet=string.ascii_letters + string.digits + "-_.~%+ é", min_size=1, max_size=30).filter(
+    lambda s: s.strip(".") != ""
+)
 
 
 def _param_strategy(schema: dict[str, Any], known: list[int]) -> st.SearchStrategy[str]:
@@ -28,8 +29,13 @@ def _param_strategy(schema: dict[str, Any], known: list[int]) -> st.SearchStrate
     if kind == "integer":
         lo = schema.get("minimum", -(1 << 70))
         hi = schema.get("exclusiveMaximum", schema.get("maximum", 1 << 70) + 1)
-        return st.one_of(st.integers(lo, hi - 1), st.integers(), st.sampled_from(known),
-                         st.sampled_from([lo, hi - 1, hi, lo - 1]), _TEXT).map(str)
+        return st.one_of(
+            st.integers(lo, hi - 1),
+            st.integers(),
+            st.sampled_from(known),
+            st.sampled_from([lo, hi - 1, hi, lo - 1]),
+            _TEXT,
+        ).map(str)
     if kind == "boolean":
         return st.one_of(st.sampled_from(["true", "false", "1", "0", "yes", "off"]), _TEXT)
     return _TEXT
@@ -47,22 +53,25 @@ def _validator(schema: dict[str, Any]) -> TypeAdapter[Any] | None:
     return None
 
 
-def _check_operation(client: httpx.Client, path: str, method: str, op: dict[str, Any],
-                     known: list[int]) -> None:
+def _check_operation(
+    client: httpx.Client, path: str, method: str, op: dict[str, Any], known: list[int]
+) -> None:
     params = op.get("parameters", [])
-    path_params = {p["name"]: _param_strategy(p["schema"], known)
-                   for p in params if p["in"] == "path"}
-    query_params = {p["name"]: _param_strategy(p["schema"], known)
-                    for p in params if p["in"] == "query"}
-    auth = st.sampled_from([None, AUTH["Authorization"], f"Bearer {TOKEN}-", "Bearer",
-                            "Basic abc", f"bearer {TOKEN}"])
+    path_params = {p["name"]: _param_strategy(p["schema"], known) for p in params if p["in"] == "path"}
+    query_params = {p["name"]: _param_strategy(p["schema"], known) for p in params if p["in"] == "query"}
+    auth = st.sampled_from(
+        [None, AUTH["Authorization"], f"Bearer {TOKEN}-", "Bearer", "Basic abc", f"bearer {TOKEN}"]
+    )
     documented = {int(code) for code in op["responses"]}
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
-    @given(pv=st.fixed_dictionaries(path_params),
-           qv=st.fixed_dictionaries({k: st.none() | v for k, v in query_params.items()}),
-           authorization=auth)
+    @settings(
+        max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    @given(
+        pv=st.fixed_dictionaries(path_params),
+        qv=st.fixed_dictionaries({k: st.none() | v for k, v in query_params.items()}),
+        authorization=auth,
+    )
     def run(pv: dict[str, str], qv: dict[str, str | None], authorization: str | None) -> None:
         url = path
         for name, value in pv.items():
@@ -72,8 +81,7 @@ def _check_operation(client: httpx.Client, path: str, method: str, op: dict[str,
         r = client.request(method.upper(), url, params=query, headers=headers)
         assert r.status_code < 500, f"{method} {url} {query}: {r.status_code} {r.text}"
         assert r.status_code in documented, f"{method} {url} {query}: {r.status_code}"
-        if r.headers.get("content-type", "").startswith(("application/json",
-                                                         "application/health+json")):
+        if r.headers.get("content-type", "").startswith(("application/json", "application/health+json")):
             content: dict[str, Any] = op["responses"][str(r.status_code)].get("content", {})
             media: dict[str, Any] = next(iter(content.values()), {})
             schema: dict[str, Any] = media.get("schema", {})
@@ -84,12 +92,10 @@ def _check_operation(client: httpx.Client, path: str, method: str, op: dict[str,
     run()
 
 
-def test_generated_requests_never_fail_the_server(client: httpx.Client,
-                                                  make_worker: WorkerFactory) -> None:
+def test_generated_requests_never_fail_the_server(client: httpx.Client, make_worker: WorkerFactory) -> None:
     workers = [make_worker(heartbeat_interval=0.5) for _ in range(2)]
     known = [w.id for w in workers]
-    operations = [(path, method, op) for path, item in DOC["paths"].items()
-                  for method, op in item.items()]
+    operations = [(path, method, op) for path, item in DOC["paths"].items() for method, op in item.items()]
     assert len(operations) == 7
     for path, method, op in operations:
         _check_operation(client, path, method, op, known)

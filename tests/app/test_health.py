@@ -6,7 +6,7 @@ import httpx
 
 from app.core.health import CheckResult, FunctionCheck, HealthCheck, dataplane_checks
 from app.models import HealthPublic, StatusPublic
-from dataplane.runtime import DataPlane
+from dataplane.server.runtime import DataPlane
 from tests.app.conftest import AppFactory, DataPlaneFactory
 
 
@@ -27,17 +27,22 @@ def test_health_passes_with_every_data_plane_check(client: httpx.Client, dp: Dat
     assert body.service_id == dp.server.server_id
 
 
-def test_health_has_no_reaper_check_when_reaping_is_off(make_dp: DataPlaneFactory,
-                                                        serve_app: AppFactory) -> None:
-    c = serve_app(make_dp(worker_reap_timeout_seconds=0, worker_registration_grace_seconds=0,
-                          worker_disconnect_grace_seconds=0))
+def test_health_has_no_reaper_check_when_reaping_is_off(
+    make_dp: DataPlaneFactory, serve_app: AppFactory
+) -> None:
+    c = serve_app(
+        make_dp(
+            worker_reap_timeout_seconds=0,
+            worker_registration_grace_seconds=0,
+            worker_disconnect_grace_seconds=0,
+        )
+    )
     r = c.get("/health")
     assert r.status_code == 200
     assert set(r.json()["checks"]) == {"dataplane:loop", "dataplane:pools"}
 
 
-def test_health_fails_503_once_the_data_plane_loop_stopped(client: httpx.Client,
-                                                           dp: DataPlane) -> None:
+def test_health_fails_503_once_the_data_plane_loop_stopped(client: httpx.Client, dp: DataPlane) -> None:
     assert client.get("/health").status_code == 200
     assert dp.stop()
     r = client.get("/health")
@@ -61,8 +66,9 @@ class _Bypassed:
     name = "remote:redis://cache:6379/0"
 
     def check(self) -> CheckResult:
-        return CheckResult(self.name, "warn", "unreachable; bypassed", "datastore",
-                           bypassed_backend="redis://cache:6379/0")
+        return CheckResult(
+            self.name, "warn", "unreachable; bypassed", "datastore", bypassed_backend="redis://cache:6379/0"
+        )
 
 
 def test_a_pluggable_warning_check_answers_200_warn(dp: DataPlane, serve_app: AppFactory) -> None:

@@ -9,8 +9,7 @@ from app.models import InstancePublic
 from tests.app.conftest import WorkerFactory
 
 
-def test_instances_lists_every_tracked_instance(client: httpx.Client,
-                                               make_worker: WorkerFactory) -> None:
+def test_instances_lists_every_tracked_instance(client: httpx.Client, make_worker: WorkerFactory) -> None:
     assert client.get("/instances").json() == []
     a, b = make_worker(model="a"), make_worker(model="b")
     r = client.get("/instances")

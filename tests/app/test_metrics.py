@@ -10,7 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.runtime import DataPlane
+from dataplane.server.runtime import DataPlane
 from tests.app.conftest import (
     AUTH,
     CHUNK,
@@ -54,8 +54,7 @@ def families(text: str) -> dict[str, str]:
     return {f.name: f.type for f in text_string_to_metric_families(text)}
 
 
-def test_every_contract_metric_is_exposed(client: httpx.Client,
-                                          make_worker: WorkerFactory) -> None:
+def test_every_contract_metric_is_exposed(client: httpx.Client, make_worker: WorkerFactory) -> None:
     w = make_worker()
     w.adapter.heartbeat_once()
     assert w.adapter.store(list(range(2 * CHUNK)), [0, 1])
@@ -65,8 +64,7 @@ def test_every_contract_metric_is_exposed(client: httpx.Client,
         assert got.get(name) == kind, f"{name}: {got.get(name)}"
     assert samples["kvwarden_healthy"][()] == 1.0
     tracked = samples["kvwarden_tracked_instances"]
-    assert tracked == {(("transfer_mode", "server_driven"),): 1.0,
-                       (("transfer_mode", "engine_driven"),): 0.0}
+    assert tracked == {(("transfer_mode", "server_driven"),): 1.0, (("transfer_mode", "engine_driven"),): 0.0}
     assert samples["kvwarden_l1_used_bytes"][()] > 0
     assert samples["kvwarden_l1_capacity_bytes"][()] > samples["kvwarden_l1_used_bytes"][()]
     assert samples["kvwarden_pings_total"][()] >= 1
@@ -79,8 +77,9 @@ def test_every_contract_metric_is_exposed(client: httpx.Client,
     assert str(w.id) not in text
 
 
-def test_metrics_follow_state_at_scrape_time(client: httpx.Client, dp: DataPlane,
-                                             make_worker: WorkerFactory) -> None:
+def test_metrics_follow_state_at_scrape_time(
+    client: httpx.Client, dp: DataPlane, make_worker: WorkerFactory
+) -> None:
     a, b = make_worker(), make_worker()
     _, s = scrape(client)
     assert s["kvwarden_tracked_instances"][(("transfer_mode", "server_driven"),)] == 2.0
@@ -119,8 +118,9 @@ def test_metrics_pass_promtool(client: httpx.Client, make_worker: WorkerFactory)
     assert client.get("/status").status_code == 200
     assert client.get("/instances/1").status_code == 404
     text = client.get("/metrics").text
-    proc = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
     assert proc.stdout.decode().strip() == "", proc.stdout.decode()
 

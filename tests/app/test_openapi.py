@@ -10,7 +10,7 @@ import httpx
 
 from app.main import create_app
 from app.openapi import OPENAPI_PATH, render_openapi
-from dataplane.runtime import DataPlane
+from dataplane.server.runtime import DataPlane
 from tests.helpers import ROOT, subprocess_env
 
 OPERATIONS = {
@@ -27,7 +27,8 @@ OPERATIONS = {
 def test_committed_file_matches_the_app(dp: DataPlane) -> None:
     committed = OPENAPI_PATH.read_text()
     assert committed == render_openapi(create_app(dp)), (
-        "openapi/openapi.json is out of date: run scripts/gen_openapi.py")
+        "openapi/openapi.json is out of date: run scripts/gen_openapi.py"
+    )
     assert committed.endswith("}\n")
 
 
@@ -39,8 +40,11 @@ def test_served_document_equals_the_committed_file(client: httpx.Client) -> None
 
 def test_operation_ids_are_stable() -> None:
     doc = json.loads(OPENAPI_PATH.read_text())
-    got = {(path, method): op["operationId"]
-           for path, item in doc["paths"].items() for method, op in item.items()}
+    got = {
+        (path, method): op["operationId"]
+        for path, item in doc["paths"].items()
+        for method, op in item.items()
+    }
     assert got == OPERATIONS
     reap = doc["paths"]["/instances/{instance_id}/reap"]["post"]
     assert set(reap["responses"]) == {"200", "401", "403", "404", "422"}
@@ -51,7 +55,13 @@ def test_operation_ids_are_stable() -> None:
 
 
 def test_generator_check_mode_agrees() -> None:
-    proc = subprocess.run([sys.executable, "scripts/gen_openapi.py", "--check"], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "scripts/gen_openapi.py", "--check"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "up to date" in proc.stdout

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from app.server import Sidecar, SidecarStartError
-from dataplane.runtime import DataPlane
+from dataplane.server.runtime import DataPlane
 from tests.helpers import free_port
 
 
@@ -52,8 +52,9 @@ def test_a_port_in_use_fails_the_start_with_the_address(dp: DataPlane) -> None:
         taken.listen(1)
         port = taken.getsockname()[1]
         sidecar = Sidecar(dp, host="127.0.0.1", port=port)
-        with pytest.raises(SidecarStartError,
-                           match=f"^cannot listen on http://127.0.0.1:{port}: Address already in use$"):
+        with pytest.raises(
+            SidecarStartError, match=f"^cannot listen on http://127.0.0.1:{port}: Address already in use$"
+        ):
             sidecar.start()
         assert not sidecar.is_alive()
         assert sidecar.stop()

@@ -8,7 +8,7 @@ import time
 import httpx
 
 from app.models import StatusPublic
-from dataplane.runtime import DataPlane
+from dataplane.server.runtime import DataPlane
 from tests.app.bulk import register_many
 from tests.app.conftest import CHUNK, WorkerFactory
 from tests.helpers import wait_until
@@ -40,13 +40,13 @@ def test_status_describes_the_server(client: httpx.Client, dp: DataPlane) -> Non
     assert s.storage.l1.used_bytes == 0 and s.storage.l1.chunks == 0
     assert s.storage.l1.hot_cache is True
     assert s.health.fallback_policy == "recompute"
-    assert {c.name for c in s.health.checks} == {"dataplane:loop", "dataplane:pools",
-                                                 "dataplane:reaper"}
+    assert {c.name for c in s.health.checks} == {"dataplane:loop", "dataplane:pools", "dataplane:reaper"}
     assert s.health.bypassed_backends == []
 
 
 def test_status_lists_registered_instances_with_live_figures(
-        client: httpx.Client, make_worker: WorkerFactory) -> None:
+    client: httpx.Client, make_worker: WorkerFactory
+) -> None:
     a = make_worker(model="llama")
     b = make_worker(model="qwen")
     s = status(client)
@@ -55,7 +55,12 @@ def test_status_lists_registered_instances_with_live_figures(
     assert set(by_id) == {a.id, b.id}
     ia = by_id[a.id]
     assert (ia.transfer_mode, ia.memory, ia.model_name, ia.world_size, ia.worker_id) == (
-        "server_driven", "shm", "llama", 1, 0)
+        "server_driven",
+        "shm",
+        "llama",
+        1,
+        0,
+    )
     assert by_id[b.id].model_name == "qwen"
     assert ia.has_liveness_signal is False and ia.disconnected is False
     assert 0 <= ia.last_seen_seconds_ago <= ia.registered_seconds_ago < 60
@@ -93,8 +98,9 @@ def _median_seconds(client: httpx.Client, path: str, n: int = 7) -> float:
     return sorted(timings)[n // 2]
 
 
-def test_status_and_metrics_with_10000_instances(client: httpx.Client, dp: DataPlane,
-                                                 make_worker: WorkerFactory) -> None:
+def test_status_and_metrics_with_10000_instances(
+    client: httpx.Client, dp: DataPlane, make_worker: WorkerFactory
+) -> None:
     """10,000 tracked instances (REGISTERs of one shared cache under distinct ids): every one
     listed once, and both routes within their budget (50 ms each; the strict figure is checked
     with KVWARDEN_SLOW=1, on a quiet machine; here a bound 5x looser, against regressions)."""
@@ -105,8 +111,7 @@ def test_status_and_metrics_with_10000_instances(client: httpx.Client, dp: DataP
     assert len(doc["instances"]) == 10_000
     assert len({i["instance_id"] for i in doc["instances"]}) == 10_000
     StatusPublic.model_validate(doc)
-    assert 'kvwarden_tracked_instances{transfer_mode="server_driven"} 10000.0' in client.get(
-        "/metrics").text
+    assert 'kvwarden_tracked_instances{transfer_mode="server_driven"} 10000.0' in client.get("/metrics").text
     budget = 0.05 if os.environ.get("KVWARDEN_SLOW") else 0.25
     status_s = _median_seconds(client, "/status")
     metrics_s = _median_seconds(client, "/metrics")

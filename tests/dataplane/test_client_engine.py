@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane import shm
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.config import Settings
-from dataplane.runtime import DataPlane, build_dataplane
+from dataplane.memory import shm
+from dataplane.server.config import Settings
+from dataplane.server.runtime import DataPlane, build_dataplane
 from tests.helpers import free_port
 
 CHUNK = 32
@@ -21,8 +21,7 @@ LAYERS, BLOCKS, BS, HEADS, HD = 3, 64, 16, 2, 8
 
 @pytest.fixture
 def dp() -> Iterator[DataPlane]:
-    d = build_dataplane(Settings(port=free_port(), http_port=free_port(), chunk_size=CHUNK,
-                                 l1_size_gb=0.05))
+    d = build_dataplane(Settings(port=free_port(), http_port=free_port(), chunk_size=CHUNK, l1_size_gb=0.05))
     d.start()
     yield d
     d.stop()
@@ -46,8 +45,9 @@ def _tokens_view(caches: list[torch.Tensor], blocks: np.ndarray, n: int) -> list
 
 @pytest.mark.parametrize("layout", [_separate, _one_tensor], ids=["per-layer", "one-tensor"])
 @pytest.mark.parametrize("pool_chunks", [1, 3])
-def test_engine_driven_round_trip(dp: DataPlane, layout: Callable[[], list[torch.Tensor]],
-                                  pool_chunks: int) -> None:
+def test_engine_driven_round_trip(
+    dp: DataPlane, layout: Callable[[], list[torch.Tensor]], pool_chunks: int
+) -> None:
     src = layout()
     for c in src:
         c.copy_(torch.randn(c.shape).to(c.dtype))
@@ -90,8 +90,9 @@ def test_engine_and_server_driven_share_chunks(dp: DataPlane) -> None:
         shm = allocate_kv_caches(LAYERS, BLOCKS, BS, HEADS, HD, torch.bfloat16)
         srv.register_kv_caches(shm)
         assert srv.retrieve(tokens, blocks + 20) == 4 * CHUNK
-        for x, y in zip(_tokens_view(src, blocks, 4 * CHUNK),
-                        _tokens_view(shm, blocks + 20, 4 * CHUNK), strict=True):
+        for x, y in zip(
+            _tokens_view(src, blocks, 4 * CHUNK), _tokens_view(shm, blocks + 20, 4 * CHUNK), strict=True
+        ):
             assert torch.equal(x, y)
         other_model.register_kv_caches(_separate())
         assert other_model.lookup(tokens) == 0

@@ -22,18 +22,19 @@ import torch
 import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
-from dataplane.config import Settings
-from dataplane.errors import RequestError
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
-from dataplane.protocol import MsgType, Register, encode_request
-from dataplane.runtime import DataPlane, build_dataplane
-from dataplane.server import Server
+from dataplane.server.config import Settings
+from dataplane.server.loop import Server
+from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.errors import RequestError
+from dataplane.wire.messages import MsgType, Register
+from dataplane.wire.protocol import encode_request
 from tests.helpers import free_port, wait_until
 
 CHUNK = 16
@@ -66,16 +67,24 @@ class Servers:
         self._running: list[DataPlane | Assembled] = []
 
     def dataplane(self) -> DataPlane:
-        dp = build_dataplane(Settings(port=self.port, http_port=free_port(), chunk_size=CHUNK,
-                                      l1_size_gb=0.01, worker_reap_timeout_seconds=0,
-                                      worker_registration_grace_seconds=0,
-                                      worker_disconnect_grace_seconds=0))
+        dp = build_dataplane(
+            Settings(
+                port=self.port,
+                http_port=free_port(),
+                chunk_size=CHUNK,
+                l1_size_gb=0.01,
+                worker_reap_timeout_seconds=0,
+                worker_registration_grace_seconds=0,
+                worker_disconnect_grace_seconds=0,
+            )
+        )
         dp.start()
         self._running.append(dp)
         return dp
 
-    def assembled(self, transfer: ServerDrivenTransferModule | None = None,
-                  extra: list[Any] = []) -> Assembled:  # noqa: B006  (never mutated)
+    def assembled(
+        self, transfer: ServerDrivenTransferModule | None = None, extra: list[Any] = []
+    ) -> Assembled:
         metrics = DataPlaneMetrics()
         l1 = L1Store(16 << 20)
         server = Server(self.endpoint, metrics=metrics)
@@ -218,8 +227,9 @@ def tracked(s: DataPlane | Assembled, instance_id: int) -> bool:
 # ---------------------------------------------------------------------------------- tests
 
 
-def test_heartbeat_starts_at_registration(servers: Servers, adapters: Callable[..., WorkerAdapter],
-                                          caches: Caches) -> None:
+def test_heartbeat_starts_at_registration(
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     dp = servers.dataplane()
     w = adapters(servers.endpoint, heartbeat_interval=0.2)
     before = heartbeat_threads()
@@ -228,8 +238,11 @@ def test_heartbeat_starts_at_registration(servers: Servers, adapters: Callable[.
     w.register_kv_caches(caches)
     assert heartbeat_threads() == before + 1  # right away, not on the first transfer
     # idle: no transfer at all, yet the instance is ping-proven
-    wait_until(lambda: (e := dp.transfer.context_entry(w.instance_id)) is not None
-               and e.has_liveness_signal, 3, what="a heartbeat PING")
+    wait_until(
+        lambda: (e := dp.transfer.context_entry(w.instance_id)) is not None and e.has_liveness_signal,
+        3,
+        what="a heartbeat PING",
+    )
     w.close()
     assert heartbeat_threads() == before
     assert not tracked(dp, w.instance_id)  # close() unregistered
@@ -242,11 +255,13 @@ def test_health_starts_healthy_even_before_any_ping(adapters: Callable[..., Work
 
 
 def test_unhealthy_adapter_answers_at_once_without_the_server(
-        servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches) -> None:
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     dp = servers.dataplane()
     changes: list[bool] = []
-    w = adapters(servers.endpoint, heartbeat_interval=0.2, request_timeout=30.0,
-                 on_health_change=changes.append)
+    w = adapters(
+        servers.endpoint, heartbeat_interval=0.2, request_timeout=30.0, on_health_change=changes.append
+    )
     w.register_kv_caches(caches)
     round_trip(w, caches, 1)
     assert dp.stop(5.0)
@@ -264,9 +279,9 @@ def test_unhealthy_adapter_answers_at_once_without_the_server(
     assert changes == [False, True]
 
 
-def test_recover_runs_before_health_is_set(servers: Servers,
-                                           adapters: Callable[..., WorkerAdapter],
-                                           caches: Caches) -> None:
+def test_recover_runs_before_health_is_set(
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     dp = servers.dataplane()
     at_change: list[tuple[bool, int]] = []
     gated = GatedRegister()
@@ -293,7 +308,8 @@ def test_recover_runs_before_health_is_set(servers: Servers,
 
 
 def test_failed_recovery_leaves_health_clear_and_is_retried(
-        servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches) -> None:
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     dp = servers.dataplane()
     changes: list[bool] = []
     w = adapters(servers.endpoint, heartbeat_interval=0.2, on_health_change=changes.append)
@@ -310,7 +326,8 @@ def test_failed_recovery_leaves_health_clear_and_is_retried(
 
 
 def test_restart_between_two_pings_is_noticed_by_the_boot_token(
-        servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches) -> None:
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     old = servers.dataplane()
     changes: list[bool] = []
     w = adapters(servers.endpoint, heartbeat_interval=5.0, on_health_change=changes.append)
@@ -332,7 +349,8 @@ def test_restart_between_two_pings_is_noticed_by_the_boot_token(
 
 
 def test_short_outage_recovers_with_a_no_op_reregister(
-        servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches) -> None:
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     blocker = LoopBlocker()
     s = servers.assembled(extra=[blocker])
     changes: list[bool] = []
@@ -360,7 +378,8 @@ def test_short_outage_recovers_with_a_no_op_reregister(
 
 
 def test_reaped_instance_reregisters_exactly_once(
-        servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches) -> None:
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     dp = servers.dataplane()
     w = adapters(servers.endpoint, heartbeat_interval=5.0)
     w.register_kv_caches(caches)
@@ -374,7 +393,8 @@ def test_reaped_instance_reregisters_exactly_once(
 
 
 def test_engine_driven_adapter_rebuilds_its_pool_after_a_reap(
-        servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches) -> None:
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     dp = servers.dataplane()
     w = adapters(servers.endpoint, heartbeat_interval=5.0, transfer_mode="engine_driven")
     w.register_kv_caches(caches)
@@ -388,9 +408,9 @@ def test_engine_driven_adapter_rebuilds_its_pool_after_a_reap(
     round_trip(w, caches, 4)
 
 
-def test_no_ghost_registration_after_close(servers: Servers,
-                                           adapters: Callable[..., WorkerAdapter],
-                                           caches: Caches) -> None:
+def test_no_ghost_registration_after_close(
+    servers: Servers, adapters: Callable[..., WorkerAdapter], caches: Caches
+) -> None:
     dp = servers.dataplane()
     w = adapters(servers.endpoint, heartbeat_interval=5.0)
     before = heartbeat_threads()
@@ -405,7 +425,8 @@ def test_no_ghost_registration_after_close(servers: Servers,
 
 
 def test_start_up_warning_when_three_heartbeats_exceed_the_floor(
-        adapters: Callable[..., WorkerAdapter], caplog: pytest.LogCaptureFixture) -> None:
+    adapters: Callable[..., WorkerAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with caplog.at_level(logging.WARNING, "dataplane.client"):
         adapters(endpoint, heartbeat_interval=10.0)  # 3 x 10 = 30: at the floor, fine
@@ -417,7 +438,8 @@ def test_start_up_warning_when_three_heartbeats_exceed_the_floor(
 
 
 def test_instance_ids_are_random_63_bit_and_logged(
-        adapters: Callable[..., WorkerAdapter], caplog: pytest.LogCaptureFixture) -> None:
+    adapters: Callable[..., WorkerAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with caplog.at_level(logging.INFO, "dataplane.client"):
         ids = [adapters(endpoint, heartbeat_interval=1.0).instance_id for _ in range(4)]
@@ -427,8 +449,9 @@ def test_instance_ids_are_random_63_bit_and_logged(
         assert f"instance id {i} " in caplog.text
 
 
-def test_free_kv_caches_after_close_is_a_no_op(servers: Servers,
-                                               adapters: Callable[..., WorkerAdapter]) -> None:
+def test_free_kv_caches_after_close_is_a_no_op(
+    servers: Servers, adapters: Callable[..., WorkerAdapter]
+) -> None:
     servers.dataplane()
     c = allocate_kv_caches(2, 16, 16, 2, 8, torch.bfloat16)
     w = adapters(servers.endpoint, heartbeat_interval=5.0)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from dataplane.cli import load_settings
-from dataplane.config import Settings, format_validation_error, validate_liveness
+from app.cli import load_settings
+from dataplane.server.config import Settings, format_validation_error, validate_liveness
 from tests.helpers import ROOT, subprocess_env
 
 REAP = "worker_reap_timeout_seconds"
@@ -99,9 +99,7 @@ def test_reaping_disabled_accepted() -> None:
     assert getattr(s, REAP) == 0 and getattr(s, GRACE) == 0
 
 
-@pytest.mark.parametrize(
-    ("reap", "disc"), [(120, 0), (120, 1), (120, 120), (0, 0), (0, 500), (30, 30)]
-)
+@pytest.mark.parametrize(("reap", "disc"), [(120, 0), (120, 1), (120, 120), (0, 0), (0, 500), (30, 30)])
 def test_disconnect_grace_accepted(reap: float, disc: float) -> None:
     assert getattr(Settings(**{REAP: reap, DISC: disc}), DISC) == disc
 
@@ -263,7 +261,7 @@ def cli_runs() -> dict[str, CliRun]:
             runs[name] = [
                 sys.executable,
                 "-m",
-                "dataplane.cli",
+                "app.cli",
                 "serve",
                 "--port",
                 zmq_port,

@@ -31,8 +31,7 @@ def server(make_server: ServerFactory) -> ServerProcess:
 
 def _tokens(caches: list[torch.Tensor], blocks: np.ndarray, n: int) -> torch.Tensor:
     idx = torch.from_numpy(blocks).to(caches[0].device)
-    return torch.stack([c.index_select(1, idx).reshape(2, -1, HEADS, HD)[:, :n]
-                        for c in caches]).cpu()
+    return torch.stack([c.index_select(1, idx).reshape(2, -1, HEADS, HD)[:, :n] for c in caches]).cpu()
 
 
 def test_cuda_store_and_retrieve_through_ipc(server: ServerProcess) -> None:
@@ -64,8 +63,7 @@ def test_cuda_store_and_retrieve_through_ipc(server: ServerProcess) -> None:
 
 
 def test_cuda_engine_driven(server: ServerProcess) -> None:
-    src = [torch.randn(2, BLOCKS, BS, HEADS, HD, device="cuda").to(torch.bfloat16)
-           for _ in range(LAYERS)]
+    src = [torch.randn(2, BLOCKS, BS, HEADS, HD, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
     dst = [torch.zeros_like(t) for t in src]
     tokens = np.arange(3 * CHUNK)
     blocks = np.arange(6)

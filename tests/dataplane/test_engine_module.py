@@ -15,13 +15,15 @@ from typing import Any
 
 import pytest
 
-from dataplane import shm
-from dataplane.errors import NotRegistered
+from dataplane.memory import shm
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext
 from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
-from dataplane.protocol import PARSERS, MsgType, ids_to_bytes
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.checks import ids_to_bytes
+from dataplane.wire.errors import NotRegistered
+from dataplane.wire.messages import MsgType
+from dataplane.wire.protocol import PARSERS
 from tests.helpers import FakeClock
 
 CHUNK = 16
@@ -51,17 +53,21 @@ def module(clock: FakeClock) -> Iterator[Recording]:
     m.close()
 
 
-def register(m: EngineDrivenTransferModule, instance_id: int, conn_fd: int = 5,
-             pool_chunks: int = 4) -> dict[str, Any]:
+def register(
+    m: EngineDrivenTransferModule, instance_id: int, conn_fd: int = 5, pool_chunks: int = 4
+) -> dict[str, Any]:
     payload = PARSERS[MsgType.ENGINE_REGISTER](
-        [instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, pool_chunks, os.getpid()])
+        [instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, pool_chunks, os.getpid()]
+    )
     out: dict[str, Any] = m.handlers()[MsgType.ENGINE_REGISTER].fn(
-        RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd), payload)
+        RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd), payload
+    )
     return out
 
 
-def transfer(m: EngineDrivenTransferModule, mtype: MsgType, instance_id: int,
-             conn_fd: int = -1) -> dict[str, Any]:
+def transfer(
+    m: EngineDrivenTransferModule, mtype: MsgType, instance_id: int, conn_fd: int = -1
+) -> dict[str, Any]:
     tokens = ids_to_bytes(list(range(200, 200 + 2 * CHUNK)))
     payload = PARSERS[mtype]([instance_id, tokens, 0, 2])
     out: dict[str, Any] = m.handlers()[mtype].fn(RequestContext(2, mtype, conn_fd), payload)
@@ -88,15 +94,15 @@ def test_register_inserts_an_unlatched_context_with_its_pool(module: Recording) 
     assert module.tracked_instance_count() == module.strategy_count() == 1
 
 
-def test_repeat_register_refreshes_without_rebuilding_or_latching(module: Recording,
-                                                                  clock: FakeClock) -> None:
+def test_repeat_register_refreshes_without_rebuilding_or_latching(
+    module: Recording, clock: FakeClock
+) -> None:
     first = register(module, 7)
     clock.advance(50)
     again = register(module, 7, conn_fd=12)
     assert again["created"] is False and again["segment"] == first["segment"]
     e = entry(module, 7)
-    assert (e.registered_at, e.last_seen, e.has_liveness_signal, e.conn_fd) == (
-        T0, T0 + 50, False, 12)
+    assert (e.registered_at, e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0, T0 + 50, False, 12)
     assert module.released == [] and module.strategy_count() == 1
 
 
@@ -122,7 +128,8 @@ def test_touch_latches_get_and_touch_does_not(module: Recording, clock: FakeCloc
 
 
 def test_reap_pops_context_and_pool_together_and_spares_a_warming_entry(
-        module: Recording, clock: FakeClock) -> None:
+    module: Recording, clock: FakeClock
+) -> None:
     dead = register(module, 1)["segment"]
     warming = register(module, 2)["segment"]  # registered, never pinged
     module.touch_instance(1)
@@ -136,10 +143,10 @@ def test_reap_pops_context_and_pool_together_and_spares_a_warming_entry(
     assert pool_exists(warming) and entry(module, 2).has_liveness_signal is False
 
 
-@pytest.mark.parametrize("pinged, window, reason", [(True, TIMEOUT, "timeout"),
-                                                    (False, GRACE, "grace")])
-def test_window_boundary_is_strict(module: Recording, clock: FakeClock, pinged: bool,
-                                   window: float, reason: str) -> None:
+@pytest.mark.parametrize("pinged, window, reason", [(True, TIMEOUT, "timeout"), (False, GRACE, "grace")])
+def test_window_boundary_is_strict(
+    module: Recording, clock: FakeClock, pinged: bool, window: float, reason: str
+) -> None:
     pool = register(module, 7)["segment"]
     if pinged:
         module.touch_instance(7)
@@ -170,8 +177,7 @@ def test_disconnect_boundary_and_reconnect(module: Recording, clock: FakeClock) 
 
 
 @pytest.mark.parametrize("mtype", [MsgType.ENGINE_STORE, MsgType.ENGINE_RETRIEVE])
-def test_transfer_refreshes_without_latching(module: Recording, clock: FakeClock,
-                                             mtype: MsgType) -> None:
+def test_transfer_refreshes_without_latching(module: Recording, clock: FakeClock, mtype: MsgType) -> None:
     register(module, 7)
     clock.advance(70)
     transfer(module, mtype, 7, conn_fd=15)
@@ -180,8 +186,7 @@ def test_transfer_refreshes_without_latching(module: Recording, clock: FakeClock
 
 
 @pytest.mark.parametrize("mtype", [MsgType.ENGINE_STORE, MsgType.ENGINE_RETRIEVE])
-def test_transfer_of_an_unknown_id_raises_not_registered(module: Recording,
-                                                         mtype: MsgType) -> None:
+def test_transfer_of_an_unknown_id_raises_not_registered(module: Recording, mtype: MsgType) -> None:
     with pytest.raises(NotRegistered, match="instance 404 is not registered"):
         transfer(module, mtype, 404)
 
@@ -194,8 +199,7 @@ def test_remove_is_idempotent_and_unlinks_the_pool(module: Recording) -> None:
     assert module.strategy_count() == 0
 
 
-def test_reap_during_a_transfer_keeps_the_pool_until_it_ends(module: Recording,
-                                                             clock: FakeClock) -> None:
+def test_reap_during_a_transfer_keeps_the_pool_until_it_ends(module: Recording, clock: FakeClock) -> None:
     pool = register(module, 7)["segment"]
     module.touch_instance(7)
     with module._use(7):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataplane.keys import KEY_BYTES, chunk_keys, scope_digest
+from dataplane.storage.keys import KEY_BYTES, chunk_keys, scope_digest
 
 C = 32
 BASE = dict(

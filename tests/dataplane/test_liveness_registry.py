@@ -19,12 +19,14 @@ import pytest
 import torch
 
 from dataplane.client import _layout
-from dataplane.errors import NotRegistered
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext
 from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
-from dataplane.protocol import PARSERS, MsgType, Register, ids_to_bytes
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.checks import ids_to_bytes
+from dataplane.wire.errors import NotRegistered
+from dataplane.wire.messages import MsgType, Register
+from dataplane.wire.protocol import PARSERS
 from tests.helpers import FakeClock
 
 CHUNK = 16
@@ -75,21 +77,25 @@ def module(clock: FakeClock) -> Iterator[Recording]:
 def register_payload(instance_id: int, caches: Caches, model: str = "m") -> Register:
     memory, dtype, shape, layers = _layout(caches)
     reg = PARSERS[MsgType.REGISTER_KV_CACHE](
-        [instance_id, model, 1, 0, "server_driven", memory, dtype, shape, os.getpid(), layers])
+        [instance_id, model, 1, 0, "server_driven", memory, dtype, shape, os.getpid(), layers]
+    )
     assert isinstance(reg, Register)
     return reg
 
 
-def register(m: ServerDrivenTransferModule, instance_id: int, caches: Caches, conn_fd: int = 5,
-             model: str = "m") -> dict[str, Any]:
+def register(
+    m: ServerDrivenTransferModule, instance_id: int, caches: Caches, conn_fd: int = 5, model: str = "m"
+) -> dict[str, Any]:
     fn = m.handlers()[MsgType.REGISTER_KV_CACHE].fn
-    out: dict[str, Any] = fn(RequestContext(1, MsgType.REGISTER_KV_CACHE, conn_fd),
-                             register_payload(instance_id, caches, model))
+    out: dict[str, Any] = fn(
+        RequestContext(1, MsgType.REGISTER_KV_CACHE, conn_fd), register_payload(instance_id, caches, model)
+    )
     return out
 
 
-def transfer(m: ServerDrivenTransferModule, mtype: MsgType, instance_id: int,
-             conn_fd: int = -1) -> dict[str, Any]:
+def transfer(
+    m: ServerDrivenTransferModule, mtype: MsgType, instance_id: int, conn_fd: int = -1
+) -> dict[str, Any]:
     tokens = list(range(100, 100 + 2 * CHUNK))
     payload = PARSERS[mtype]([instance_id, ids_to_bytes(tokens), ids_to_bytes([0, 1])])
     out: dict[str, Any] = m.handlers()[mtype].fn(RequestContext(2, mtype, conn_fd), payload)
@@ -114,22 +120,23 @@ def entry(m: ServerDrivenTransferModule, instance_id: int) -> Any:
 # ------------------------------------------------------------------------ registration
 
 
-def test_register_inserts_an_unlatched_entry(module: Recording, clock: FakeClock,
-                                             make_caches: Callable[[], Caches]) -> None:
+def test_register_inserts_an_unlatched_entry(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     caches = make_caches()
     assert register(module, 7, caches, conn_fd=11) == {"created": True, "chunk_size": CHUNK}
     e = entry(module, 7)
     assert (e.registered_at, e.last_seen) == (T0, T0)
     assert e.has_liveness_signal is False
     assert (e.conn_fd, e.disconnected) == (11, False)
-    assert (e.transfer_mode, e.memory, e.owner_pid, e.num_layers) == ("server_driven", "shm",
-                                                                       os.getpid(), 2)
+    assert (e.transfer_mode, e.memory, e.owner_pid, e.num_layers) == ("server_driven", "shm", os.getpid(), 2)
     assert module.tracked_instance_count() == 1
     assert maps_count(segment(caches)) == 2  # the server mapped the worker's memory
 
 
 def test_repeat_register_refreshes_without_rebuilding_or_latching(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     caches = make_caches()
     register(module, 7, caches)
     clock.advance(50)
@@ -142,8 +149,9 @@ def test_repeat_register_refreshes_without_rebuilding_or_latching(
     assert maps_count(segment(caches)) == 2  # nothing mapped again
 
 
-def test_repeat_register_keeps_a_latched_signal(module: Recording, clock: FakeClock,
-                                                make_caches: Callable[[], Caches]) -> None:
+def test_repeat_register_keeps_a_latched_signal(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     caches = make_caches()
     register(module, 7, caches)
     assert module.touch_instance(7)
@@ -154,7 +162,8 @@ def test_repeat_register_keeps_a_latched_signal(module: Recording, clock: FakeCl
 
 
 def test_register_with_another_layout_replaces_and_releases_the_old_context(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     old, new = make_caches(), make_caches()
     register(module, 7, old)
     clock.advance(5)
@@ -168,8 +177,9 @@ def test_register_with_another_layout_replaces_and_releases_the_old_context(
 # -------------------------------------------------------------------- touch and friends
 
 
-def test_touch_latches_and_refreshes(module: Recording, clock: FakeClock,
-                                     make_caches: Callable[[], Caches]) -> None:
+def test_touch_latches_and_refreshes(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     register(module, 7, make_caches(), conn_fd=5)
     clock.advance(30)
     assert module.touch_instance(7, conn_fd=9) is True
@@ -187,8 +197,9 @@ def test_touch_of_an_unknown_id_is_a_no_op(module: Recording) -> None:
     assert module.reap_stale_instances(0, 0) == []
 
 
-def test_get_and_touch_refreshes_without_latching(module: Recording, clock: FakeClock,
-                                                  make_caches: Callable[[], Caches]) -> None:
+def test_get_and_touch_refreshes_without_latching(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     register(module, 7, make_caches())
     clock.advance(40)
     got = module.get_and_touch_context_entry(7)
@@ -199,8 +210,7 @@ def test_get_and_touch_refreshes_without_latching(module: Recording, clock: Fake
         module.get_and_touch_context_entry(404)
 
 
-def test_snapshot_is_a_copy(module: Recording, clock: FakeClock,
-                            make_caches: Callable[[], Caches]) -> None:
+def test_snapshot_is_a_copy(module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
     register(module, 7, make_caches())
     register(module, 8, make_caches())
     snap = module.context_entries_snapshot()
@@ -214,9 +224,9 @@ def test_snapshot_is_a_copy(module: Recording, clock: FakeClock,
 
 
 @pytest.mark.parametrize("mtype", [MsgType.STORE, MsgType.RETRIEVE])
-def test_transfer_refreshes_without_latching(module: Recording, clock: FakeClock,
-                                             make_caches: Callable[[], Caches],
-                                             mtype: MsgType) -> None:
+def test_transfer_refreshes_without_latching(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches], mtype: MsgType
+) -> None:
     register(module, 7, make_caches())
     clock.advance(60)
     transfer(module, mtype, 7, conn_fd=13)
@@ -224,8 +234,9 @@ def test_transfer_refreshes_without_latching(module: Recording, clock: FakeClock
     assert (e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0 + 60, False, 13)
 
 
-def test_lookup_resolution_refreshes_without_latching(module: Recording, clock: FakeClock,
-                                                      make_caches: Callable[[], Caches]) -> None:
+def test_lookup_resolution_refreshes_without_latching(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     register(module, 7, make_caches())
     clock.advance(60)
     assert module.scope_of(7, conn_fd=14) is not None
@@ -235,15 +246,15 @@ def test_lookup_resolution_refreshes_without_latching(module: Recording, clock: 
 
 
 @pytest.mark.parametrize("mtype", [MsgType.STORE, MsgType.RETRIEVE])
-def test_transfer_for_an_unknown_id_raises_not_registered(module: Recording,
-                                                          mtype: MsgType) -> None:
+def test_transfer_for_an_unknown_id_raises_not_registered(module: Recording, mtype: MsgType) -> None:
     with pytest.raises(NotRegistered, match="instance 404 is not registered"):
         transfer(module, mtype, 404)
     assert module.tracked_instance_count() == 0
 
 
 def test_transfers_keep_a_worker_with_a_starved_heartbeat_alive(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     register(module, 7, make_caches())
     module.touch_instance(7)  # one PING, then only traffic
     for _ in range(30):
@@ -257,8 +268,8 @@ def test_transfers_keep_a_worker_with_a_starved_heartbeat_alive(
 
 
 def test_two_tier_reap_takes_only_the_stale_pinged_entry_and_releases_it_once(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches],
-        caplog: pytest.LogCaptureFixture) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches], caplog: pytest.LogCaptureFixture
+) -> None:
     stale, warming, fresh = make_caches(), make_caches(), make_caches()
     register(module, 1, stale)
     register(module, 2, warming)  # never pings: the registration grace applies
@@ -266,7 +277,7 @@ def test_two_tier_reap_takes_only_the_stale_pinged_entry_and_releases_it_once(
     module.touch_instance(1)
     clock.advance(TIMEOUT + 1)
     module.touch_instance(3)
-    with caplog.at_level(logging.WARNING, "dataplane.modules.registry"):
+    with caplog.at_level(logging.WARNING, "dataplane.liveness.registry"):
         assert module.reap_stale_instances(TIMEOUT, GRACE) == [1]
     assert module.released == [(1, "reap")]
     assert maps_count(segment(stale)) == 1  # the server's mapping is gone ...
@@ -284,11 +295,15 @@ def test_two_tier_reap_takes_only_the_stale_pinged_entry_and_releases_it_once(
     assert module.released == [(1, "reap")]
 
 
-@pytest.mark.parametrize("pinged, window, reason", [(True, TIMEOUT, "timeout"),
-                                                    (False, GRACE, "grace")])
-def test_window_boundary_is_strict(module: Recording, clock: FakeClock,
-                                   make_caches: Callable[[], Caches], pinged: bool,
-                                   window: float, reason: str) -> None:
+@pytest.mark.parametrize("pinged, window, reason", [(True, TIMEOUT, "timeout"), (False, GRACE, "grace")])
+def test_window_boundary_is_strict(
+    module: Recording,
+    clock: FakeClock,
+    make_caches: Callable[[], Caches],
+    pinged: bool,
+    window: float,
+    reason: str,
+) -> None:
     register(module, 7, make_caches())
     if pinged:
         module.touch_instance(7)
@@ -302,19 +317,20 @@ def test_window_boundary_is_strict(module: Recording, clock: FakeClock,
 
 
 def test_a_never_pinged_entry_is_not_held_to_the_timeout(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches],
-        caplog: pytest.LogCaptureFixture) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches], caplog: pytest.LogCaptureFixture
+) -> None:
     register(module, 7, make_caches())
     clock.advance(GRACE - 1)  # far beyond the timeout, within the grace
     assert module.reap_stale_instances(TIMEOUT, GRACE) == []
     clock.advance(2)
-    with caplog.at_level(logging.WARNING, "dataplane.modules.registry"):
+    with caplog.at_level(logging.WARNING, "dataplane.liveness.registry"):
         assert module.reap_stale_instances(TIMEOUT, GRACE) == [7]
     assert "never pinged" in caplog.text
 
 
 def test_a_failing_reap_listener_does_not_leak_the_reaped_context(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     def broken(*_: Any) -> None:
         raise RuntimeError("metrics backend is gone")
 
@@ -335,7 +351,8 @@ def test_a_failing_reap_listener_does_not_leak_the_reaped_context(
 
 
 def test_remove_is_the_unregister_cleanup_and_is_idempotent(
-        module: Recording, make_caches: Callable[[], Caches]) -> None:
+    module: Recording, make_caches: Callable[[], Caches]
+) -> None:
     caches = make_caches()
     register(module, 7, caches)
     assert module.remove_instance(7, "unregister") is True
@@ -348,7 +365,8 @@ def test_remove_is_the_unregister_cleanup_and_is_idempotent(
 
 
 def test_reap_during_a_transfer_defers_the_release_to_its_end(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     caches = make_caches()
     register(module, 7, caches)
     module.touch_instance(7)
@@ -376,7 +394,8 @@ def test_close_releases_every_entry(clock: FakeClock, make_caches: Callable[[], 
 
 
 def test_disconnected_instance_is_reaped_just_after_the_grace(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     register(module, 1, make_caches(), conn_fd=20)
     register(module, 2, make_caches(), conn_fd=21)
     module.touch_instance(1)
@@ -394,8 +413,9 @@ def test_disconnected_instance_is_reaped_just_after_the_grace(
     assert module.tracked_instance_count() == 1
 
 
-def test_disconnect_counts_from_the_first_close(module: Recording, clock: FakeClock,
-                                                make_caches: Callable[[], Caches]) -> None:
+def test_disconnect_counts_from_the_first_close(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
     register(module, 1, make_caches(), conn_fd=20)
     module.mark_connection_closed(20, clock())
     clock.advance(6)
@@ -406,7 +426,8 @@ def test_disconnect_counts_from_the_first_close(module: Recording, clock: FakeCl
 
 @pytest.mark.parametrize("how", ["ping", "register", "store", "lookup"])
 def test_instance_speaking_over_a_new_connection_is_not_reaped(
-        module: Recording, clock: FakeClock, make_caches: Callable[[], Caches], how: str) -> None:
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches], how: str
+) -> None:
     caches = make_caches()
     register(module, 1, caches, conn_fd=20)
     module.mark_connection_closed(20, clock())
@@ -431,8 +452,8 @@ def test_instance_speaking_over_a_new_connection_is_not_reaped(
 
 
 def test_stuck_release_is_bounded_and_blocks_no_touch(
-        clock: FakeClock, make_caches: Callable[[], Caches],
-        caplog: pytest.LogCaptureFixture) -> None:
+    clock: FakeClock, make_caches: Callable[[], Caches], caplog: pytest.LogCaptureFixture
+) -> None:
     m = Stuck(clock, stuck_ids={1})
     try:
         register(m, 1, make_caches())
@@ -442,7 +463,7 @@ def test_stuck_release_is_bounded_and_blocks_no_touch(
         m.touch_instance(2)
         result: list[list[int]] = []
         reaper = threading.Thread(target=lambda: result.append(m.reap_stale_instances(TIMEOUT, GRACE)))
-        with caplog.at_level(logging.ERROR, "dataplane.modules.registry"):
+        with caplog.at_level(logging.ERROR, "dataplane.liveness.registry"):
             t0 = time.monotonic()
             reaper.start()
             assert m.entered.wait(5), "release never started"

@@ -17,15 +17,16 @@ import zmq
 from pydantic import ValidationError
 
 from dataplane.client import _layout
-from dataplane.config import Settings, validate_liveness
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import InstanceLivenessTarget, RequestContext
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
-from dataplane.protocol import PARSERS, MsgType, Ping, Register, decode_reply, encode_request
-from dataplane.server import Server
+from dataplane.server.config import Settings, validate_liveness
+from dataplane.server.loop import Server
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.messages import MsgType, Ping, Register
+from dataplane.wire.protocol import PARSERS, decode_reply, encode_request
 from tests.dataplane.fakes import BlendLike
 from tests.helpers import FakeClock, wait_until
 
@@ -57,26 +58,25 @@ def register_raw(instance_id: int, caches: Caches) -> list[Any]:
     return [instance_id, "m", 1, 0, "server_driven", memory, dtype, shape, os.getpid(), layers]
 
 
-def register(m: ServerDrivenTransferModule, instance_id: int, caches: Caches,
-             conn_fd: int = 5) -> None:
+def register(m: ServerDrivenTransferModule, instance_id: int, caches: Caches, conn_fd: int = 5) -> None:
     reg = PARSERS[MsgType.REGISTER_KV_CACHE](register_raw(instance_id, caches))
     assert isinstance(reg, Register)
-    m.handlers()[MsgType.REGISTER_KV_CACHE].fn(RequestContext(1, MsgType.REGISTER_KV_CACHE,
-                                                              conn_fd), reg)
+    m.handlers()[MsgType.REGISTER_KV_CACHE].fn(RequestContext(1, MsgType.REGISTER_KV_CACHE, conn_fd), reg)
 
 
 def engine_register(m: EngineDrivenTransferModule, instance_id: int, conn_fd: int = 5) -> None:
-    payload = PARSERS[MsgType.ENGINE_REGISTER](
-        [instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, 4, os.getpid()])
-    m.handlers()[MsgType.ENGINE_REGISTER].fn(RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd),
-                                             payload)
+    payload = PARSERS[MsgType.ENGINE_REGISTER]([instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, 4, os.getpid()])
+    m.handlers()[MsgType.ENGINE_REGISTER].fn(RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd), payload)
 
 
-def modules(clock: Callable[[], float] = time.monotonic, metrics: DataPlaneMetrics | None = None
-            ) -> tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]:
+def modules(
+    clock: Callable[[], float] = time.monotonic, metrics: DataPlaneMetrics | None = None
+) -> tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]:
     l1, metrics = L1Store(8 << 20), metrics or DataPlaneMetrics()
-    return (ServerDrivenTransferModule(l1, CHUNK, metrics, clock),
-            EngineDrivenTransferModule(l1, CHUNK, metrics, clock))
+    return (
+        ServerDrivenTransferModule(l1, CHUNK, metrics, clock),
+        EngineDrivenTransferModule(l1, CHUNK, metrics, clock),
+    )
 
 
 def ping(mgmt: ManagementModule, instance_id: int | None, conn_fd: int = 9) -> dict[str, Any]:
@@ -97,8 +97,7 @@ def reaper_threads() -> list[threading.Thread]:
 # ------------------------------------------------------------------------------------ PING
 
 
-def test_ping_touches_every_target_for_an_id(server: Server,
-                                             make_caches: Callable[[], Caches]) -> None:
+def test_ping_touches_every_target_for_an_id(server: Server, make_caches: Callable[[], Caches]) -> None:
     clock = FakeClock()
     sd, ed = modules(clock)
     log = TouchLog()
@@ -119,8 +118,7 @@ def test_ping_touches_every_target_for_an_id(server: Server,
         ed.close()
 
 
-def test_ping_without_an_id_touches_nothing(server: Server,
-                                            make_caches: Callable[[], Caches]) -> None:
+def test_ping_without_an_id_touches_nothing(server: Server, make_caches: Callable[[], Caches]) -> None:
     clock = FakeClock()
     sd, ed = modules(clock)
     log = TouchLog()
@@ -173,8 +171,7 @@ class Running:
         self.ctx.term()
 
 
-def call(sock: zmq.Socket[Any], rid: int, mtype: MsgType, payload: list[Any],
-         timeout: float = 10.0) -> Any:
+def call(sock: zmq.Socket[Any], rid: int, mtype: MsgType, payload: list[Any], timeout: float = 10.0) -> Any:
     sock.send(encode_request(rid, mtype, payload))
     assert sock.poll(int(timeout * 1000), zmq.POLLIN), f"no reply to {mtype} within {timeout}s"
     reply = decode_reply(sock.recv())
@@ -188,15 +185,25 @@ def running() -> Iterator[Callable[..., Running]]:
     """Real server loops in this process, assembled with the modules a test wants."""
     made: list[Running] = []
 
-    def make(transfer: ServerDrivenTransferModule | None = None, *, reap_timeout_s: float = 0.0,
-             registration_grace_s: float = 3600.0, disconnect_grace_s: float = 0.0) -> Running:
+    def make(
+        transfer: ServerDrivenTransferModule | None = None,
+        *,
+        reap_timeout_s: float = 0.0,
+        registration_grace_s: float = 3600.0,
+        disconnect_grace_s: float = 0.0,
+    ) -> Running:
         server = Server("tcp://127.0.0.1:*")
         sd, ed = modules(metrics=server.metrics)
         sd = transfer or sd
         blend = BlendLike()
-        mgmt = ManagementModule(server, CHUNK, [sd, ed, blend], reap_timeout_s=reap_timeout_s,
-                                registration_grace_s=registration_grace_s,
-                                disconnect_grace_s=disconnect_grace_s)
+        mgmt = ManagementModule(
+            server,
+            CHUNK,
+            [sd, ed, blend],
+            reap_timeout_s=reap_timeout_s,
+            registration_grace_s=registration_grace_s,
+            disconnect_grace_s=disconnect_grace_s,
+        )
         for m in (mgmt, sd, ed):
             server.add_module(m)
         server.start()
@@ -211,7 +218,8 @@ def running() -> Iterator[Callable[..., Running]]:
 
 
 def test_ping_is_answered_while_a_registration_is_slow(
-        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    running: Callable[..., Running], make_caches: Callable[[], Caches]
+) -> None:
     gate, entered = threading.Event(), threading.Event()
 
     class SlowRegister(ServerDrivenTransferModule):
@@ -237,7 +245,8 @@ def test_ping_is_answered_while_a_registration_is_slow(
 
 
 def test_closed_connection_gets_its_instance_reaped_after_the_grace(
-        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    running: Callable[..., Running], make_caches: Callable[[], Caches]
+) -> None:
     grace = 0.5
     r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
     sock = r.dealer()
@@ -254,7 +263,8 @@ def test_closed_connection_gets_its_instance_reaped_after_the_grace(
 
 
 def test_instance_that_speaks_over_a_new_connection_is_not_reaped(
-        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    running: Callable[..., Running], make_caches: Callable[[], Caches]
+) -> None:
     grace = 0.5
     r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
     old, new = r.dealer(), r.dealer()
@@ -262,8 +272,11 @@ def test_instance_that_speaks_over_a_new_connection_is_not_reaped(
     call(new, 2, MsgType.PING, [None])  # the new connection is up before the old one goes
     call(old, 3, MsgType.PING, [7])
     old.close(linger=0)
-    wait_until(lambda: (e := r.transfer.context_entry(7)) is not None and e.disconnected, 3,
-               what="the close to be noticed")
+    wait_until(
+        lambda: (e := r.transfer.context_entry(7)) is not None and e.disconnected,
+        3,
+        what="the close to be noticed",
+    )
     assert call(new, 4, MsgType.PING, [7])["tracked"] is True
     entry = r.transfer.context_entry(7)
     assert entry is not None and not entry.disconnected
@@ -276,7 +289,8 @@ def test_instance_that_speaks_over_a_new_connection_is_not_reaped(
 
 
 def test_without_a_disconnect_grace_closing_flags_nothing(
-        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    running: Callable[..., Running], make_caches: Callable[[], Caches]
+) -> None:
     r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=0.0)
     sock = r.dealer()
     call(sock, 1, MsgType.REGISTER_KV_CACHE, register_raw(7, make_caches()))
@@ -304,7 +318,8 @@ def test_timeout_zero_starts_no_reaper(server: Server) -> None:
 
 
 def test_management_reaper_reaps_fans_out_and_counts(
-        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    running: Callable[..., Running], make_caches: Callable[[], Caches]
+) -> None:
     r = running(reap_timeout_s=0.4, registration_grace_s=0.4)
     assert r.management.reaper is not None and r.management.reaper_alive() is True
     assert any(t.is_alive() for t in reaper_threads())
@@ -319,7 +334,8 @@ def test_management_reaper_reaps_fans_out_and_counts(
 
 
 def test_shutdown_joins_the_reaper_before_any_module_clears_its_state(
-        make_caches: Callable[[], Caches]) -> None:
+    make_caches: Callable[[], Caches],
+) -> None:
     seen_at_close: list[bool | None] = []
 
     class Probe(ServerDrivenTransferModule):
@@ -347,23 +363,30 @@ def test_shutdown_joins_the_reaper_before_any_module_clears_its_state(
 # --------------------------------------------------------------------------------- status
 
 
-def test_report_status_summarises_liveness(server: Server,
-                                           make_caches: Callable[[], Caches]) -> None:
+def test_report_status_summarises_liveness(server: Server, make_caches: Callable[[], Caches]) -> None:
     sd, ed = modules()
-    mgmt = ManagementModule(server, CHUNK, [sd, ed, BlendLike()], reap_timeout_s=120.0,
-                            registration_grace_s=3600.0, disconnect_grace_s=10.0)
+    mgmt = ManagementModule(
+        server,
+        CHUNK,
+        [sd, ed, BlendLike()],
+        reap_timeout_s=120.0,
+        registration_grace_s=3600.0,
+        disconnect_grace_s=10.0,
+    )
     try:
         register(sd, 1, make_caches())
         register(sd, 2, make_caches())
         engine_register(ed, 3)
-        assert mgmt.report_status() == {"worker_liveness": {
-            "enabled": True,
-            "reap_timeout_seconds": 120.0,
-            "registration_grace_seconds": 3600.0,
-            "disconnect_grace_seconds": 10.0,
-            "tracked_instances": 3,
-            "reaped_total": 0,
-        }}
+        assert mgmt.report_status() == {
+            "worker_liveness": {
+                "enabled": True,
+                "reap_timeout_seconds": 120.0,
+                "registration_grace_seconds": 3600.0,
+                "disconnect_grace_seconds": 10.0,
+                "tracked_instances": 3,
+                "reaped_total": 0,
+            }
+        }
         assert mgmt.force_reap(2) == ["server_driven"]
         status = mgmt.report_status()["worker_liveness"]
         assert (status["tracked_instances"], status["reaped_total"]) == (2, 1)
@@ -382,7 +405,8 @@ def test_report_status_without_targets_has_no_liveness_key(server: Server) -> No
 
 
 def test_unregister_runs_the_cleanup_and_is_idempotent(
-        running: Callable[..., Running], make_caches: Callable[[], Caches]) -> None:
+    running: Callable[..., Running], make_caches: Callable[[], Caches]
+) -> None:
     r = running()
     r.blend.state[7] = "rope-7"
     sock = r.dealer()
@@ -396,7 +420,8 @@ def test_unregister_runs_the_cleanup_and_is_idempotent(
 
 
 def test_force_reap_releases_everywhere_and_counts_as_admin(
-        server: Server, make_caches: Callable[[], Caches]) -> None:
+    server: Server, make_caches: Callable[[], Caches]
+) -> None:
     sd, ed = modules()
     blend = BlendLike((7, 8))
     mgmt = ManagementModule(server, CHUNK, [sd, ed, blend])
@@ -425,29 +450,37 @@ def no_kvwarden_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(k)
 
 
-@pytest.mark.parametrize("timeout, grace, disconnect, names", [
-    (10.0, 3600.0, 0.0, "worker_reap_timeout_seconds"),
-    (29.9, 3600.0, 0.0, "worker_reap_timeout_seconds"),
-    (-1.0, 3600.0, 0.0, "worker_reap_timeout_seconds"),
-    (math.nan, 3600.0, 0.0, "worker_reap_timeout_seconds"),
-    (math.inf, math.inf, 0.0, "worker_reap_timeout_seconds"),
-    (120.0, 60.0, 0.0, "worker_registration_grace_seconds"),
-    (120.0, math.nan, 0.0, "worker_registration_grace_seconds"),
-    (120.0, math.inf, 0.0, "worker_registration_grace_seconds"),
-    (120.0, 3600.0, 0.5, "worker_disconnect_grace_seconds"),
-    (120.0, 3600.0, -1.0, "worker_disconnect_grace_seconds"),
-    (120.0, 3600.0, 121.0, "worker_disconnect_grace_seconds"),
-])
-def test_liveness_rules_reject(timeout: float, grace: float, disconnect: float,
-                               names: str) -> None:
+@pytest.mark.parametrize(
+    "timeout, grace, disconnect, names",
+    [
+        (10.0, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+        (29.9, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+        (-1.0, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+        (math.nan, 3600.0, 0.0, "worker_reap_timeout_seconds"),
+        (math.inf, math.inf, 0.0, "worker_reap_timeout_seconds"),
+        (120.0, 60.0, 0.0, "worker_registration_grace_seconds"),
+        (120.0, math.nan, 0.0, "worker_registration_grace_seconds"),
+        (120.0, math.inf, 0.0, "worker_registration_grace_seconds"),
+        (120.0, 3600.0, 0.5, "worker_disconnect_grace_seconds"),
+        (120.0, 3600.0, -1.0, "worker_disconnect_grace_seconds"),
+        (120.0, 3600.0, 121.0, "worker_disconnect_grace_seconds"),
+    ],
+)
+def test_liveness_rules_reject(timeout: float, grace: float, disconnect: float, names: str) -> None:
     with pytest.raises(ValueError, match=names):
         validate_liveness(timeout, grace, disconnect)
 
 
-@pytest.mark.parametrize("timeout, grace, disconnect", [
-    (0.0, 0.0, 0.0), (0.0, 0.0, 10.0), (30.0, 30.0, 30.0), (120.0, 3600.0, 10.0),
-    (120.0, 120.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "timeout, grace, disconnect",
+    [
+        (0.0, 0.0, 0.0),
+        (0.0, 0.0, 10.0),
+        (30.0, 30.0, 30.0),
+        (120.0, 3600.0, 10.0),
+        (120.0, 120.0, 1.0),
+    ],
+)
 def test_liveness_rules_accept(timeout: float, grace: float, disconnect: float) -> None:
     validate_liveness(timeout, grace, disconnect)
 
@@ -462,14 +495,17 @@ def test_rejection_message_gives_the_rule() -> None:
 
 
 @pytest.mark.usefixtures("no_kvwarden_env")
-@pytest.mark.parametrize("kw", [
-    {"worker_reap_timeout_seconds": 10},
-    {"worker_reap_timeout_seconds": 120, "worker_registration_grace_seconds": 60},
-    {"worker_reap_timeout_seconds": -1},
-    {"worker_reap_timeout_seconds": math.nan},
-    {"worker_reap_timeout_seconds": math.inf},
-    {"worker_registration_grace_seconds": math.inf},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"worker_reap_timeout_seconds": 10},
+        {"worker_reap_timeout_seconds": 120, "worker_registration_grace_seconds": 60},
+        {"worker_reap_timeout_seconds": -1},
+        {"worker_reap_timeout_seconds": math.nan},
+        {"worker_reap_timeout_seconds": math.inf},
+        {"worker_registration_grace_seconds": math.inf},
+    ],
+)
 def test_settings_reject(kw: dict[str, float]) -> None:
     with pytest.raises(ValidationError):
         Settings(**kw)  # type: ignore[arg-type]
@@ -480,5 +516,8 @@ def test_settings_accept_zero_and_the_defaults() -> None:
     off = Settings(worker_reap_timeout_seconds=0, worker_registration_grace_seconds=0)
     assert (off.worker_reap_timeout_seconds, off.worker_registration_grace_seconds) == (0, 0)
     d = Settings()
-    assert (d.worker_reap_timeout_seconds, d.worker_registration_grace_seconds,
-            d.worker_disconnect_grace_seconds) == (120, 3600, 10)
+    assert (
+        d.worker_reap_timeout_seconds,
+        d.worker_registration_grace_seconds,
+        d.worker_disconnect_grace_seconds,
+    ) == (120, 3600, 10)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane import protocol as p
-from dataplane.errors import FrameTooLarge, ProtocolError, VersionMismatch
+from dataplane.wire.errors import FrameTooLarge, ProtocolError, VersionMismatch
 
 IID = 123456789
 
@@ -215,15 +215,10 @@ class TestFraming:
         tok = p.ids_to_bytes(range(40))
         blk = p.ids_to_bytes([3, 1, 2])
         assert roundtrip(p.encode_request(1, p.MsgType.HELLO, [])).payload == p.Empty()
-        assert (
-            roundtrip(p.encode_request(1, p.MsgType.GET_SERVER_INFO, [])).type
-            is p.MsgType.GET_SERVER_INFO
-        )
+        assert roundtrip(p.encode_request(1, p.MsgType.GET_SERVER_INFO, [])).type is p.MsgType.GET_SERVER_INFO
         assert roundtrip(p.encode_request(2, p.MsgType.PING, [None])).payload == p.Ping(None)
         assert roundtrip(p.encode_request(2, p.MsgType.PING, [IID])).payload == p.Ping(IID)
-        assert roundtrip(
-            p.encode_request(3, "UNREGISTER_KV_CACHE", [IID])
-        ).payload == p.InstanceOnly(IID)
+        assert roundtrip(p.encode_request(3, "UNREGISTER_KV_CACHE", [IID])).payload == p.InstanceOnly(IID)
         for mtype in (p.MsgType.STORE, p.MsgType.RETRIEVE):
             req = roundtrip(p.encode_request(9, mtype, [IID, tok, blk]))
             assert req.request_id == 9 and req.type is mtype
@@ -400,14 +395,10 @@ class TestRegister:
         assert reg.world_size == 2 and reg.worker_id == 1
         assert reg.memory is p.MemoryKind.SHM
         assert reg.kv_shape == (2, 64, 16, 2, 8)
-        assert reg.layers[1] == p.ShmLayer(
-            "kvwarden-1-0123456789abcdef", 32768, (16384, 256, 16, 8, 1)
-        )
+        assert reg.layers[1] == p.ShmLayer("kvwarden-1-0123456789abcdef", 32768, (16384, 256, 16, 8, 1))
 
     def test_valid_cuda(self) -> None:
-        reg = decode(
-            "REGISTER_KV_CACHE", shm_register(memory="cuda_ipc", layers=[cuda_layer()])
-        ).payload
+        reg = decode("REGISTER_KV_CACHE", shm_register(memory="cuda_ipc", layers=[cuda_layer()])).payload
         assert isinstance(reg, p.Register)
         assert reg.memory is p.MemoryKind.CUDA_IPC
         layer = reg.layers[0]

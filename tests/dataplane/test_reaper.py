@@ -18,14 +18,15 @@ import pytest
 import torch
 
 from dataplane.client import _layout, allocate_kv_caches, free_kv_caches
+from dataplane.liveness.registry import LivenessRegistry
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import InstanceLivenessTarget, RequestContext
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.management import WorkerReaper
-from dataplane.modules.registry import LivenessRegistry
 from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
-from dataplane.protocol import PARSERS, MsgType
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.messages import MsgType
+from dataplane.wire.protocol import PARSERS
 from tests.dataplane.fakes import BlendLike
 from tests.helpers import FakeClock, wait_until
 
@@ -59,14 +60,15 @@ def caches() -> Iterator[list[torch.Tensor]]:
 
 
 @pytest.fixture
-def modules() -> Iterator[Callable[[Clock], tuple[ServerDrivenTransferModule,
-                                                   EngineDrivenTransferModule]]]:
+def modules() -> Iterator[Callable[[Clock], tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]]]:
     made: list[LivenessRegistry[Any]] = []
 
     def make(clock: Clock) -> tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]:
         l1, metrics = L1Store(8 << 20), DataPlaneMetrics()
-        pair = (ServerDrivenTransferModule(l1, CHUNK, metrics, clock),
-                EngineDrivenTransferModule(l1, CHUNK, metrics, clock))
+        pair = (
+            ServerDrivenTransferModule(l1, CHUNK, metrics, clock),
+            EngineDrivenTransferModule(l1, CHUNK, metrics, clock),
+        )
         made.extend(pair)
         return pair
 
@@ -75,8 +77,9 @@ def modules() -> Iterator[Callable[[Clock], tuple[ServerDrivenTransferModule,
         m.close()
 
 
-def register(m: LivenessRegistry[Any], instance_id: int, caches: list[torch.Tensor],
-             conn_fd: int = 5) -> None:
+def register(
+    m: LivenessRegistry[Any], instance_id: int, caches: list[torch.Tensor], conn_fd: int = 5
+) -> None:
     if isinstance(m, EngineDrivenTransferModule):
         mtype = MsgType.ENGINE_REGISTER
         raw = [instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, 4, os.getpid()]
@@ -97,7 +100,8 @@ def reaper_threads() -> list[threading.Thread]:
 
 
 def test_reap_once_reaps_every_target_and_fans_out_drop_instance_state(
-        clock: FakeClock, modules: Any, caches: list[torch.Tensor]) -> None:
+    clock: FakeClock, modules: Any, caches: list[torch.Tensor]
+) -> None:
     sd, ed = modules(clock)
     blend = BlendLike([1, 2, 3])
     register(sd, 1, caches)
@@ -108,8 +112,7 @@ def test_reap_once_reaps_every_target_and_fans_out_drop_instance_state(
     clock.advance(TIMEOUT + 1)
     sd.touch_instance(3)
     reported: list[list[int]] = []
-    reaper = WorkerReaper([sd, ed, blend], TIMEOUT, GRACE, DISCONNECT, clock,
-                          on_reaped=reported.append)
+    reaper = WorkerReaper([sd, ed, blend], TIMEOUT, GRACE, DISCONNECT, clock, on_reaped=reported.append)
     assert sorted(reaper.reap_once()) == [1, 2]
     assert sorted(blend.seen()) == [1, 2] and blend.state == {3: "rope-3"}
     assert reported and sorted(reported[0]) == [1, 2]
@@ -131,9 +134,9 @@ def test_drop_instance_state_for_an_unknown_id_is_a_no_op(clock: FakeClock, modu
 
 @pytest.mark.parametrize("kind", ["server_driven", "engine_driven"])
 @pytest.mark.parametrize("window", ["timeout", "grace", "disconnect"])
-def test_each_window_reaps_only_strictly_after_it(clock: FakeClock, modules: Any,
-                                                  caches: list[torch.Tensor], kind: str,
-                                                  window: str) -> None:
+def test_each_window_reaps_only_strictly_after_it(
+    clock: FakeClock, modules: Any, caches: list[torch.Tensor], kind: str, window: str
+) -> None:
     sd, ed = modules(clock)
     m = sd if kind == "server_driven" else ed
     blend = BlendLike([7])
@@ -152,7 +155,8 @@ def test_each_window_reaps_only_strictly_after_it(clock: FakeClock, modules: Any
 
 
 def test_disconnect_grace_zero_leaves_disconnected_entries_to_the_windows(
-        clock: FakeClock, modules: Any, caches: list[torch.Tensor]) -> None:
+    clock: FakeClock, modules: Any, caches: list[torch.Tensor]
+) -> None:
     sd, _ = modules(clock)
     register(sd, 7, caches, conn_fd=20)
     sd.touch_instance(7)
@@ -166,7 +170,8 @@ def test_disconnect_grace_zero_leaves_disconnected_entries_to_the_windows(
 
 @pytest.mark.parametrize("phase", [0.0, 0.01, 7.5, 15.0, 29.99])
 def test_a_dead_worker_goes_between_timeout_and_one_and_a_quarter_timeout(
-        clock: FakeClock, modules: Any, caches: list[torch.Tensor], phase: float) -> None:
+    clock: FakeClock, modules: Any, caches: list[torch.Tensor], phase: float
+) -> None:
     sd, _ = modules(clock)
     register(sd, 7, caches)
     sd.touch_instance(7)  # its last signal, at T0
@@ -180,8 +185,8 @@ def test_a_dead_worker_goes_between_timeout_and_one_and_a_quarter_timeout(
 
 
 def test_a_failing_drop_still_reaches_the_other_targets(
-        clock: FakeClock, modules: Any, caches: list[torch.Tensor],
-        caplog: pytest.LogCaptureFixture) -> None:
+    clock: FakeClock, modules: Any, caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
     class Broken(InstanceLivenessTarget):
         def drop_instance_state(self, instance_id: int) -> None:
             raise RuntimeError("blend state is corrupt")
@@ -199,8 +204,8 @@ def test_a_failing_drop_still_reaches_the_other_targets(
 
 
 def test_a_failing_target_does_not_keep_the_others_from_being_reaped(
-        clock: FakeClock, modules: Any, caches: list[torch.Tensor],
-        caplog: pytest.LogCaptureFixture) -> None:
+    clock: FakeClock, modules: Any, caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
     class Broken(InstanceLivenessTarget):
         def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[int]:
             raise RuntimeError("this target cannot reap")
@@ -255,7 +260,8 @@ def test_reaper_thread_reaps_and_fans_out(modules: Any, caches: list[torch.Tenso
 
 
 def test_reaper_thread_wakes_for_a_disconnect_long_before_its_interval(
-        modules: Any, caches: list[torch.Tensor]) -> None:
+    modules: Any, caches: list[torch.Tensor]
+) -> None:
     sd, _ = modules(time.monotonic)
     blend = BlendLike([7])
     register(sd, 7, caches, conn_fd=20)
@@ -274,8 +280,9 @@ def test_reaper_thread_wakes_for_a_disconnect_long_before_its_interval(
         assert reaper.join(5)
 
 
-def test_reaper_thread_survives_a_failing_cycle(modules: Any, caches: list[torch.Tensor],
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_reaper_thread_survives_a_failing_cycle(
+    modules: Any, caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
     class FailsOnce(InstanceLivenessTarget):
         def __init__(self) -> None:
             self.calls = 0
@@ -302,7 +309,8 @@ def test_reaper_thread_survives_a_failing_cycle(modules: Any, caches: list[torch
 
 
 def test_a_stuck_release_neither_stops_the_reaper_nor_blocks_pings(
-        clock: FakeClock, caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture) -> None:
+    clock: FakeClock, caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
     sd = StuckTransfer(clock, stuck_id=1)
     blend = BlendLike([1, 2])
     register(sd, 1, caches)
@@ -312,7 +320,7 @@ def test_a_stuck_release_neither_stops_the_reaper_nor_blocks_pings(
     sd.touch_instance(2)  # 1 is stale (window 0.5), 2 is not
     reaper = WorkerReaper([sd, blend], 0.5, 0.5, 0.0, clock)  # cycles every 0.125 s (real)
     try:
-        with caplog.at_level(logging.ERROR, "dataplane.modules.registry"):
+        with caplog.at_level(logging.ERROR, "dataplane.liveness.registry"):
             reaper.start()
             assert sd.entered.wait(5), "the release of 1 never started"
             t0 = time.monotonic()

@@ -13,15 +13,14 @@ import torch
 import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.errors import NotRegistered, RequestError
-from dataplane.protocol import decode_reply, encode_request, ids_to_bytes
+from dataplane.wire.checks import ids_to_bytes
+from dataplane.wire.errors import NotRegistered, RequestError
+from dataplane.wire.protocol import decode_reply, encode_request
 from tests.helpers import ServerProcess, call, error_of, next_rid, ping, request
 
 MAX_FRAME = 65536
 CHUNK = 32
-LAYOUT = dict(
-    num_layers=4, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16
-)
+LAYOUT = dict(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
 Sock = zmq.Socket[Any]
 
@@ -162,12 +161,8 @@ def test_wrong_types(sock: Sock, mtype: str, payload: Any, parts: list[str]) -> 
 
 
 def test_wrong_type_of_request_fields(sock: Sock) -> None:
-    expect_error(
-        sock, msgpack.packb([1, 1, 5, []]), "BAD_REQUEST", "request.type", "expected a string"
-    )
-    expect_error(
-        sock, msgpack.packb([1, "id", "PING", [None]]), "BAD_REQUEST", "request.request_id"
-    )
+    expect_error(sock, msgpack.packb([1, 1, 5, []]), "BAD_REQUEST", "request.type", "expected a string")
+    expect_error(sock, msgpack.packb([1, "id", "PING", [None]]), "BAD_REQUEST", "request.request_id")
     expect_error(
         sock,
         msgpack.packb(["1", 1, "PING", [None]]),
@@ -323,9 +318,7 @@ def test_store_with_blocks_outside_the_cache(
     assert w.lookup(np.frombuffer(tokens(2 * 16, seed=bad_index), dtype="<i4")) == 0
 
 
-def test_store_with_too_few_blocks(
-    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
-) -> None:
+def test_store_with_too_few_blocks(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
     expect_error(
         sock,
@@ -360,9 +353,7 @@ def test_transfer_for_an_unknown_instance(sock: Sock) -> None:
         ("RETRIEVE", [424242, tokens(CHUNK), ids_to_bytes([0, 1])]),
         ("LOOKUP", [424242, tokens(CHUNK)]),
     ):
-        expect_error(
-            sock, frame(mtype, payload), "NOT_REGISTERED", "instance 424242", "not registered"
-        )
+        expect_error(sock, frame(mtype, payload), "NOT_REGISTERED", "instance 424242", "not registered")
     reply = call(sock, frame("UNREGISTER_KV_CACHE", [424242]))
     assert reply.ok and reply.body == {"removed": False}
     assert ping(sock, 424242).body["tracked"] is False
@@ -409,20 +400,14 @@ def expect_refused_registration(sock: Sock, payload: list[Any], *parts: str) -> 
     return message
 
 
-def test_register_foreign_segment_names(
-    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
-) -> None:
+def test_register_foreign_segment_names(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
     for seg in ("../../etc/passwd", "kvwarden-1-../../x", "notkvwarden"):
         layers = [[seg, 0, [16384, 256, 16, 8, 1]]]
-        expect_refused_registration(
-            sock, register_payload(w, layers=layers), "is not a kvwarden segment"
-        )
+        expect_refused_registration(sock, register_payload(w, layers=layers), "is not a kvwarden segment")
 
 
-def test_register_missing_segment(
-    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
-) -> None:
+def test_register_missing_segment(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
     layers = [["kvwarden-1-0123456789abcdef", 0, [16384, 256, 16, 8, 1]]]
     expect_refused_registration(sock, register_payload(w, layers=layers), "does not exist")
@@ -445,23 +430,17 @@ def test_register_non_contiguous_strides(
     w, _ = worker
     assert w._register_payload is not None
     layers = [[lay[0], lay[1], [1, 1, 1, 1, 1]] for lay in w._register_payload[9]]
-    expect_refused_registration(
-        sock, register_payload(w, layers=layers), "strides", "not contiguous"
-    )
+    expect_refused_registration(sock, register_payload(w, layers=layers), "strides", "not contiguous")
 
 
-def test_register_misaligned_offset(
-    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
-) -> None:
+def test_register_misaligned_offset(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
     assert w._register_payload is not None
     layers = [[lay[0], lay[1] + 1, lay[2]] for lay in w._register_payload[9]]
     expect_refused_registration(sock, register_payload(w, layers=layers), "aligned")
 
 
-def test_register_bogus_cuda_ipc(
-    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
-) -> None:
+def test_register_bogus_cuda_ipc(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
     layer = ["GPU-0", 0, b"h" * 64, 1 << 20, 0, 0, b"r", 0, b"e", False, [16384, 256, 16, 8, 1]]
     payload = register_payload(w, memory="cuda_ipc", layers=[layer])

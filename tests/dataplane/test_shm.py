@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataplane import shm
 from dataplane.client import allocate_kv_caches, free_kv_caches
-from dataplane.shm import (
+from dataplane.memory import shm
+from dataplane.memory.shm import (
     Segment,
     owner_alive,
     sweep_orphans,
@@ -29,7 +29,7 @@ from tests.helpers import ROOT, LineReader, subprocess_env, wait_until
 
 HOLD_SEGMENT = """
 import sys
-from dataplane.shm import Segment
+from dataplane.memory.shm import Segment
 seg = Segment.create(int(sys.argv[1]))
 seg.mm[:4] = b"live"
 print(seg.name, flush=True)
@@ -39,7 +39,7 @@ sys.stdin.read()  # hold the segment (and its lock) until the test closes our st
 ALLOCATE_AND_EXIT = """
 import torch
 from dataplane.client import allocate_kv_caches
-from dataplane.shm import SHM_DIR
+from dataplane.memory.shm import SHM_DIR
 caches = allocate_kv_caches(2, 4, 16, 2, 8, dtype=torch.bfloat16)
 print(sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith("kvwarden-"))[0], flush=True)
 """
@@ -219,9 +219,7 @@ def test_sweep_removes_only_dead_owners_segments(shm_dir: Path) -> None:
         live.close()
 
 
-def test_child_that_exits_normally_leaves_an_orphan_until_swept(
-    holder: Holder, shm_dir: Path
-) -> None:
+def test_child_that_exits_normally_leaves_an_orphan_until_swept(holder: Holder, shm_dir: Path) -> None:
     assert holder.proc.stdin is not None
     holder.proc.stdin.close()  # the child returns from read() and exits without unlinking
     assert holder.proc.wait(30) == 0
@@ -288,7 +286,7 @@ def test_allocate_rejects_unsupported_dtype() -> None:
 
 SWEEP = """
 import json
-from dataplane.shm import sweep_orphans
+from dataplane.memory.shm import sweep_orphans
 print(json.dumps(sweep_orphans()), flush=True)
 """
 

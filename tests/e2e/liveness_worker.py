@@ -66,15 +66,13 @@ def run_worker(ns: argparse.Namespace) -> int:
     import torch
 
     from dataplane.client import WorkerAdapter, allocate_kv_caches
-    from dataplane.shm import SHM_DIR
+    from dataplane.memory.shm import SHM_DIR
 
     def pattern(seed: int) -> tuple[list[int], list[torch.Tensor]]:
         g = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, 50_000, (N_TOKENS,), generator=g).tolist()
         data = [
-            torch.randn((2, len(SRC_BLOCKS), BLOCK_SIZE, HEADS, HEAD_DIM), generator=g).to(
-                torch.bfloat16
-            )
+            torch.randn((2, len(SRC_BLOCKS), BLOCK_SIZE, HEADS, HEAD_DIM), generator=g).to(torch.bfloat16)
             for _ in range(LAYERS)
         ]
         return tokens, data
@@ -82,9 +80,7 @@ def run_worker(ns: argparse.Namespace) -> int:
     before = {p.name for p in SHM_DIR.iterdir()}
     caches = allocate_kv_caches(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, torch.bfloat16)
     mine = f"kvwarden-{os.getpid()}-"
-    segments = sorted(
-        p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine) and p.name not in before
-    )
+    segments = sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine) and p.name not in before)
     w = WorkerAdapter(
         ns.endpoint,
         model_name=ns.model,

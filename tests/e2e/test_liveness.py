@@ -25,15 +25,16 @@ import msgpack
 import pytest
 import zmq
 
+from dataplane.memory.shm import SHM_DIR, unlink_if_owner_gone
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
-from dataplane.protocol import PROTOCOL_VERSION, MsgType, decode_reply, encode_request
-from dataplane.server import Server
-from dataplane.shm import SHM_DIR, unlink_if_owner_gone
+from dataplane.server.loop import Server
 from dataplane.storage.l1 import L1Store
+from dataplane.wire.messages import MsgType
+from dataplane.wire.protocol import PROTOCOL_VERSION, decode_reply, encode_request
 from tests.helpers import ROOT, free_port, subprocess_env, wait_until
 
 WORKER = Path(__file__).resolve().parent / "liveness_worker.py"
@@ -51,9 +52,14 @@ class Proc:
     def __init__(self, args: list[str], log_path: Path) -> None:
         self.log_path = log_path
         self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), *args], cwd=ROOT,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, env=subprocess_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), *args],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=subprocess_env(),
+        )
         self.pid = self.proc.pid
         self.events: list[tuple[float, Event]] = []
         self._eof = False
@@ -78,8 +84,9 @@ class Proc:
             self._eof = True
             self._cond.notify_all()
 
-    def wait_for(self, pred: Callable[[Event], bool], timeout: float, since: int = 0,
-                 what: str = "event") -> tuple[int, float, Event]:
+    def wait_for(
+        self, pred: Callable[[Event], bool], timeout: float, since: int = 0, what: str = "event"
+    ) -> tuple[int, float, Event]:
         """The first event from index ``since`` on that matches: (next index, arrival, event)."""
         deadline = time.monotonic() + timeout
         i = since
@@ -94,7 +101,8 @@ class Proc:
                 if left <= 0 or self._eof:
                     raise AssertionError(
                         f"pid {self.pid}: no {what} within {timeout:g}s (eof={self._eof}); "
-                        f"events: {[e for _, e in self.events][-20:]}\nlog:\n{self.log()[-3000:]}")
+                        f"events: {[e for _, e in self.events][-20:]}\nlog:\n{self.log()[-3000:]}"
+                    )
                 self._cond.wait(left)
 
     def cursor(self) -> int:
@@ -130,10 +138,18 @@ class Proc:
 
 
 class Worker(Proc):
-    def __init__(self, endpoint: str, log_dir: Path, heartbeat: float, model: str = "liveness",
-                 mode: str = "server_driven") -> None:
-        super().__init__([endpoint, "--heartbeat", str(heartbeat), "--model", model,
-                          "--mode", mode], log_dir / f"worker-{model}.log")
+    def __init__(
+        self,
+        endpoint: str,
+        log_dir: Path,
+        heartbeat: float,
+        model: str = "liveness",
+        mode: str = "server_driven",
+    ) -> None:
+        super().__init__(
+            [endpoint, "--heartbeat", str(heartbeat), "--model", model, "--mode", mode],
+            log_dir / f"worker-{model}.log",
+        )
         self.heartbeat = heartbeat
         self.instance_id = -1
         self.segments: list[str] = []
@@ -143,8 +159,9 @@ class Worker(Proc):
         self.instance_id = int(ev["instance_id"])
         self.segments = list(ev["segments"])
         assert self.segments, ev
-        self.wait_for(lambda e: e == {"event": "state", "registrations": 1, "healthy": True}, 10,
-                      what="initial state")
+        self.wait_for(
+            lambda e: e == {"event": "state", "registrations": 1, "healthy": True}, 10, what="initial state"
+        )
 
     def _command(self, cmd: str, kind: str, timeout: float) -> tuple[float, Event]:
         since = self.cursor()
@@ -176,8 +193,20 @@ class CliServer(Proc):
     def __init__(self, log_dir: Path, port: int, *flags: str) -> None:
         self.port = port
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        args = ["--serve-on-go", "--port", str(port), "--http-port", str(free_port()),
-                "--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--log-level", "info", *flags]
+        args = [
+            "--serve-on-go",
+            "--port",
+            str(port),
+            "--http-port",
+            str(free_port()),
+            "--chunk-size",
+            str(CHUNK),
+            "--l1-size-gb",
+            "0.01",
+            "--log-level",
+            "info",
+            *flags,
+        ]
         super().__init__(args, log_dir / f"server-{port}-{time.monotonic_ns()}.log")
 
     def wait_standby(self, timeout: float = 60.0) -> None:
@@ -229,23 +258,26 @@ def procs(tmp_path: Path) -> Iterator[list[Proc]]:
             unlink_if_owner_gone(path.name)
 
 
-def spawn_workers(procs: list[Proc], endpoint: str, log_dir: Path, heartbeat: float,
-                  models: list[str]) -> list[Worker]:
+def spawn_workers(
+    procs: list[Proc], endpoint: str, log_dir: Path, heartbeat: float, models: list[str]
+) -> list[Worker]:
     ws = [Worker(endpoint, log_dir, heartbeat, model=m) for m in models]
     procs.extend(ws)
     return ws
 
 
-def start_workers(procs: list[Proc], endpoint: str, log_dir: Path, heartbeat: float,
-                  models: list[str]) -> list[Worker]:
+def start_workers(
+    procs: list[Proc], endpoint: str, log_dir: Path, heartbeat: float, models: list[str]
+) -> list[Worker]:
     ws = spawn_workers(procs, endpoint, log_dir, heartbeat, models)
     for w in ws:
         w.wait_registered()
     return ws
 
 
-def start_cli_with_workers(procs: list[Proc], log_dir: Path, heartbeat: float, models: list[str],
-                           *flags: str) -> tuple[CliServer, list[Worker]]:
+def start_cli_with_workers(
+    procs: list[Proc], log_dir: Path, heartbeat: float, models: list[str], *flags: str
+) -> tuple[CliServer, list[Worker]]:
     """Server and workers start side by side (a worker waits for the server to answer)."""
     srv = CliServer(log_dir, free_port(), *flags)
     procs.append(srv)
@@ -286,9 +318,14 @@ def in_process() -> Iterator[Callable[..., InProcess]]:
         servers.append(server)
         transfer = ServerDrivenTransferModule(l1, CHUNK, metrics)
         engine = EngineDrivenTransferModule(l1, CHUNK, metrics)
-        mgmt = ManagementModule(server, CHUNK, [transfer, engine], reap_timeout_s=reap_timeout_s,
-                                registration_grace_s=grace_s,
-                                disconnect_grace_s=disconnect_grace_s)
+        mgmt = ManagementModule(
+            server,
+            CHUNK,
+            [transfer, engine],
+            reap_timeout_s=reap_timeout_s,
+            registration_grace_s=grace_s,
+            disconnect_grace_s=disconnect_grace_s,
+        )
         for m in (mgmt, transfer, engine, LookupModule(l1, CHUNK, metrics, [transfer, engine])):
             server.add_module(m)
         server.start()
@@ -325,12 +362,18 @@ def works(w: Worker, seed: int) -> None:
 # ------------------------------------------------------------------------------ tests
 
 
-def test_sigkilled_worker_is_reaped_within_the_disconnect_grace(
-        procs: list[Proc], tmp_path: Path) -> None:
+def test_sigkilled_worker_is_reaped_within_the_disconnect_grace(procs: list[Proc], tmp_path: Path) -> None:
     grace = 2.0
     srv, (victim, other) = start_cli_with_workers(
-        procs, tmp_path, 0.3, ["victim", "other"],
-        "--worker-reap-timeout-seconds", "30", "--worker-disconnect-grace-seconds", str(grace))
+        procs,
+        tmp_path,
+        0.3,
+        ["victim", "other"],
+        "--worker-reap-timeout-seconds",
+        "30",
+        "--worker-disconnect-grace-seconds",
+        str(grace),
+    )
     works(victim, 1)
     works(other, 2)
     seg = victim.segments[0]
@@ -357,7 +400,8 @@ def test_sigkilled_worker_is_reaped_within_the_disconnect_grace(
 
 
 def test_sigkilled_worker_is_reaped_by_timeout_with_disconnect_detection_off(
-        procs: list[Proc], tmp_path: Path, in_process: Callable[..., InProcess]) -> None:
+    procs: list[Proc], tmp_path: Path, in_process: Callable[..., InProcess]
+) -> None:
     timeout, heartbeat = 2.0, 0.4
     dp = in_process(timeout, timeout, disconnect_grace_s=0.0)
     victim, other = start_workers(procs, dp.endpoint, tmp_path, heartbeat, ["victim", "other"])
@@ -369,8 +413,7 @@ def test_sigkilled_worker_is_reaped_by_timeout_with_disconnect_detection_off(
     t_kill = time.monotonic()
     victim.signal(signal.SIGKILL)
     victim.proc.wait(10)
-    t_reap = poll_time(lambda: not dp.tracked(victim.instance_id), 1.25 * timeout + 3,
-                       "the timeout reap")
+    t_reap = poll_time(lambda: not dp.tracked(victim.instance_id), 1.25 * timeout + 3, "the timeout reap")
     took = t_reap - t_kill
     print(f"\nreaped {took:.2f}s after SIGKILL (timeout {timeout:g}s, disconnect detection off)")
     # the last PING came at most one heartbeat before the kill; never before the window ran out
@@ -387,7 +430,8 @@ def test_sigkilled_worker_is_reaped_by_timeout_with_disconnect_detection_off(
 
 
 def test_idle_worker_outlives_the_grace_on_its_heartbeat(
-        procs: list[Proc], tmp_path: Path, in_process: Callable[..., InProcess]) -> None:
+    procs: list[Proc], tmp_path: Path, in_process: Callable[..., InProcess]
+) -> None:
     window = 1.5
     dp = in_process(window, window)
     (w,) = start_workers(procs, dp.endpoint, tmp_path, 0.3, ["idle"])
@@ -406,10 +450,18 @@ def test_idle_worker_outlives_the_grace_on_its_heartbeat(
 
 
 def test_server_paused_shorter_than_the_window_costs_a_no_op_reregister(
-        procs: list[Proc], tmp_path: Path) -> None:
-    srv, (w,) = start_cli_with_workers(procs, tmp_path, 0.3, ["paused"],
-                                       "--worker-reap-timeout-seconds", "30",
-                                       "--worker-disconnect-grace-seconds", "10")
+    procs: list[Proc], tmp_path: Path
+) -> None:
+    srv, (w,) = start_cli_with_workers(
+        procs,
+        tmp_path,
+        0.3,
+        ["paused"],
+        "--worker-reap-timeout-seconds",
+        "30",
+        "--worker-disconnect-grace-seconds",
+        "10",
+    )
     works(w, 1)
 
     since = w.cursor()
@@ -432,8 +484,7 @@ def test_server_paused_shorter_than_the_window_costs_a_no_op_reregister(
     w.quit()
 
 
-def test_server_restart_between_pings_is_noticed_by_boot_token(
-        procs: list[Proc], tmp_path: Path) -> None:
+def test_server_restart_between_pings_is_noticed_by_boot_token(procs: list[Proc], tmp_path: Path) -> None:
     heartbeat = 1.0
     old, (w,) = start_cli_with_workers(procs, tmp_path, heartbeat, ["restart"])
     new = CliServer(tmp_path, old.port)  # a standby on the same port, started at once below
@@ -446,12 +497,18 @@ def test_server_restart_between_pings_is_noticed_by_boot_token(
     old.signal(signal.SIGKILL)
     old.proc.wait(10)
     t_ready = new.go()
-    _, t_rereg, _ = w.wait_for(lambda e: e["event"] == "state" and e["registrations"] == 2,
-                               heartbeat + 5, since, what="re-registration")
+    _, t_rereg, _ = w.wait_for(
+        lambda e: e["event"] == "state" and e["registrations"] == 2,
+        heartbeat + 5,
+        since,
+        what="re-registration",
+    )
     took = t_rereg - t_ready
     went_unhealthy = any(not e["healthy"] for e in w.states())
-    print(f"\nre-registered {took:.2f}s after the restarted server answered "
-          f"(heartbeat {heartbeat:g}s; a PING failed meanwhile: {went_unhealthy})")
+    print(
+        f"\nre-registered {took:.2f}s after the restarted server answered "
+        f"(heartbeat {heartbeat:g}s; a PING failed meanwhile: {went_unhealthy})"
+    )
     assert took <= heartbeat + 1.5, took
     w.wait_for(lambda e: e["event"] == "state" and e["healthy"], 5, since, what="healthy")
     assert new.log().count(f"registered instance {w.instance_id} ") == 1
@@ -465,7 +522,8 @@ def test_server_restart_between_pings_is_noticed_by_boot_token(
 
 
 def test_worker_silent_past_the_window_is_reaped_then_reregisters_once(
-        procs: list[Proc], tmp_path: Path, in_process: Callable[..., InProcess]) -> None:
+    procs: list[Proc], tmp_path: Path, in_process: Callable[..., InProcess]
+) -> None:
     window, heartbeat = 1.5, 0.3
     dp = in_process(window, window)
     (w,) = start_workers(procs, dp.endpoint, tmp_path, heartbeat, ["silent"])
@@ -481,8 +539,12 @@ def test_worker_silent_past_the_window_is_reaped_then_reregisters_once(
     assert shm_of(w.pid) == w.segments  # its owner lives (stopped): the segment stays
     w.signal(signal.SIGCONT)
 
-    w.wait_for(lambda e: e["event"] == "state" and e["registrations"] == 2 and e["healthy"],
-               heartbeat + 5, since, what="the re-registration")
+    w.wait_for(
+        lambda e: e["event"] == "state" and e["registrations"] == 2 and e["healthy"],
+        heartbeat + 5,
+        since,
+        what="the re-registration",
+    )
     assert dp.tracked(w.instance_id) and mapped("self", seg)
     assert dp.transfer.tracked_instance_count() == 1
     stable_until = time.monotonic() + 4 * heartbeat  # several more PINGs: no second rebuild
@@ -496,7 +558,8 @@ def test_worker_silent_past_the_window_is_reaped_then_reregisters_once(
 
 
 def test_other_protocol_version_gets_an_immediate_error_naming_both(
-        in_process: Callable[..., InProcess]) -> None:
+    in_process: Callable[..., InProcess],
+) -> None:
     dp = in_process(60.0, 60.0)
     ctx: zmq.Context[Any] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataplane import shm
-from dataplane.shm import owner_alive
+from dataplane.memory import shm
+from dataplane.memory.shm import owner_alive
 from tests.e2e.workers import LAYOUT, WorkerProcess, token_bytes_per_token
 from tests.helpers import ServerProcess, subprocess_env
 
@@ -57,9 +57,7 @@ class Cluster:
         return self.a.dump(self.blocks_a, n, self.tmp / f"a-{n}.bin")
 
 
-def start_workers(
-    tmp: Path, endpoint: str, *specs: tuple[str, dict[str, object]]
-) -> list[WorkerProcess]:
+def start_workers(tmp: Path, endpoint: str, *specs: tuple[str, dict[str, object]]) -> list[WorkerProcess]:
     workers = [WorkerProcess(tmp, endpoint, name, **kw) for name, kw in specs]  # type: ignore[arg-type]
     try:
         for w in workers:
@@ -196,9 +194,7 @@ def small_l1(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[ServerProcess, WorkerProcess, Path]]:
     tmp = tmp_path_factory.mktemp("small-l1")
-    server = ServerProcess(
-        tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", repr(CAPACITY / (1 << 30))
-    )
+    server = ServerProcess(tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", repr(CAPACITY / (1 << 30)))
     workers: list[WorkerProcess] = []
     try:
         server.wait_ready()

@@ -26,7 +26,7 @@ TOKEN = "e2e-admin-token"
 CHUNK = 16
 TOKENS = 64  # four chunks, in blocks 0..3 of the tiny layout
 
-WORKER = r'''
+WORKER = r"""
 import sys, threading
 import torch
 from dataplane.client import WorkerAdapter, allocate_kv_caches
@@ -73,7 +73,7 @@ for line in sys.stdin:
         w.close()
         say("BYE")
         break
-'''
+"""
 
 
 class Worker:
@@ -84,8 +84,14 @@ class Worker:
         self.err_path = workdir / f"worker-{model}.err"
         with open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(script), endpoint, model], cwd=ROOT, env=subprocess_env(),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+                [sys.executable, str(script), endpoint, model],
+                cwd=ROOT,
+                env=subprocess_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -114,12 +120,12 @@ class Worker:
                     if line.startswith(prefix):
                         return line
                     if line == "<EOF>":
-                        raise AssertionError(f"worker {self.model} exited: "
-                                             + self.err_path.read_text())
+                        raise AssertionError(f"worker {self.model} exited: " + self.err_path.read_text())
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"worker {self.model}: no {prefix!r} in {timeout:g}s; "
-                                         f"got {self.lines}")
+                    raise AssertionError(
+                        f"worker {self.model}: no {prefix!r} in {timeout:g}s; got {self.lines}"
+                    )
                 self._cond.wait(left)
 
     def registrations(self) -> list[int]:
@@ -150,9 +156,16 @@ class Worker:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path / "server", "--worker-reap-timeout-seconds", "30",
-                        "--chunk-size", str(CHUNK), "--l1-size-gb", "0.01",
-                        env=subprocess_env(KVWARDEN_ADMIN_TOKEN=TOKEN))
+    srv = ServerProcess(
+        tmp_path / "server",
+        "--worker-reap-timeout-seconds",
+        "30",
+        "--chunk-size",
+        str(CHUNK),
+        "--l1-size-gb",
+        "0.01",
+        env=subprocess_env(KVWARDEN_ADMIN_TOKEN=TOKEN),
+    )
     try:
         srv.wait_ready()
         url = f"http://127.0.0.1:{srv.http_port}"
@@ -186,27 +199,28 @@ def _livez(url: str) -> bool:
         return False
 
 
-def cli(server: ServerProcess, *args: str, token: str | None = TOKEN
-        ) -> subprocess.CompletedProcess[str]:
+def cli(server: ServerProcess, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess[str]:
     env = subprocess_env()
     env.pop("KVWARDEN_ADMIN_TOKEN", None)
     if token is not None:
         env["KVWARDEN_ADMIN_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "dataplane.cli", *args, "--url",
-         f"http://127.0.0.1:{server.http_port}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "app.cli", *args, "--url", f"http://127.0.0.1:{server.http_port}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def server_mappings(server: ServerProcess, segment: str) -> int:
     """Mappings of the worker's segment in the server process."""
     maps = Path(f"/proc/{server.proc.pid}/maps").read_text().splitlines()
-    return sum(1 for ln in maps if ln.endswith(f"/{segment}") or
-               ln.endswith(f"/{segment} (deleted)"))
+    return sum(1 for ln in maps if ln.endswith(f"/{segment}") or ln.endswith(f"/{segment} (deleted)"))
 
 
-def test_reap_a_live_worker_end_to_end(server: ServerProcess,
-                                       workers: tuple[Worker, Worker]) -> None:
+def test_reap_a_live_worker_end_to_end(server: ServerProcess, workers: tuple[Worker, Worker]) -> None:
     a, b = workers
     http = httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=30)
 
@@ -223,10 +237,21 @@ def test_reap_a_live_worker_end_to_end(server: ServerProcess,
         return lambda: pred(instances())
 
     # both listed, with live figures: pinged, recently seen, stored chunks in L1
-    wait_until(when(lambda i: {a.id, b.id} <= set(i) and all(
-        i[x]["has_liveness_signal"] and i[x]["last_seen_seconds_ago"] < 2.0
-        and i[x]["registered_seconds_ago"] >= 1.0 for x in (a.id, b.id))), 30,
-        what="both workers pinging")
+    wait_until(
+        when(
+            lambda i: (
+                {a.id, b.id} <= set(i)
+                and all(
+                    i[x]["has_liveness_signal"]
+                    and i[x]["last_seen_seconds_ago"] < 2.0
+                    and i[x]["registered_seconds_ago"] >= 1.0
+                    for x in (a.id, b.id)
+                )
+            )
+        ),
+        30,
+        what="both workers pinging",
+    )
     doc = status()
     assert doc["worker_liveness"]["tracked_instances"] == 2
     assert doc["storage"]["l1"]["chunks"] == 2 * TOKENS // CHUNK
@@ -240,8 +265,7 @@ def test_reap_a_live_worker_end_to_end(server: ServerProcess,
     assert {i["instance_id"] for i in json.loads(out.stdout)["instances"]} == {a.id, b.id}
     out = cli(server, "status")
     assert out.returncode == 0, out.stderr
-    rows = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] in ([str(a.id)],
-                                                                               [str(b.id)])]
+    rows = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] in ([str(a.id)], [str(b.id)])]
     assert sorted(r[3] for r in rows) == ["model-a", "model-b"]
     assert "INSTANCE ID" in out.stdout
 
@@ -256,16 +280,27 @@ def test_reap_a_live_worker_end_to_end(server: ServerProcess,
     t_reap = time.monotonic()
 
     # A's old context is gone: absent, or (once its next PING re-registered it) a fresh one
-    wait_until(when(lambda i: a.id not in i or
-                    i[a.id]["registered_seconds_ago"] < time.monotonic() - t_before), 30,
-               what="A's old context to disappear")
-    wait_until(lambda: f"released instance {a.id} (admin)" in server.output(), 30,
-               what="the server to release A's mapping")
+    wait_until(
+        when(lambda i: a.id not in i or i[a.id]["registered_seconds_ago"] < time.monotonic() - t_before),
+        30,
+        what="A's old context to disappear",
+    )
+    wait_until(
+        lambda: f"released instance {a.id} (admin)" in server.output(),
+        30,
+        what="the server to release A's mapping",
+    )
     # A re-registers exactly once: one fresh context, listed once, mapped once
     a.expect("REGISTRATIONS 2", 30, lines_before)
-    wait_until(when(lambda i: a.id in i and i[a.id]["has_liveness_signal"]
-                    and i[a.id]["registered_seconds_ago"] >= 1.5), 30,
-               what="A to keep pinging its fresh context")
+    wait_until(
+        when(
+            lambda i: (
+                a.id in i and i[a.id]["has_liveness_signal"] and i[a.id]["registered_seconds_ago"] >= 1.5
+            )
+        ),
+        30,
+        what="A to keep pinging its fresh context",
+    )
     assert a.registrations() == [1, 2]
     doc = status()
     assert [i["instance_id"] for i in doc["instances"]].count(a.id) == 1
@@ -291,8 +326,9 @@ def test_reap_a_live_worker_end_to_end(server: ServerProcess,
     http.close()
 
 
-def test_reap_exit_codes_for_unknown_ids_and_bad_tokens(server: ServerProcess,
-                                                        workers: tuple[Worker, Worker]) -> None:
+def test_reap_exit_codes_for_unknown_ids_and_bad_tokens(
+    server: ServerProcess, workers: tuple[Worker, Worker]
+) -> None:
     a, b = workers
     unknown = (max(a.id, b.id) + 1) % (1 << 63)
     if unknown in (a.id, b.id):
@@ -310,13 +346,14 @@ def test_reap_exit_codes_for_unknown_ids_and_bad_tokens(server: ServerProcess,
     out = cli(server, "reap", str(a.id), "--dry-run")
     assert out.returncode == 0 and "dry run" in out.stdout
     # none of these released anything
-    ids = {i["instance_id"] for i in httpx.get(
-        f"http://127.0.0.1:{server.http_port}/status", timeout=30).json()["instances"]}
+    ids = {
+        i["instance_id"]
+        for i in httpx.get(f"http://127.0.0.1:{server.http_port}/status", timeout=30).json()["instances"]
+    }
     assert ids == {a.id, b.id}
     assert a.registrations() == [1] and b.registrations() == [1]
     # every admin call left one audit line in the server's log
-    wait_until(lambda: server.output().count("audit: admin reap_instance") >= 4, 30,
-               what="the audit lines")
+    wait_until(lambda: server.output().count("audit: admin reap_instance") >= 4, 30, what="the audit lines")
     assert server.output().count("audit: admin reap_instance") == 4
 
 
@@ -332,5 +369,7 @@ def test_serve_exits_1_when_the_http_port_is_taken(tmp_path: Path) -> None:
             srv.stop()
     assert rc == 1
     err = srv.stderr_path.read_text()
-    assert (f"kvwarden serve: cannot start the HTTP sidecar: cannot listen on "
-            f"http://127.0.0.1:{port}: Address already in use\n") in err, err
+    assert (
+        f"kvwarden serve: cannot start the HTTP sidecar: cannot listen on "
+        f"http://127.0.0.1:{port}: Address already in use\n"
+    ) in err, err

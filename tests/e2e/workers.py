@@ -80,11 +80,9 @@ def worker_main(argv: list[str]) -> int:
         request_timeout=args.request_timeout,
     )
     w.register_kv_caches(caches)
-    from dataplane.shm import SHM_DIR
+    from dataplane.memory.shm import SHM_DIR
 
-    segments = sorted(
-        p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"kvwarden-{os.getpid()}-")
-    )
+    segments = sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"kvwarden-{os.getpid()}-"))
 
     def say(obj: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")

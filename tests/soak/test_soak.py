@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane import shm
+from dataplane.memory import shm
 from tests.conftest import ServerFactory
 from tests.e2e.workers import LAYOUT, WorkerProcess
 from tests.helpers import ServerProcess, dealer, ping, wait_until
@@ -41,8 +41,16 @@ def _rss_kib(pid: int) -> int:
 
 @pytest.fixture
 def server(make_server: ServerFactory) -> ServerProcess:
-    return make_server("--chunk-size", str(CHUNK), "--l1-size-gb", "0.004",
-                       "--worker-disconnect-grace-seconds", "1", "--log-level", "warning")
+    return make_server(
+        "--chunk-size",
+        str(CHUNK),
+        "--l1-size-gb",
+        "0.004",
+        "--worker-disconnect-grace-seconds",
+        "1",
+        "--log-level",
+        "warning",
+    )
 
 
 def test_soak(server: ServerProcess, tmp_path: Path) -> None:
@@ -78,7 +86,7 @@ def test_soak(server: ServerProcess, tmp_path: Path) -> None:
             seed = rng.randrange(40)
             tokens = [seed * 10_000 + i for i in range(rng.randrange(2, 6) * CHUNK)]
             w = rng.choice(writers)
-            blocks = random.Random(seed).sample(range(LAYOUT["blocks"]), 12)[:len(tokens) // BS]
+            blocks = random.Random(seed).sample(range(LAYOUT["blocks"]), 12)[: len(tokens) // BS]
             r = w.store(tokens, blocks)
             stores += 1
             assert r["chunks"] == len(tokens) // CHUNK and r["rejected"] >= 0, r
@@ -90,7 +98,7 @@ def test_soak(server: ServerProcess, tmp_path: Path) -> None:
             n = reader.retrieve(want_tokens, rblocks, tmp_path / "got.bin")
             got = (tmp_path / "got.bin").read_bytes()
             # whatever prefix is still in L1 must be exactly what was stored
-            assert got == want[:len(got)], f"prompt {probe}: retrieved bytes differ"
+            assert got == want[: len(got)], f"prompt {probe}: retrieved bytes differ"
             checked += n
             if time.monotonic() > next_kill:
                 victim = writers.pop(rng.randrange(len(writers)))
@@ -107,14 +115,20 @@ def test_soak(server: ServerProcess, tmp_path: Path) -> None:
         sock = dealer(ctx, server.endpoint)
         try:
             for iid in dead:  # every killed writer was reaped (disconnect detection)
-                wait_until(lambda iid=iid: ping(sock, iid).body["tracked"] is False, 15,
-                           what=f"reap of killed worker {iid}")
+                wait_until(
+                    lambda iid=iid: ping(sock, iid).body["tracked"] is False,
+                    15,
+                    what=f"reap of killed worker {iid}",
+                )
         finally:
             sock.close(linger=0)
             ctx.term()
         ours = tuple(f"kvwarden-{pid}-" for pid in pids)
-        wait_until(lambda: not [p for p in shm.SHM_DIR.iterdir() if p.name.startswith(ours)],
-                   15, what="every segment of every worker, live or killed, unlinked")
+        wait_until(
+            lambda: not [p for p in shm.SHM_DIR.iterdir() if p.name.startswith(ours)],
+            15,
+            what="every segment of every worker, live or killed, unlinked",
+        )
         assert rss_end < rss_start * 1.5 + 64 * 1024, (rss_start, rss_end)
     finally:
         for w in writers:

@@ -20,8 +20,12 @@ class HealthJSONResponse(JSONResponse):
     media_type = HEALTH_MEDIA_TYPE
 
 
-@router.get("/livez", response_model=LivezPublic, name="livez",
-            summary="The HTTP server answers (checks nothing else)")
+@router.get(
+    "/livez",
+    response_model=LivezPublic,
+    name="livez",
+    summary="The HTTP server answers (checks nothing else)",
+)
 async def livez() -> LivezPublic:
     return LivezPublic()
 
@@ -32,8 +36,13 @@ async def livez() -> LivezPublic:
     response_class=HealthJSONResponse,
     name="read_health",
     summary="Health of the data plane: 200 pass or warn, 503 fail",
-    responses={503: {"model": HealthPublic, "description": "a check fails: not serving",
-                     "content": {HEALTH_MEDIA_TYPE: {}}}},
+    responses={
+        503: {
+            "model": HealthPublic,
+            "description": "a check fails: not serving",
+            "content": {HEALTH_MEDIA_TYPE: {}},
+        }
+    },
 )
 async def read_health(dp: DataPlaneDep, health: HealthDep) -> HealthJSONResponse:
     # on the event loop, not the threadpool: the checks only read flags (no locks, no I/O), and
@@ -42,10 +51,11 @@ async def read_health(dp: DataPlaneDep, health: HealthDep) -> HealthJSONResponse
     checks: dict[str, list[dict[str, Any]]] = {}
     for r in report.results:
         checks.setdefault(r.name, []).append(check_view(r))
+    info = dp.server_info()
     body = {
         "status": report.status,
-        "version": dp.server.version,
-        "service_id": dp.server.server_id,
+        "version": info.version,
+        "service_id": info.server_id,
         "description": "kvwarden data plane",
         "output": report.first_problem,
         "checks": checks,

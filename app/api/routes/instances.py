@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, st
 
 from app.api.audit import AuditedRoute
 from app.api.deps import AdminDep, DataPlaneDep, StatusSourceDep
-from app.core.status import find_instance, holders_of
+from app.core.status import find_instance
 from app.models import InstancePublic, Message, ReapResult
 
 logger = logging.getLogger(__name__)
@@ -24,14 +24,18 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.get("", response_model=list[InstancePublic], name="list_instances",
-            summary="Every tracked instance")
+@router.get("", response_model=list[InstancePublic], name="list_instances", summary="Every tracked instance")
 def list_instances(source: StatusSourceDep) -> Response:
     return Response(source.get().instances_json, media_type="application/json")
 
 
-@router.get("/{instance_id}", response_model=InstancePublic, name="read_instance",
-            summary="One tracked instance", responses=NOT_FOUND)
+@router.get(
+    "/{instance_id}",
+    response_model=InstancePublic,
+    name="read_instance",
+    summary="One tracked instance",
+    responses=NOT_FOUND,
+)
 def read_instance(dp: DataPlaneDep, instance_id: InstanceId) -> InstancePublic:
     view = find_instance(dp, instance_id)
     if view is None:
@@ -45,8 +49,8 @@ def read_instance(dp: DataPlaneDep, instance_id: InstanceId) -> InstancePublic:
     name="reap_instance",
     summary="Release an instance now (admin)",
     description="Runs the cleanup UNREGISTER and the reaper run, fans out drop_instance_state "
-                "and counts kvwarden_instances_reaped_total{reason=\"admin\"}. With "
-                "`dry_run=true` only reports what would be released.",
+    'and counts kvwarden_instances_reaped_total{reason="admin"}. With '
+    "`dry_run=true` only reports what would be released.",
     responses={
         401: {"model": Message, "description": "missing or wrong bearer token"},
         403: {"model": Message, "description": "no admin token is configured"},
@@ -61,15 +65,14 @@ def reap_instance(
     dry_run: Annotated[bool, Query(description="report without releasing")] = False,
 ) -> ReapResult:
     if dry_run:
-        released = holders_of(dp, instance_id)
+        released = dp.holders_of(instance_id)
         reaped = False
     else:
         # the same cleanup as UNREGISTER and the reaper; bounded, so fine on the threadpool
-        released = dp.management.force_reap(instance_id)
+        released = dp.force_reap(instance_id)
         reaped = bool(released)
     if not released:
         request.state.audit_result = "not tracked"
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"instance {instance_id} is not tracked")
-    request.state.audit_result = ("would release " if dry_run else "released ") + ",".join(
-        released)
+    request.state.audit_result = ("would release " if dry_run else "released ") + ",".join(released)
     return ReapResult(instance_id=instance_id, reaped=reaped, dry_run=dry_run, released=released)

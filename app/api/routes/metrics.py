@@ -11,9 +11,17 @@ from app.core.metrics import render_metrics
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", name="read_metrics", summary="Prometheus metrics",
-            response_class=Response,
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                             "description": "Prometheus text exposition format"}})
+@router.get(
+    "/metrics",
+    name="read_metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "Prometheus text exposition format",
+        }
+    },
+)
 def read_metrics(dp: DataPlaneDep, registry: MetricsRegistryDep) -> Response:
     return Response(render_metrics(dp, registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,4 +1,8 @@
-"""What the two transfer modules share: their wiring, and writing chunks into L1.
+"""What the two transfer modules share: their wiring, their registry, and writing chunks into L1.
+
+Each transfer module owns a `LivenessRegistry` of its instances (``self.registry``, the liveness
+target the reaper and the release path see) and gives it ``_release`` to free an instance's
+resources.
 
 A STORE pins the prompt's own chunks in L1 until it replies, so a prompt longer than L1 never
 evicts its own prefix (which would make every chunk after it unreachable); chunks L1 cannot
@@ -10,13 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from dataplane.kvmemory import CopySplitter
+from dataplane.liveness.registry import Clock, Entry, LivenessRegistry
+from dataplane.memory.kvmemory import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.registry import Clock, Entry, LivenessRegistry
 from dataplane.storage.l1 import L1Store
 
 logger = logging.getLogger(__name__)
@@ -24,13 +28,22 @@ logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=Entry)
 
 
-class TransferModule(LivenessRegistry[E]):
+class TransferModule(Generic[E]):
     name = "transfer"
 
-    def __init__(self, l1: L1Store, chunk_size: int, metrics: DataPlaneMetrics,
-                 clock: Clock = time.monotonic, release_timeout_s: float = 10.0,
-                 splitter: CopySplitter | None = None) -> None:
-        super().__init__(clock, release_timeout_s)
+    def __init__(
+        self,
+        l1: L1Store,
+        chunk_size: int,
+        metrics: DataPlaneMetrics,
+        clock: Clock = time.monotonic,
+        release_timeout_s: float = 10.0,
+        splitter: CopySplitter | None = None,
+    ) -> None:
+        self.registry: LivenessRegistry[E] = LivenessRegistry(
+            self.name, self._release, clock, release_timeout_s
+        )
+        self._clock = clock
         self.l1 = l1
         self.chunk_size = chunk_size
         self.metrics = metrics
@@ -41,18 +54,27 @@ class TransferModule(LivenessRegistry[E]):
         """Transfers of one instance run in arrival order."""
         return int(payload.instance_id)
 
+    def _release(self, entry: E, why: str) -> None:
+        """Free an instance's resources (runs outside the registry lock, bounded)."""
+
     def start(self) -> None:
         return None
 
     def stop(self) -> None:
         return None
 
-    def report_status(self) -> dict[str, Any]:
-        return {"tracked_instances": self.tracked_instance_count()}
+    def close(self) -> None:
+        """Release every instance (the loop and the reaper have stopped)."""
+        self.registry.close()
 
-    def write_chunks(self, instance_id: int, keys: list[bytes], nbytes: int,
-                     fill: Callable[[int, torch.Tensor], None],
-                     prefix: list[bytes] | None = None) -> dict[str, int]:
+    def write_chunks(
+        self,
+        instance_id: int,
+        keys: list[bytes],
+        nbytes: int,
+        fill: Callable[[int, torch.Tensor], None],
+        prefix: list[bytes] | None = None,
+    ) -> dict[str, int]:
         """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes.
 
         ``prefix``: keys before these (already stored) that must not be evicted meanwhile.
@@ -78,8 +100,13 @@ class TransferModule(LivenessRegistry[E]):
             self.l1.release(pinned)
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
-            logger.warning("transfer: STORE of instance %d: L1 full, %d chunk(s) not stored",
-                           instance_id, rejected)
+            logger.warning(
+                "transfer: STORE of instance %d: L1 full, %d chunk(s) not stored", instance_id, rejected
+            )
         self.metrics.transfer_bytes.labels(direction="store").inc(stored * nbytes)
-        return {"chunks": len(keys), "stored": stored, "present": len(keys) - len(missing),
-                "rejected": rejected}
+        return {
+            "chunks": len(keys),
+            "stored": stored,
+            "present": len(keys) - len(missing),
+            "rejected": rejected,
+        }

@@ -32,17 +32,17 @@ from typing import Any
 import zmq
 
 from dataplane import __version__
-from dataplane.errors import KVWardenError, ProtocolError, ServerError
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext
-from dataplane.protocol import (
-    MsgType,
-    decode_request,
-    encode_error,
-    encode_ok,
-    peek_request_id,
-    unpack,
+from dataplane.wire.errors import (
+    KVWardenError,
+    ProtocolError,
+    ServerError,
+    ShuttingDown,
+    Unsupported,
 )
+from dataplane.wire.messages import MsgType
+from dataplane.wire.protocol import decode_request, encode_error, encode_ok, peek_request_id, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +124,9 @@ class Server:
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
         )
         self._normal = ThreadPoolExecutor(max_cpu_workers, thread_name_prefix="kvwarden-normal")
-        self._transfer_pool = ThreadPoolExecutor(
-            max_transfer_workers, thread_name_prefix="kvwarden-transfer"
-        )
+        self._transfer_pool = ThreadPoolExecutor(max_transfer_workers, thread_name_prefix="kvwarden-transfer")
         self._transfer = KeyedSerialExecutor(self._transfer_pool)
+        self._pools_shut = threading.Event()  # set once both pools were shut down
         self._replies: queue.SimpleQueue[tuple[list[bytes], bytes]] = queue.SimpleQueue()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # guards _wake_fd against close while a late pool thread writes to it (a closed fd
@@ -163,8 +162,8 @@ class Server:
         return self._thread is not None and self._thread.is_alive()
 
     def pools_alive(self) -> bool:
-        """Both worker pools still accept work (False once shutdown began)."""
-        return not (self._normal._shutdown or self._transfer_pool._shutdown)
+        """Both worker pools still accept work (False once they were shut down)."""
+        return not self._pools_shut.is_set()
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -200,6 +199,7 @@ class Server:
             if self._thread.is_alive():
                 logger.error("server: loop thread still alive after %.1fs", bound + 2.0)
                 clean = False
+        self._pools_shut.set()
         self._normal.shutdown(wait=False, cancel_futures=True)
         self._transfer_pool.shutdown(wait=False, cancel_futures=True)
         for m in self._modules:
@@ -233,8 +233,7 @@ class Server:
                         drain_deadline = now + self._drain_timeout_s
                     if self._inflight == 0 or now > drain_deadline:
                         if self._inflight:
-                            logger.error("server: %d request(s) still in flight at shutdown",
-                                         self._inflight)
+                            logger.error("server: %d request(s) still in flight at shutdown", self._inflight)
                         break
         except BaseException as exc:  # fatal: /health reports it
             self.loop_error = exc
@@ -319,12 +318,12 @@ class Server:
             self._send(envelope, encode_error(rid, exc))
             return
         if self._state is not Lifecycle.RUNNING:
-            self._send(envelope, encode_error(req.request_id, "SHUTTING_DOWN", "server is stopping"))
+            self._send(envelope, encode_error(req.request_id, ShuttingDown("server is stopping")))
             return
         handler = self._handlers.get(req.type)
         if handler is None:
-            self._send(envelope, encode_error(req.request_id, "UNSUPPORTED",
-                                              f"{req.type} has no handler on this server"))
+            err = Unsupported(f"{req.type} has no handler on this server")
+            self._send(envelope, encode_error(req.request_id, err))
             return
         rctx = RequestContext(req.request_id, req.type, fd)
         if handler.kind is HandlerKind.LOOP:

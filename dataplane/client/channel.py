@@ -10,8 +10,9 @@ from typing import Any
 
 import zmq
 
-from dataplane.errors import RequestAborted, RequestTimeout, ServerClosed, error_from_reply
-from dataplane.protocol import MsgType, decode_reply, encode_request
+from dataplane.wire.errors import RequestAborted, RequestTimeout, ServerClosed, error_from_reply
+from dataplane.wire.messages import Message
+from dataplane.wire.protocol import decode_reply, encode_message
 
 ABORT_POLL_S = 0.1
 
@@ -30,12 +31,12 @@ class Channel:
         self.sock.connect(endpoint)
         self.lock = threading.Lock()  # guards sock: one request at a time
 
-    def request(self, mtype: MsgType, payload: list[Any], timeout_s: float,
-                abort: Callable[[], bool] | None = None) -> Any:
-        """Send and wait for the reply. ``abort`` is checked every ``ABORT_POLL_S`` while
-        waiting: when it turns true the wait ends with ``RequestAborted``."""
+    def request(self, msg: Message, timeout_s: float, abort: Callable[[], bool] | None = None) -> Any:
+        """Send ``msg`` and wait for the reply. ``abort`` is checked every ``ABORT_POLL_S``
+        while waiting: when it turns true the wait ends with ``RequestAborted``."""
         rid = next(self._ids)
-        frame = encode_request(rid, mtype, payload)
+        frame = encode_message(rid, msg)  # ValueError on ids that do not fit: nothing is sent
+        mtype = msg.TYPE
         deadline = time.monotonic() + timeout_s
         with self.lock:
             sock = self.sock
@@ -46,7 +47,8 @@ class Channel:
             except zmq.Again:
                 if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
                     raise RequestTimeout(
-                        f"{mtype}: no connection to the server within {timeout_s:g}s") from None
+                        f"{mtype}: no connection to the server within {timeout_s:g}s"
+                    ) from None
                 sock.send(frame, zmq.NOBLOCK)
             while True:
                 left = deadline - time.monotonic()

@@ -14,10 +14,11 @@ from typing import Annotated
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dataplane.protocol import DEFAULT_MAX_FRAME_BYTES
-
-REAP_TIMEOUT_FLOOR_S = 30.0
-DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+from dataplane.wire.protocol import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_MAX_FRAME_BYTES,
+    REAP_TIMEOUT_FLOOR_S,
+)
 
 
 class FallbackPolicy(enum.StrEnum):

@@ -1,6 +1,6 @@
 """Worker-side KV memory: ``allocate_kv_caches`` and the layout a REGISTER describes.
 
-On CPU all layers live in one shared-memory segment (see `dataplane.shm` for who unlinks it
+On CPU all layers live in one shared-memory segment (see `dataplane.memory.shm` for who unlinks it
 and when); on CUDA they are ordinary device tensors shared through CUDA IPC handles.
 """
 
@@ -10,13 +10,14 @@ import atexit
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dataplane.kvmemory import DTYPE_NAMES
-from dataplane.shm import Segment
+from dataplane.memory.kvmemory import DTYPE_NAMES
+from dataplane.memory.shm import Segment
+from dataplane.wire.messages import CudaLayer, Layer, MemoryKind, ShmLayer
 
 # segments made by allocate_kv_caches in this process: name -> (segment, base address)
 _SEGMENTS: dict[str, tuple[Segment, int]] = {}
@@ -33,17 +34,27 @@ def _unlink_all_at_exit() -> None:
 atexit.register(_unlink_all_at_exit)
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                       device: str | torch.device = "cpu") -> list[torch.Tensor]:
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> list[torch.Tensor]:
     """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
 
     On CPU all layers live in one shared-memory segment the server maps (zero-filled);
     on CUDA they are ordinary device tensors shared through CUDA IPC at registration.
     """
-    for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
-                    ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                    ("head_dim", head_dim)):
+    for name, v in (
+        ("num_layers", num_layers),
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
         if int(v) <= 0:
             raise ValueError(f"{name} must be > 0, got {v}")
     if dtype not in DTYPE_NAMES:
@@ -71,7 +82,7 @@ def free_kv_caches(caches: Sequence[torch.Tensor]) -> None:
     for t in caches:
         if t.device.type == "cpu":
             with contextlib.suppress(ValueError):
-                names.add(_segment_of(t)[0].name)
+                names.add(_segment_of(t)[0])
     for name in names:
         with _SEGMENTS_LOCK:
             entry = _SEGMENTS.pop(name, None)
@@ -79,45 +90,72 @@ def free_kv_caches(caches: Sequence[torch.Tensor]) -> None:
             entry[0].unlink()
 
 
-def _segment_of(t: torch.Tensor) -> tuple[Segment, int]:
+def _segment_of(t: torch.Tensor) -> tuple[str, int]:
     ptr = t.data_ptr()
     with _SEGMENTS_LOCK:
         for seg, base in _SEGMENTS.values():
             if base <= ptr < base + seg.size:
-                return seg, ptr - base
+                return seg.name, ptr - base
     raise ValueError("tensor is not backed by shared memory from allocate_kv_caches()")
 
 
-def _layout(caches: Sequence[torch.Tensor]) -> tuple[str, str, list[int], list[list[Any]]]:
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a REGISTER says of a worker's per-layer KV tensors."""
+
+    memory: MemoryKind
+    dtype: str
+    kv_shape: tuple[int, ...]  # [2, num_blocks, block_size, heads, head_dim]
+    layers: tuple[Layer, ...]
+
+    @property
+    def segments(self) -> list[str]:
+        """The shared-memory segments the layers live in (none on CUDA)."""
+        return list(dict.fromkeys(lay.segment for lay in self.layers if isinstance(lay, ShmLayer)))
+
+
+def describe_caches(caches: Sequence[torch.Tensor]) -> CacheLayout:
+    """The layout of ``caches`` as a REGISTER carries it (ValueError when it is not one)."""
     if not caches:
         raise ValueError("no KV cache tensors")
     first = caches[0]
-    shape = list(first.shape)
+    shape = tuple(first.shape)
     if len(shape) != 5 or shape[0] != 2:
-        raise ValueError(f"KV tensors must be [2, num_blocks, block_size, heads, head_dim], got {shape}")
+        raise ValueError(
+            f"KV tensors must be [2, num_blocks, block_size, heads, head_dim], got {list(shape)}"
+        )
     for i, t in enumerate(caches):
-        if list(t.shape) != shape or t.dtype != first.dtype or t.device != first.device:
+        if tuple(t.shape) != shape or t.dtype != first.dtype or t.device != first.device:
             raise ValueError(f"layer {i}: shape/dtype/device differ from layer 0")
         if not t.is_contiguous():
             raise ValueError(f"layer {i}: tensor is not contiguous")
-    strides = list(first.stride())
-    item = first.element_size()
-    layers: list[list[Any]] = []
+    strides = tuple(first.stride())
     if first.device.type == "cuda":
-        memory = "cuda_ipc"
-        for t in caches:
-            st = t.untyped_storage()
-            dev, handle, size, off, rc_h, rc_off, ev_h, ev_sync = st._share_cuda_()  # type: ignore[attr-defined,no-untyped-call]
-            uuid_s = str(torch.cuda.get_device_properties(dev).uuid)
-            layers.append([uuid_s, int(dev), bytes(handle), int(size), int(off),
-                           t.storage_offset() * item, bytes(rc_h), int(rc_off), bytes(ev_h or b""),
-                           bool(ev_sync), strides])
+        layers: tuple[Layer, ...] = tuple(_cuda_layer(t, strides) for t in caches)
+        memory = MemoryKind.CUDA_IPC
     else:
-        memory = "shm"
-        for t in caches:
-            seg, offset = _segment_of(t)
-            layers.append([seg.name, offset, strides])
-    return memory, DTYPE_NAMES[first.dtype], shape, layers
+        layers = tuple(ShmLayer(*_segment_of(t), strides) for t in caches)
+        memory = MemoryKind.SHM
+    return CacheLayout(memory, DTYPE_NAMES[first.dtype], shape, layers)
+
+
+def _cuda_layer(t: torch.Tensor, strides: tuple[int, ...]) -> CudaLayer:
+    st = t.untyped_storage()
+    dev, handle, size, off, rc_h, rc_off, ev_h, ev_sync = st._share_cuda_()  # type: ignore[attr-defined,no-untyped-call]
+    uuid_s = str(torch.cuda.get_device_properties(dev).uuid)
+    return CudaLayer(
+        uuid_s,
+        int(dev),
+        bytes(handle),
+        int(size),
+        int(off),
+        int(t.storage_offset()) * t.element_size(),
+        bytes(rc_h),
+        int(rc_off),
+        bytes(ev_h or b""),
+        bool(ev_sync),
+        strides,
+    )
 
 
 def unlink_segments(names: Sequence[str]) -> None:

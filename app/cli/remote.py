@@ -31,8 +31,7 @@ class _HTTPFailure(Exception):
     """The server could not be reached or did not answer in time."""
 
 
-def _request(method: str, url: str, headers: dict[str, str], timeout: float
-             ) -> tuple[int, bytes]:
+def _request(method: str, url: str, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
     req = urllib.request.Request(url, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -113,11 +112,9 @@ def _bytes(n: float) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-              for r in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
 
 
@@ -129,15 +126,16 @@ def format_status(doc: dict[str, Any]) -> str:
     remote = doc["storage"]["remote"]
     checks = ", ".join(f"{c['name']} {c['status']}" for c in health["checks"]) or "none"
     if live["enabled"]:
-        reaping = (f"reaping on (timeout {live['reap_timeout_seconds']:g}s, grace "
-                   f"{live['registration_grace_seconds']:g}s, disconnect grace "
-                   f"{live['disconnect_grace_seconds']:g}s)")
+        reaping = (
+            f"reaping on (timeout {live['reap_timeout_seconds']:g}s, grace "
+            f"{live['registration_grace_seconds']:g}s, disconnect grace "
+            f"{live['disconnect_grace_seconds']:g}s)"
+        )
     else:
         reaping = "reaping off"
     lines = [
         f"server    {srv['server_id']}  version {srv['version']}  up {_seconds(srv['uptime_seconds'])}",
-        f"zmq       {srv['zmq_endpoint']}  chunk size {srv['chunk_size']}  "
-        f"boot token {srv['boot_token']}",
+        f"zmq       {srv['zmq_endpoint']}  chunk size {srv['chunk_size']}  boot token {srv['boot_token']}",
         f"health    {'healthy' if doc['is_healthy'] else 'UNHEALTHY'}  policy "
         f"{health['fallback_policy']}  checks: {checks}",
     ]
@@ -147,20 +145,35 @@ def format_status(doc: dict[str, Any]) -> str:
         f"liveness  {reaping}  tracked {live['tracked_instances']}  reaped {live['reaped_total']}",
         f"l1        {_bytes(l1['used_bytes'])} of {_bytes(l1['capacity_bytes'])} used  "
         f"{l1['chunks']} chunks  hot cache {'on' if l1['hot_cache'] else 'off'}",
-        "remote    " + ("none" if remote is None else
-                        f"{remote['url']}{'  BYPASSED' if remote['bypassed'] else ''}"),
+        "remote    "
+        + ("none" if remote is None else f"{remote['url']}{'  BYPASSED' if remote['bypassed'] else ''}"),
         "",
     ]
     rows = [
-        [str(i["instance_id"]), i["transfer_mode"], i["memory"], i["model_name"],
-         f"{i['worker_id']}/{i['world_size']}", _seconds(i["registered_seconds_ago"]) + " ago",
-         _seconds(i["last_seen_seconds_ago"]) + " ago", "yes" if i["has_liveness_signal"] else "no",
-         "closed" if i["disconnected"] else "open"]
-        for i in sorted(doc["instances"], key=lambda i: (i["model_name"], i["worker_id"],
-                                                         i["instance_id"]))
+        [
+            str(i["instance_id"]),
+            i["transfer_mode"],
+            i["memory"],
+            i["model_name"],
+            f"{i['worker_id']}/{i['world_size']}",
+            _seconds(i["registered_seconds_ago"]) + " ago",
+            _seconds(i["last_seen_seconds_ago"]) + " ago",
+            "yes" if i["has_liveness_signal"] else "no",
+            "closed" if i["disconnected"] else "open",
+        ]
+        for i in sorted(doc["instances"], key=lambda i: (i["model_name"], i["worker_id"], i["instance_id"]))
     ]
-    headers = ["INSTANCE ID", "MODE", "MEMORY", "MODEL", "RANK", "REGISTERED", "LAST SEEN",
-               "PINGED", "CONNECTION"]
+    headers = [
+        "INSTANCE ID",
+        "MODE",
+        "MEMORY",
+        "MODEL",
+        "RANK",
+        "REGISTERED",
+        "LAST SEEN",
+        "PINGED",
+        "CONNECTION",
+    ]
     lines.append(_table(headers, rows) if rows else "no tracked instances")
     return "\n".join(lines)
 
@@ -186,8 +199,10 @@ def parse_instance_id(text: str) -> int | None:
 def reap(ns: argparse.Namespace) -> int:
     iid = parse_instance_id(ns.instance_id)
     if iid is None:
-        print(f"kvwarden reap: invalid instance id {ns.instance_id!r}: expected an integer "
-              "in [0, 2^63)", file=sys.stderr)
+        print(
+            f"kvwarden reap: invalid instance id {ns.instance_id!r}: expected an integer in [0, 2^63)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     token = os.environ.get(TOKEN_ENV, "")
     headers = {"Accept": "application/json"}
@@ -208,8 +223,10 @@ def reap(ns: argparse.Namespace) -> int:
             print(f"kvwarden reap: unexpected answer from {url}", file=sys.stderr)
             return EXIT_ERROR
         if ns.dry_run:
-            print(f"kvwarden reap: instance {iid} is tracked; a reap would release it from: "
-                  f"{released} (dry run, nothing released)")
+            print(
+                f"kvwarden reap: instance {iid} is tracked; a reap would release it from: "
+                f"{released} (dry run, nothing released)"
+            )
         else:
             print(f"kvwarden reap: instance {iid} reaped (released from: {released})")
         return EXIT_OK
@@ -221,12 +238,14 @@ def reap(ns: argparse.Namespace) -> int:
         print(f"kvwarden reap: unauthorised ({why})", file=sys.stderr)
         return EXIT_UNAUTHORISED
     if code == 403:
-        print("kvwarden reap: forbidden: the server has no admin token configured "
-              "(start it with --admin-token or KVWARDEN_ADMIN_TOKEN)", file=sys.stderr)
+        print(
+            "kvwarden reap: forbidden: the server has no admin token configured "
+            "(start it with --admin-token or KVWARDEN_ADMIN_TOKEN)",
+            file=sys.stderr,
+        )
         return EXIT_UNAUTHORISED
     if code == 422:
-        print(f"kvwarden reap: the server rejected instance id {iid}: {_detail(body)}",
-              file=sys.stderr)
+        print(f"kvwarden reap: the server rejected instance id {iid}: {_detail(body)}", file=sys.stderr)
         return EXIT_USAGE
     print(f"kvwarden reap: server answered HTTP {code}: {_detail(body)}", file=sys.stderr)
     return EXIT_ERROR

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dataplane.protocol import encode_request
+from dataplane.bench.procs import start_server, stop_process, wait_server
+from dataplane.wire.messages import Ping
+from dataplane.wire.protocol import encode_message
 
 _ECHO = """
 import sys, zmq
@@ -45,7 +47,7 @@ while True:
 """
 
 
-def add_ping_args(sub: Any) -> None:
+def add_args(sub: Any) -> None:
     p = sub.add_parser("ping", help="PING p50/p99 vs raw ZMQ, idle and under STORE load")
     p.add_argument("--pings", type=int, default=4000, help="samples of each figure")
     p.add_argument("--storers", type=int, default=4, help="worker processes storing back to back")
@@ -69,54 +71,30 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 
 def run_ping(ns: argparse.Namespace) -> int:
-    from dataplane.bench import _wait_ready, free_port, stop_process
-    from dataplane.client import WorkerAdapter
-
-    port, http_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "dataplane.cli", "serve", "--port", str(port),
-                               "--http-port", str(http_port), "--log-level", "warning"])
+    server, endpoint = start_server()
     echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
     storers: list[subprocess.Popen[str]] = []
     ctx: zmq.Context[Any] = zmq.Context()
-    endpoint = f"tcp://127.0.0.1:{port}"
     try:
         assert echo.stdout is not None
         echo_port = int(echo.stdout.readline())
-        _wait_ready(lambda: WorkerAdapter(endpoint, "b", request_timeout=0.5).close(), server, 60)
+        wait_server(server, endpoint)
         raw = ctx.socket(zmq.DEALER)
         raw.connect(f"tcp://127.0.0.1:{echo_port}")
         srv = ctx.socket(zmq.DEALER)
         srv.connect(endpoint)
-        frame = encode_request(1, "PING", [12345])
-        _round_trips(raw, frame, 300)
-        _round_trips(srv, frame, 300)
-        raw_s: list[float] = []
-        ping_s: list[float] = []
-        step = max(100, ns.pings // 10)
-        for _ in range(max(1, ns.pings // step)):
-            raw_s += _round_trips(raw, frame, step)
-            ping_s += _round_trips(srv, frame, step)
-        for _ in range(ns.storers):
-            p = subprocess.Popen([sys.executable, "-c", _STORER, endpoint], stdout=subprocess.PIPE,
-                                 text=True)
-            storers.append(p)
+        frame = encode_message(1, Ping(12345))
+        raw_s, ping_s = _interleaved(raw, srv, frame, ns.pings)
+        storers = [
+            subprocess.Popen([sys.executable, "-c", _STORER, endpoint], stdout=subprocess.PIPE, text=True)
+            for _ in range(ns.storers)
+        ]
         for p in storers:
             assert p.stdout is not None
             p.stdout.readline()
         loaded = _round_trips(srv, frame, ns.pings)
         raw.send(b"quit")
-        report = {"raw_zmq": _pct(raw_s), "ping_idle": _pct(ping_s),
-                  f"ping_with_{ns.storers}_storers": _pct(loaded)}
-        report["ratios"] = {
-            "ping_idle_p99_vs_raw_p99": report["ping_idle"]["p99_us"] / report["raw_zmq"]["p99_us"],
-            "ping_idle_p50_vs_raw_p50": report["ping_idle"]["p50_us"] / report["raw_zmq"]["p50_us"],
-        }
-        if ns.json:
-            print(json.dumps(report, indent=2))
-        else:
-            for k, v in report.items():
-                print(f"  {k:<24} " + "  ".join(f"{a}={b:.1f}" if "us" in a else f"{a}={b:.2f}x"
-                                                 for a, b in v.items()))
+        _report(ns, raw_s, ping_s, loaded)
         return 0
     finally:
         for p in storers:
@@ -126,3 +104,38 @@ def run_ping(ns: argparse.Namespace) -> int:
         echo.wait()
         ctx.destroy(linger=0)
         stop_process(server)
+
+
+def _interleaved(
+    raw: zmq.Socket[Any], srv: zmq.Socket[Any], frame: bytes, n: int
+) -> tuple[list[float], list[float]]:
+    """Round trips to the raw echo and to the server, alternating in blocks (after a warm-up),
+    so machine noise hits both alike."""
+    _round_trips(raw, frame, 300)
+    _round_trips(srv, frame, 300)
+    raw_s: list[float] = []
+    ping_s: list[float] = []
+    step = max(100, n // 10)
+    for _ in range(max(1, n // step)):
+        raw_s += _round_trips(raw, frame, step)
+        ping_s += _round_trips(srv, frame, step)
+    return raw_s, ping_s
+
+
+def _report(ns: argparse.Namespace, raw_s: list[float], ping_s: list[float], loaded: list[float]) -> None:
+    report = {
+        "raw_zmq": _pct(raw_s),
+        "ping_idle": _pct(ping_s),
+        f"ping_with_{ns.storers}_storers": _pct(loaded),
+    }
+    report["ratios"] = {
+        "ping_idle_p99_vs_raw_p99": report["ping_idle"]["p99_us"] / report["raw_zmq"]["p99_us"],
+        "ping_idle_p50_vs_raw_p50": report["ping_idle"]["p50_us"] / report["raw_zmq"]["p50_us"],
+    }
+    if ns.json:
+        print(json.dumps(report, indent=2))
+        return
+    for k, v in report.items():
+        print(
+            f"  {k:<24} " + "  ".join(f"{a}={b:.1f}" if "us" in a else f"{a}={b:.2f}x" for a, b in v.items())
+        )

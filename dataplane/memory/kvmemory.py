@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dataplane.errors import InvalidLayout
-from dataplane.protocol import CudaLayer, MemoryKind, Register, ShmLayer
-from dataplane.shm import Segment
+from dataplane.memory.shm import Segment
+from dataplane.wire.errors import InvalidLayout
+from dataplane.wire.messages import CudaLayer, MemoryKind, Register, ShmLayer
 
 logger = logging.getLogger(__name__)
 
@@ -143,22 +143,20 @@ class MappedKV:
     def _views(self, buf: torch.Tensor, n_tokens: int) -> torch.Tensor:
         return buf.view(self.dtype).view(self.num_layers, 2, n_tokens, self.token_row)
 
-    def gather(self, slots: np.ndarray, buf: torch.Tensor,
-               splitter: CopySplitter | None = None) -> None:
+    def gather(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
         """Copy the token slots ``slots`` (block * block_size + offset) into the chunk ``buf``."""
         out = self._views(buf, len(slots))
         self._move(slots, out, True, splitter)
 
-    def scatter(self, slots: np.ndarray, buf: torch.Tensor,
-                splitter: CopySplitter | None = None) -> None:
+    def scatter(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
         src = self._views(buf, len(slots))
         self._move(slots, src, False, splitter)
 
-    def _move(self, slots: np.ndarray, chunk: torch.Tensor, to_chunk: bool,
-              splitter: CopySplitter | None) -> None:
+    def _move(
+        self, slots: np.ndarray, chunk: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
+    ) -> None:
         runs = slot_runs(slots)
-        idx = (torch.from_numpy(slots.astype(np.int64)).to(self.device)
-               if len(runs) > _MAX_RUNS else None)
+        idx = torch.from_numpy(slots.astype(np.int64)).to(self.device) if len(runs) > _MAX_RUNS else None
 
         def layers(lo: int, hi: int) -> None:
             if self.stacked is not None:
@@ -210,9 +208,7 @@ def map_registration(reg: Register) -> MappedKV:
     layer_elems = 2 * nb * bs * heads * hd
     for i, layer in enumerate(reg.layers):
         if tuple(layer.strides) != want:
-            raise InvalidLayout(
-                f"layer {i}: strides {list(layer.strides)} are not contiguous {list(want)}"
-            )
+            raise InvalidLayout(f"layer {i}: strides {list(layer.strides)} are not contiguous {list(want)}")
     if reg.memory == MemoryKind.SHM:
         return _map_shm(reg, dtype, item, layer_elems)
     return _map_cuda(reg, dtype, item, layer_elems)
@@ -221,58 +217,70 @@ def map_registration(reg: Register) -> MappedKV:
 def _map_shm(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> MappedKV:
     _, nb, bs, heads, hd = reg.kv_shape
     layer_bytes = layer_elems * item
+    shm_layers = [lay for lay in reg.layers if isinstance(lay, ShmLayer)]
+    assert len(shm_layers) == len(reg.layers)
     segments: dict[str, Segment] = {}
     try:
-        for i, layer in enumerate(reg.layers):
-            assert isinstance(layer, ShmLayer)
-            if layer.offset % item:
-                raise InvalidLayout(f"layer {i}: offset {layer.offset} is not {item}-byte aligned")
-            seg = segments.get(layer.segment)
-            if seg is None:
-                try:
-                    seg = Segment.attach(layer.segment, layer.offset + layer_bytes)
-                except FileNotFoundError:
-                    raise InvalidLayout(f"layer {i}: segment {layer.segment} does not exist") from None
-                except ValueError as exc:
-                    raise InvalidLayout(f"layer {i}: {exc}") from None
-                segments[layer.segment] = seg
-            if layer.offset + layer_bytes > seg.size:
-                raise InvalidLayout(
-                    f"layer {i}: bytes [{layer.offset}, {layer.offset + layer_bytes}) exceed "
-                    f"segment {layer.segment} of {seg.size} bytes"
-                )
-        flat = {name: seg.as_tensor()
-                for name, seg in segments.items()}
+        _attach_segments(shm_layers, item, layer_bytes, segments)
+        flat = {name: seg.as_tensor() for name, seg in segments.items()}
         layers = [
-            flat[lay.segment][lay.offset:lay.offset + layer_bytes].view(dtype).view(2, nb * bs, heads * hd)
-            for lay in reg.layers if isinstance(lay, ShmLayer)
+            flat[lay.segment][lay.offset : lay.offset + layer_bytes].view(dtype).view(2, nb * bs, heads * hd)
+            for lay in shm_layers
         ]
         stacked = None
-        first = reg.layers[0]
-        assert isinstance(first, ShmLayer)
-        if len(segments) == 1 and len(reg.layers) > 1:
-            offs = [lay.offset for lay in reg.layers if isinstance(lay, ShmLayer)]
-            step = offs[1] - offs[0]
-            if step >= layer_bytes and step % item == 0 and all(
-                b - a == step for a, b in itertools.pairwise(offs)
-            ):
-                base = flat[first.segment].view(dtype)
-                stacked = base.as_strided(
-                    (len(offs), 2, nb * bs, heads * hd),
-                    (step // item, nb * bs * heads * hd, heads * hd, 1),
-                    offs[0] // item,
-                )
-        elif len(reg.layers) == 1:
+        if len(segments) == 1 and len(shm_layers) > 1:
+            stacked = _stacked_view(flat[shm_layers[0].segment].view(dtype), shm_layers, reg.kv_shape, item)
+        elif len(shm_layers) == 1:
             stacked = layers[0].unsqueeze(0)
         del flat
         if stacked is not None:
             layers = []  # the stacked view serves every layer: keep no per-layer views
-        return MappedKV(MemoryKind.SHM, dtype, len(reg.layers), nb, bs, heads, hd, layers,
-                        stacked, list(segments.values()))
+        segs = list(segments.values())
+        return MappedKV(MemoryKind.SHM, dtype, len(shm_layers), nb, bs, heads, hd, layers, stacked, segs)
     except BaseException:
         for seg in segments.values():
             seg.close()
         raise
+
+
+def _attach_segments(
+    layers: list[ShmLayer], item: int, layer_bytes: int, segments: dict[str, Segment]
+) -> None:
+    """Attach every segment the layers name (into ``segments``), checking each layer's bounds."""
+    for i, layer in enumerate(layers):
+        if layer.offset % item:
+            raise InvalidLayout(f"layer {i}: offset {layer.offset} is not {item}-byte aligned")
+        seg = segments.get(layer.segment)
+        if seg is None:
+            try:
+                seg = Segment.attach(layer.segment, layer.offset + layer_bytes)
+            except FileNotFoundError:
+                raise InvalidLayout(f"layer {i}: segment {layer.segment} does not exist") from None
+            except ValueError as exc:
+                raise InvalidLayout(f"layer {i}: {exc}") from None
+            segments[layer.segment] = seg
+        if layer.offset + layer_bytes > seg.size:
+            raise InvalidLayout(
+                f"layer {i}: bytes [{layer.offset}, {layer.offset + layer_bytes}) exceed "
+                f"segment {layer.segment} of {seg.size} bytes"
+            )
+
+
+def _stacked_view(
+    base: torch.Tensor, layers: list[ShmLayer], kv_shape: tuple[int, ...], item: int
+) -> torch.Tensor | None:
+    """One strided view over every layer when they sit at a constant stride in one segment."""
+    _, nb, bs, heads, hd = kv_shape
+    offs = [lay.offset for lay in layers]
+    step = offs[1] - offs[0]
+    layer_bytes = 2 * nb * bs * heads * hd * item
+    if step < layer_bytes or step % item or any(b - a != step for a, b in itertools.pairwise(offs)):
+        return None
+    return base.as_strided(
+        (len(offs), 2, nb * bs, heads * hd),
+        (step // item, nb * bs * heads * hd, heads * hd, 1),
+        offs[0] // item,
+    )
 
 
 def _map_cuda(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> MappedKV:
@@ -289,17 +297,23 @@ def _map_cuda(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) ->
             raise InvalidLayout(f"layer {i}: layout exceeds its IPC storage")
         with torch.cuda.device(device):
             storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
-                device.index, layer.ipc_handle, layer.storage_nbytes, layer.storage_offset,
-                layer.ref_counter_handle, layer.ref_counter_offset, layer.event_handle or None,
+                device.index,
+                layer.ipc_handle,
+                layer.storage_nbytes,
+                layer.storage_offset,
+                layer.ref_counter_handle,
+                layer.ref_counter_offset,
+                layer.event_handle or None,
                 layer.event_sync_required,
             )
         t = torch.empty(0, dtype=dtype, device=device).set_(
-            storage, layer.tensor_offset // item, (2, nb * bs, heads * hd),
+            storage,
+            layer.tensor_offset // item,
+            (2, nb * bs, heads * hd),
             (nb * bs * heads * hd, heads * hd, 1),
         )
         layers.append(t)
-    return MappedKV(MemoryKind.CUDA_IPC, dtype, len(layers), nb, bs, heads, hd, layers, None,
-                    [], device)
+    return MappedKV(MemoryKind.CUDA_IPC, dtype, len(layers), nb, bs, heads, hd, layers, None, [], device)
 
 
 def _device_for_uuid(uuid: str, index: int) -> torch.device:
@@ -331,5 +345,6 @@ def map_local_tensors(caches: list[torch.Tensor]) -> MappedKV:
                 (step // item, nb * bs * heads * hd, heads * hd, 1),
                 first.storage_offset(),
             )
-    return MappedKV(MemoryKind.SHM, first.dtype, len(caches), nb, bs, heads, hd, layers, stacked,
-                    [], first.device)
+    return MappedKV(
+        MemoryKind.SHM, first.dtype, len(caches), nb, bs, heads, hd, layers, stacked, [], first.device
+    )

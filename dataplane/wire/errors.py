@@ -8,6 +8,8 @@
     │   ├── NotRegistered        the instance id is not tracked
     │   └── InvalidLayout        a registered KV layout that cannot be mapped or used
     ├── ServerError              an unexpected failure inside a handler
+    │   ├── ShuttingDown         the server is draining: it takes no new requests
+    │   └── Unsupported          no handler for this message type on this server
     └── ClientError              raised only by `dataplane.client`
         ├── RequestTimeout       no reply within the request's timeout
         ├── RequestAborted       a transfer abandoned because the server went unhealthy
@@ -58,6 +60,14 @@ class ServerError(KVWardenError):
     code = "INTERNAL"
 
 
+class ShuttingDown(ServerError):
+    code = "SHUTTING_DOWN"
+
+
+class Unsupported(ServerError):
+    code = "UNSUPPORTED"
+
+
 class ClientError(KVWardenError):
     code = "CLIENT"
 
@@ -84,6 +94,8 @@ _BY_CODE: dict[str, type[KVWardenError]] = {
         NotRegistered,
         InvalidLayout,
         ServerError,
+        ShuttingDown,
+        Unsupported,
     )
 }
 

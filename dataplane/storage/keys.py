@@ -14,15 +14,24 @@ import hashlib
 
 import numpy as np
 
-from dataplane.protocol import ID_DTYPE
+from dataplane.wire.checks import ID_DTYPE
 
 KEY_BYTES = 16
 
 
-def scope_digest(model_name: str, world_size: int, worker_id: int, dtype: str,
-                 num_layers: int, num_heads: int, head_dim: int) -> bytes:
-    text = f"kvwarden/v1|{model_name}|ws={world_size}|rank={worker_id}|{dtype}|" \
-           f"L={num_layers}|H={num_heads}|D={head_dim}"
+def scope_digest(
+    model_name: str,
+    world_size: int,
+    worker_id: int,
+    dtype: str,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+) -> bytes:
+    text = (
+        f"kvwarden/v1|{model_name}|ws={world_size}|rank={worker_id}|{dtype}|"
+        f"L={num_layers}|H={num_heads}|D={head_dim}"
+    )
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
@@ -36,7 +45,7 @@ def chunk_keys(scope: bytes, token_ids: np.ndarray, chunk_size: int) -> list[byt
     step = chunk_size * ID_DTYPE.itemsize
     for i in range(n_full):
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
-        h.update(raw[i * step:(i + 1) * step])
+        h.update(raw[i * step : (i + 1) * step])
         prev = h.digest()
         keys.append(prev)
     return keys

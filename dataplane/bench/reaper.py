@@ -1,0 +1,126 @@
+"""`kvwarden bench reaper`: a reap cycle with 100,000 tracked instances, and PING meanwhile.
+
+A real data plane runs in this process with one extra liveness target: a registry holding
+``--instances`` entries (no memory behind them). Each cycle adds 1% stale entries and runs the
+reaper's step (collect and pop in slices, the release path, the fan-out), back to back, while a
+separate process PINGs the server, whose PING takes the same registry lock. Prints each
+cycle's time and PING p50/p99, idle and during the cycles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from typing import Any
+
+from dataplane.bench.procs import free_port
+from dataplane.liveness.reaper import WorkerReaper
+from dataplane.liveness.registry import Entry, InstanceInfo, LivenessRegistry
+from dataplane.server.config import Settings
+from dataplane.server.runtime import DataPlane, build_dataplane
+
+PINGER = r"""
+import sys, time, zmq
+from dataplane.wire.messages import Ping
+from dataplane.wire.protocol import encode_message
+ctx = zmq.Context(); d = ctx.socket(zmq.DEALER); d.connect(sys.argv[1])
+frame = encode_message(1, Ping(5)); ts = []
+d.send(frame); d.recv(); print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    t0 = time.perf_counter(); d.send(frame); d.recv(); ts.append(time.perf_counter() - t0)
+    time.sleep(0.0005)
+ts.sort(); print(f"{ts[len(ts) // 2] * 1e6:.0f} {ts[int(len(ts) * .99)] * 1e6:.0f}")
+"""
+_INFO = InstanceInfo("server_driven", "shm", "m", 1, 0, 1, 32, "bfloat16")
+
+
+def add_args(sub: Any) -> None:
+    p = sub.add_parser("reaper", help="reap cycle time and PING p99 with 100,000 tracked instances")
+    p.add_argument("--instances", type=int, default=100_000)
+    p.add_argument("--seconds", type=float, default=3.0, help="length of each PING block")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_reaper)
+
+
+def _release_nothing(e: Entry, why: str) -> None:
+    return None
+
+
+def _pinger(endpoint: str, seconds: float) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [sys.executable, "-c", PINGER, endpoint, str(seconds)], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None
+    p.stdout.readline()  # ready: connected and answered once
+    return p
+
+
+def _pings(p: subprocess.Popen[str]) -> dict[str, float]:
+    p50, p99 = p.communicate()[0].split()
+    return {"p50_us": float(p50), "p99_us": float(p99)}
+
+
+def run_reaper(ns: argparse.Namespace) -> int:
+    logging.disable(logging.WARNING)  # reap warnings would measure the log handler
+    sys.setswitchinterval(0.001)  # as `kvwarden serve` runs
+    synthetic: LivenessRegistry[Entry] = LivenessRegistry("synthetic", _release_nothing)
+    dp = build_dataplane(
+        Settings.model_validate({"port": free_port(), "http_port": free_port()}), extra_targets=[synthetic]
+    )
+    dp.start()
+    try:
+        report = _measure(ns, dp, synthetic)
+    finally:
+        dp.stop()
+    if ns.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"{ns.instances} tracked; PING idle p50 {report['ping_idle']['p50_us']:.0f} us, "
+            f"p99 {report['ping_idle']['p99_us']:.0f} us"
+        )
+        c = report["cycle_ms"]
+        print(f"{c['n']} reap cycles of {c['stale']} stale: p50 {c['p50']:.0f} ms, max {c['max']:.0f} ms")
+        b = report["ping_during_cycles"]
+        print(f"PING during the cycles: p50 {b['p50_us']:.0f} us, p99 {b['p99_us']:.0f} us")
+    return 0
+
+
+def _measure(ns: argparse.Namespace, dp: DataPlane, synthetic: LivenessRegistry[Entry]) -> dict[str, Any]:
+    n, stale_n = ns.instances, max(1, ns.instances // 100)
+    now = time.monotonic()
+    for i in range(n - stale_n):
+        synthetic.put(Entry(i, now, now, b"", _INFO, has_liveness_signal=True), "bench")
+    reaper = WorkerReaper(dp.management.releaser, 120.0, 3600.0, 0.0)  # its step, no thread
+    endpoint = dp.server_info().endpoint
+    idle = _pings(_pinger(endpoint, ns.seconds))
+    times: list[float] = []
+    busy = _pinger(endpoint, ns.seconds)
+    k = 0
+    while busy.poll() is None:  # reap cycles back to back for as long as the pinger runs
+        t = time.monotonic() - 1000.0  # 1% of the instances went silent long ago
+        for i in range(n + k * stale_n, n + (k + 1) * stale_n):
+            synthetic.put(Entry(i, t, t, b"", _INFO, has_liveness_signal=True), "bench")
+        t0 = time.perf_counter()
+        reaped = reaper.reap_once()
+        times.append(time.perf_counter() - t0)
+        if len(reaped) != stale_n:
+            raise RuntimeError(f"a cycle reaped {len(reaped)} instances, not {stale_n}")
+        k += 1
+    times.sort()
+    return {
+        "instances": n,
+        "ping_idle": idle,
+        "cycle_ms": {
+            "n": len(times),
+            "stale": stale_n,
+            "p50": times[len(times) // 2] * 1e3,
+            "max": times[-1] * 1e3,
+        },
+        "ping_during_cycles": _pings(busy),
+    }

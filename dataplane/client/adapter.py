@@ -1,0 +1,304 @@
+"""``WorkerAdapter``: a worker's connection to the kvwarden server.
+
+    caches = allocate_kv_caches(num_layers=32, num_blocks=1024, block_size=16,
+                                num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    w = WorkerAdapter("tcp://127.0.0.1:5555", model_name="m", world_size=1, worker_id=0)
+    w.register_kv_caches(caches)
+    w.store(token_ids, block_ids); w.lookup(token_ids); w.retrieve(token_ids, block_ids)
+    w.close()
+
+Every request has a timeout; an error reply raises the typed exception of
+`dataplane.wire.errors`. Requests go over one channel (`dataplane.client.channel`); the
+heartbeat (`dataplane.client.heartbeat`), started at registration, PINGs over its own, so a long
+transfer never delays it. How the KV bytes move is the transport's business
+(`dataplane.client.transport`, one per transfer mode). While the heartbeat says the server is
+unhealthy, stores are dropped and lookups and retrieves report a miss, without waiting.
+``_reg_lock`` guards ``_registration`` and the REGISTER counters: a registration and a recovery
+never interleave.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import zmq
+
+from dataplane.client.channel import Channel
+from dataplane.client.heartbeat import Heartbeat
+from dataplane.client.kvalloc import unlink_segments
+from dataplane.client.transport import (
+    EngineDrivenTransport,
+    Identity,
+    ServerDrivenTransport,
+    Transport,
+)
+from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted
+from dataplane.wire.messages import (
+    MAX_POOL_CHUNKS,
+    Hello,
+    Lookup,
+    Message,
+    Ping,
+    TransferMode,
+    Unregister,
+)
+from dataplane.wire.protocol import REAP_TIMEOUT_FLOOR_S
+
+logger = logging.getLogger(__name__)
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+T = TypeVar("T")
+_NO_STORE = {"chunks": 0, "stored": 0, "present": 0, "rejected": 0}
+
+
+def _id_array(x: TokenIds) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _check_args(
+    transfer_mode: str, pool_chunks: int, heartbeat_interval: float, world_size: int, worker_id: int
+) -> None:
+    modes = [m.value for m in TransferMode]
+    if transfer_mode not in modes:
+        raise ValueError(f"transfer_mode {transfer_mode!r}: use {' or '.join(map(repr, modes))}")
+    if not 1 <= pool_chunks <= MAX_POOL_CHUNKS:
+        raise ValueError(f"pool_chunks must be in [1, {MAX_POOL_CHUNKS}]")
+    if not heartbeat_interval > 0:
+        raise ValueError("heartbeat_interval must be > 0")
+    if not 0 <= worker_id < world_size:
+        raise ValueError(f"worker_id {worker_id} must be in [0, world_size {world_size})")
+    if 3 * heartbeat_interval > REAP_TIMEOUT_FLOOR_S:
+        logger.warning(
+            "kvwarden client: 3 x heartbeat_interval (%gs) exceeds the server's %gs reap floor: "
+            "a server at the floor may reap this live worker",
+            3 * heartbeat_interval,
+            REAP_TIMEOUT_FLOOR_S,
+        )
+
+
+class WorkerAdapter:
+    """A worker's connection to the kvwarden server (see the module docstring)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        model_name: str,
+        world_size: int = 1,
+        worker_id: int = 0,
+        heartbeat_interval: float = 10.0,
+        transfer_mode: str = "server_driven",
+        request_timeout: float = 30.0,
+        instance_id: int | None = None,
+        on_health_change: Callable[[bool], None] | None = None,
+        pool_chunks: int = 4,
+    ) -> None:
+        _check_args(transfer_mode, pool_chunks, heartbeat_interval, world_size, worker_id)
+        self.endpoint = endpoint
+        self.model_name = model_name
+        self.world_size = world_size
+        self.worker_id = worker_id
+        self.transfer_mode = TransferMode(transfer_mode)
+        self.heartbeat_interval = heartbeat_interval
+        self.request_timeout = request_timeout
+        self.instance_id = instance_id if instance_id is not None else uuid.uuid4().int & ((1 << 63) - 1)
+        who = Identity(self.instance_id, model_name, world_size, worker_id, os.getpid())
+        self._transport: Transport = (
+            EngineDrivenTransport(who, pool_chunks)
+            if self.transfer_mode is TransferMode.ENGINE_DRIVEN
+            else ServerDrivenTransport(who)
+        )
+        logger.info(
+            "kvwarden client: instance id %d (%s rank %d/%d)",
+            self.instance_id,
+            model_name,
+            worker_id,
+            world_size,
+        )
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._chan = Channel(self._ctx, endpoint)
+        self._hb_chan = Channel(self._ctx, endpoint)
+        self._heartbeat = Heartbeat(
+            self._ping,
+            self._recover,
+            lambda: self.registration is not None,
+            heartbeat_interval,
+            on_health_change,
+        )
+        self._reg_lock = threading.Lock()  # guards _registration, registrations, refreshes
+        self._registration: Message | None = None
+        self.chunk_size: int | None = None
+        self.registrations = 0  # REGISTERs that built a fresh server context
+        self.refreshes = 0  # REGISTERs the server answered as a no-op refresh (created: false)
+        self._closed = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def is_healthy(self) -> bool:
+        return self._heartbeat.healthy.is_set()
+
+    @property
+    def boot_token(self) -> int | None:
+        return self._heartbeat.boot_token
+
+    @property
+    def registration(self) -> Message | None:
+        """The REGISTER message this adapter sends (None before ``register_kv_caches``)."""
+        with self._reg_lock:
+            return self._registration
+
+    @property
+    def segments(self) -> list[str]:
+        """The shared-memory segments of the registered caches (none when engine-driven)."""
+        return list(self._transport.segments)
+
+    def server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self._chan.request(Hello(), self.request_timeout)
+        return info
+
+    # ----------------------------------------------------------- registration
+    def register_kv_caches(self, caches: Sequence[torch.Tensor]) -> None:
+        msg = self._transport.registration(caches)
+        with self._reg_lock:
+            info = self.server_info()
+            self.chunk_size = int(info["chunk_size"])
+            self._heartbeat.adopt(int(info["boot_token"]))
+            self._registration = msg
+            self._send_register(self._chan, msg)
+        self.start_heartbeat()
+
+    def _send_register(self, chan: Channel, msg: Message) -> None:
+        """One REGISTER and its bookkeeping; ``_reg_lock`` held."""
+        result = chan.request(msg, self.request_timeout)
+        if result.get("created"):
+            self.registrations += 1
+        else:
+            self.refreshes += 1
+        self._transport.registered(result)
+
+    def start_heartbeat(self) -> None:
+        self._heartbeat.start()
+
+    def heartbeat_once(self) -> None:
+        """One PING and its consequences (public so tests can drive it without the thread)."""
+        self._heartbeat.beat()
+
+    def _ping(self) -> dict[str, Any]:
+        reply: dict[str, Any] = self._hb_chan.request(Ping(self.instance_id), self.heartbeat_interval)
+        return reply
+
+    def _recover(self) -> bool:
+        """Re-register on the heartbeat's channel (a no-op refresh when the server kept us)."""
+        with self._reg_lock:
+            if self._closed:
+                return False  # no ghost registration after close()
+            if self._registration is None:
+                return True
+            try:
+                self._send_register(self._hb_chan, self._registration)
+            except Exception as exc:
+                logger.warning("kvwarden client: re-register failed: %s", exc)
+                return False
+            return True
+
+    # -------------------------------------------------------------- transfers
+    def store(self, token_ids: TokenIds, block_ids: TokenIds) -> bool:
+        """Store every full chunk; True when all of them are held by the server afterwards.
+        False, without waiting, while unhealthy or when the server no longer knew us."""
+        r = self._store(token_ids, block_ids)
+        return r is not None and r["rejected"] == 0
+
+    def store_detail(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int]:
+        """STORE's counts: chunks, stored (written now), present (already held), rejected."""
+        r = self._store(token_ids, block_ids)
+        return dict(_NO_STORE) if r is None else r
+
+    def _store(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int] | None:
+        def run() -> dict[str, int] | None:
+            tokens, blocks = _id_array(token_ids), _id_array(block_ids)
+            return self._transport.store(self._send, tokens, blocks, self.chunk_size)
+
+        return self._unless_outage(run, None)
+
+    def lookup(self, token_ids: TokenIds) -> int:
+        """Prefix tokens the server holds (0 while unhealthy)."""
+        return self._unless_outage(
+            lambda: int(self._send(Lookup(self.instance_id, _id_array(token_ids)))["hit_tokens"]), 0
+        )
+
+    def retrieve(self, token_ids: TokenIds, block_ids: TokenIds) -> int:
+        """Write the longest stored prefix into ``block_ids``; returns its token count."""
+
+        def run() -> int:
+            tokens, blocks = _id_array(token_ids), _id_array(block_ids)
+            return self._transport.retrieve(self._send, tokens, blocks, self.chunk_size)
+
+        return self._unless_outage(run, 0)
+
+    def _send(self, msg: Message) -> Any:
+        """A transfer request; abandoned (RequestAborted) as soon as the heartbeat declares the
+        server unhealthy, so a frozen server never holds a worker for the whole timeout."""
+        return self._chan.request(msg, self.request_timeout, abort=lambda: not self.is_healthy)
+
+    def _unless_outage(self, fn: Callable[[], T], miss: T) -> T:
+        """``fn()``, or ``miss`` without waiting while the server is unhealthy, when a transfer
+        is abandoned, or when the server no longer knew us (then we re-register at once)."""
+        if not self.is_healthy:
+            return miss
+        try:
+            return fn()
+        except NotRegistered:
+            self._reregister_now()
+        except RequestAborted:
+            pass
+        return miss
+
+    def _reregister_now(self) -> None:
+        """The server dropped us (reaped while paused, or by an operator) and our next PING
+        has not told us yet: re-register now; this request counts as a miss. An adapter that
+        never registered gets the error: that is a usage error, not an outage."""
+        if self.registration is None:
+            raise NotRegistered(
+                f"instance {self.instance_id} is not registered: call register_kv_caches() first"
+            )
+        logger.warning("kvwarden client: server does not know instance %d: re-registering", self.instance_id)
+        token = self._heartbeat.boot_token
+        if token is not None:
+            self._heartbeat.recover(token, failure_is_outage=False)
+
+    # ------------------------------------------------------------------ close
+    def close(self, unlink: bool = True) -> None:
+        """Stop the heartbeat, UNREGISTER, then release sockets (and our segments)."""
+        if self._closed:
+            return
+        self._closed = True  # read by _recover under _reg_lock: no re-register from here on
+        self._heartbeat.stop()
+        self._heartbeat.join(self.heartbeat_interval + 5.0)
+        with self._reg_lock:
+            registered = self._registration is not None
+            self._registration = None
+        if registered:
+            try:
+                self._chan.request(Unregister(self.instance_id), min(self.request_timeout, 5.0))
+            except KVWardenError as exc:
+                logger.warning("kvwarden client: UNREGISTER failed: %s", exc)
+        self._chan.close()
+        self._hb_chan.close()
+        self._ctx.term()
+        self._transport.close()
+        if unlink:
+            unlink_segments(self._transport.segments)
+
+    def __enter__(self) -> WorkerAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,213 @@
+"""One transport per transfer mode: how a worker's KV bytes reach the server.
+
+``ServerDrivenTransport``: the server maps the worker's memory (shared memory on CPU, CUDA IPC
+on GPU) and does every copy; a STORE or RETRIEVE is one request. ``EngineDrivenTransport``: the
+worker keeps ordinary tensors and copies chunks through a shared-memory pool the server owns
+(``pool_chunks`` slots), one batch of slots per request. Both are driven by
+`dataplane.client.adapter.WorkerAdapter` through ``send``: a request that is abandoned as soon as
+the adapter turns unhealthy. ``_lock`` of the engine-driven transport guards the pool (its
+slots are used by one transfer at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from dataplane.client.kvalloc import describe_caches
+from dataplane.memory.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors, token_slots
+from dataplane.memory.shm import Segment
+from dataplane.wire.errors import ClientError
+from dataplane.wire.messages import (
+    EngineRegister,
+    EngineRetrieve,
+    EngineStore,
+    Lookup,
+    Message,
+    Register,
+    Retrieve,
+    Store,
+    TransferMode,
+)
+
+Send = Callable[[Message], Any]  # a transfer request; its reply body
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who the worker is: the fields every registration carries."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    worker_id: int
+    owner_pid: int
+
+
+class Transport(Protocol):
+    segments: list[str]  # the worker's own segments, unlinked at close
+
+    def registration(self, caches: Sequence[torch.Tensor]) -> Message: ...
+
+    def registered(self, result: dict[str, Any]) -> None: ...
+
+    def store(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None
+    ) -> dict[str, int]: ...
+
+    def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class ServerDrivenTransport:
+    def __init__(self, who: Identity) -> None:
+        self.who = who
+        self.segments: list[str] = []
+
+    def registration(self, caches: Sequence[torch.Tensor]) -> Register:
+        who = self.who
+        layout = describe_caches(caches)
+        self.segments = layout.segments
+        return Register(
+            who.instance_id,
+            who.model_name,
+            who.world_size,
+            who.worker_id,
+            TransferMode.SERVER_DRIVEN,
+            layout.memory,
+            layout.dtype,
+            layout.kv_shape,
+            who.owner_pid,
+            layout.layers,
+        )
+
+    def registered(self, result: dict[str, Any]) -> None:
+        return None
+
+    def store(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None
+    ) -> dict[str, int]:
+        r: dict[str, int] = send(Store(self.who.instance_id, tokens, blocks))
+        return r
+
+    def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int:
+        return int(send(Retrieve(self.who.instance_id, tokens, blocks))["retrieved_tokens"])
+
+    def close(self) -> None:
+        return None
+
+
+class EngineDrivenTransport:
+    def __init__(self, who: Identity, pool_chunks: int) -> None:
+        self.who = who
+        self.pool_chunks = pool_chunks
+        self.segments: list[str] = []  # the worker's tensors are its own; only the pool is shared
+        self._local: MappedKV | None = None
+        self._lock = threading.Lock()  # guards _pool and the pool's slots: one transfer at a time
+        self._pool: tuple[Segment, list[torch.Tensor]] | None = None
+
+    def registration(self, caches: Sequence[torch.Tensor]) -> EngineRegister:
+        who, first = self.who, caches[0]
+        if len(first.shape) != 5 or first.shape[0] != 2:
+            raise ValueError("KV tensors must be [2, num_blocks, block_size, heads, head_dim]")
+        for i, t in enumerate(caches):
+            if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+                raise ValueError(f"layer {i}: shape/dtype differ from layer 0 or not contiguous")
+        self._local = map_local_tensors(list(caches))
+        return EngineRegister(
+            who.instance_id,
+            who.model_name,
+            who.world_size,
+            who.worker_id,
+            DTYPE_NAMES[first.dtype],
+            len(caches),
+            int(first.shape[3]),
+            int(first.shape[4]),
+            self.pool_chunks,
+            who.owner_pid,
+        )
+
+    def registered(self, result: dict[str, Any]) -> None:
+        """Map the pool the server handed out (kept when it is the one already mapped)."""
+        name, slot_bytes, slots = str(result["segment"]), int(result["slot_bytes"]), int(result["slots"])
+        with self._lock:
+            if self._pool is not None and self._pool[0].name == name:
+                return
+            seg = Segment.attach(name, slot_bytes * slots)
+            flat = seg.as_tensor()
+            views = [flat[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
+            old, self._pool = self._pool, (seg, views)
+        if old is not None:
+            _close_pool(old)
+
+    def store(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None
+    ) -> dict[str, int]:
+        cs, local = self._require_local(chunk_size)
+        n_full = len(tokens) // cs
+        present = int(send(Lookup(self.who.instance_id, tokens))["hit_tokens"]) // cs  # those need no copy
+        slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
+        total = {"chunks": n_full, "stored": 0, "present": present, "rejected": 0}
+        first = present
+        with self._lock:
+            pool = self._slots()
+            while first < n_full:
+                k = min(len(pool), n_full - first)
+                for i in range(k):
+                    c = first + i
+                    local.gather(slots[c * cs : (c + 1) * cs], pool[i])
+                r = send(EngineStore(self.who.instance_id, tokens[: (first + k) * cs], first, k))
+                for key in ("stored", "present", "rejected"):
+                    total[key] += int(r[key])
+                if r["rejected"]:
+                    total["rejected"] += n_full - first - k
+                    break
+                first += k
+        return total
+
+    def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int:
+        cs, local = self._require_local(chunk_size)
+        n_full = len(tokens) // cs
+        first = 0
+        with self._lock:
+            pool = self._slots()
+            while first < n_full:
+                k = min(len(pool), n_full - first)
+                msg = EngineRetrieve(self.who.instance_id, tokens[: (first + k) * cs], first, k)
+                got = int(send(msg)["chunks"])
+                slots = token_slots(blocks, local.block_size, local.num_blocks, (first + got) * cs)
+                for i in range(got):
+                    c = first + i
+                    local.scatter(slots[c * cs : (c + 1) * cs], pool[i])
+                first += got
+                if got < k:
+                    break
+        return first * cs
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            _close_pool(pool)
+
+    def _require_local(self, chunk_size: int | None) -> tuple[int, MappedKV]:
+        if self._local is None or chunk_size is None:
+            raise ClientError("register_kv_caches() first")
+        return chunk_size, self._local
+
+    def _slots(self) -> list[torch.Tensor]:
+        """The pool's slots; lock held."""
+        if self._pool is None:
+            raise ClientError("register_kv_caches() first")
+        return self._pool[1]
+
+
+def _close_pool(pool: tuple[Segment, list[torch.Tensor]]) -> None:
+    pool[1].clear()  # drop the views before the mapping goes
+    pool[0].close()

@@ -1,0 +1,367 @@
+"""Per-instance entries with liveness: one registry per transfer module, owned, not inherited.
+
+Each entry carries ``last_seen`` (monotonic, injected clock), ``has_liveness_signal`` (latched
+by PING only), the connection it last spoke over and, once that connection closed, when.
+``_lock`` is a leaf lock guarding the entry dict and every entry's mutable fields; it is never
+held while mapping memory, copying, calling storage or another component. Scans (a reap, a
+closed connection) take it in slices, so 100,000 tracked instances never hold it for long.
+Releasing an entry's resources is the owner's ``release`` callback; it runs outside the lock on
+a short-lived thread, bounded by ``release_timeout_s``: a stuck release is logged and abandoned,
+never wedging the reaper. An entry held by a request (``use``) is released by its last user.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
+
+from dataplane.liveness.target import InstanceLivenessTarget, Reaped
+from dataplane.wire.errors import NotRegistered
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+_SLICE = 1024
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """What a worker registered, as operators see it."""
+
+    transfer_mode: str
+    memory: str
+    model_name: str
+    world_size: int
+    worker_id: int
+    owner_pid: int
+    num_layers: int
+    dtype: str
+
+
+class ContextEntry(NamedTuple):
+    """A read-only copy of an entry's public fields (what the sidecar sees). A tuple: the
+    sidecar copies 10,000 of these per /status, and a frozen dataclass costs 4x to build."""
+
+    instance_id: int
+    transfer_mode: str
+    memory: str
+    model_name: str
+    world_size: int
+    worker_id: int
+    owner_pid: int
+    num_layers: int
+    dtype: str
+    registered_at: float
+    last_seen: float
+    has_liveness_signal: bool
+    disconnected: bool
+    conn_fd: int
+
+
+@dataclass(eq=False)
+class Entry:
+    instance_id: int
+    registered_at: float
+    last_seen: float
+    scope: bytes  # chunk-key scope of the registered layout (see dataplane.storage.keys)
+    info: InstanceInfo
+    has_liveness_signal: bool = False
+    conn_fd: int = -1
+    disconnected_at: float | None = None
+    users: int = 0  # requests holding the entry's resources
+    removed: bool = False  # popped; the last user releases
+
+
+E = TypeVar("E", bound=Entry)
+
+
+class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
+    def __init__(
+        self,
+        name: str,
+        release: Callable[[E, str], None],
+        clock: Clock = time.monotonic,
+        release_timeout_s: float = 10.0,
+    ) -> None:
+        self.name = name
+        self._release = release  # frees an entry's resources; runs outside the lock
+        self._clock = clock
+        self.release_timeout_s = release_timeout_s
+        self._lock = threading.Lock()  # guards _entries and every entry's mutable fields
+        self._entries: dict[int, E] = {}
+
+    # ------------------------------------------------------------------ insert
+    def refresh_if(self, instance_id: int, same: Callable[[E], bool], conn_fd: int = -1) -> E | None:
+        """A repeat registration: when the entry exists and ``same(entry)``, refresh its
+        ``last_seen`` (never latching the signal) and return it; else None."""
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is None or not same(e):
+                return None
+            e.last_seen = self._clock()
+            _seen_over(e, conn_fd)
+            return e
+
+    def put(self, entry: E, why_replaced: str) -> None:
+        """Insert ``entry``; an entry it replaces is released (by its last user if in use)."""
+        with self._lock:
+            old = self._entries.get(entry.instance_id)
+            self._entries[entry.instance_id] = entry
+            idle = old is not None and _mark_removed(old)
+        if idle and old is not None:
+            self._bounded_release([old], why_replaced)
+
+    # ---------------------------------------------------------------- liveness
+    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is None:
+                return False
+            e.last_seen = self._clock()
+            e.has_liveness_signal = True
+            _seen_over(e, conn_fd)
+            return True
+
+    def tracked_instance_count(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def count(self, pred: Callable[[E], bool]) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if pred(e))
+
+    def mark_connection_closed(self, conn_fd: int, now: float) -> int:
+        def closed(e: E) -> bool:
+            # last_seen > now: it spoke after the close, over a new connection that reuses the
+            # fd number; it is alive
+            if e.conn_fd == conn_fd and e.disconnected_at is None and e.last_seen <= now:
+                e.disconnected_at = now
+                return True
+            return False
+
+        return sum(1 for _ in self._scan(closed))
+
+    def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[Reaped]:
+        now = self._clock()
+
+        def stale(e: E) -> str | None:
+            if e.has_liveness_signal:
+                return "timeout" if now - e.last_seen > timeout_s else None
+            return "grace" if now - e.last_seen > grace_s else None
+
+        return self._reap(stale, now)
+
+    def reap_disconnected_instances(self, disconnect_grace_s: float) -> list[Reaped]:
+        now = self._clock()
+
+        def gone(e: E) -> str | None:
+            t = e.disconnected_at
+            return "disconnect" if t is not None and now - t > disconnect_grace_s else None
+
+        return self._reap(gone, now)
+
+    def remove_instances(self, instance_ids: Iterable[int], why: str) -> list[int]:
+        """The cleanup UNREGISTER, the reaper and the admin route share: pop each id, release
+        the idle ones (the last user releases the others). The ids that were held."""
+        held: list[int] = []
+        idle: list[E] = []
+        with self._lock:
+            for iid in instance_ids:
+                e = self._entries.pop(iid, None)
+                if e is not None:
+                    held.append(iid)
+                    if _mark_removed(e):
+                        idle.append(e)
+        self._bounded_release(idle, why)
+        return held
+
+    def close(self) -> None:
+        with self._lock:
+            victims = list(self._entries)
+        self.remove_instances(victims, "shutdown")
+
+    # --------------------------------------------------------------- accessors
+    def get_and_touch_context_entry(self, instance_id: int) -> ContextEntry:
+        """The entry of ``instance_id``, refreshing last_seen (never latching the signal)."""
+        with self._lock:
+            e = self._get(instance_id)
+            e.last_seen = self._clock()
+            return _public(e)
+
+    def context_entries_snapshot(self) -> list[ContextEntry]:
+        # copy plain tuples under the lock (PING waits on it); build the entries after
+        with self._lock:
+            rows = [
+                (
+                    e.instance_id,
+                    e.info,
+                    e.registered_at,
+                    e.last_seen,
+                    e.has_liveness_signal,
+                    e.disconnected_at is not None,
+                    e.conn_fd,
+                )
+                for e in self._entries.values()
+            ]
+        return [_from_row(*r) for r in rows]
+
+    def context_entry(self, instance_id: int) -> ContextEntry | None:
+        with self._lock:
+            e = self._entries.get(instance_id)
+            return None if e is None else _public(e)
+
+    def scope_of(self, instance_id: int, conn_fd: int = -1) -> bytes | None:
+        """The chunk-key scope of a tracked instance (refreshing last_seen), else None."""
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is None:
+                return None
+            e.last_seen = self._clock()
+            _seen_over(e, conn_fd)
+            return e.scope
+
+    @contextmanager
+    def use(self, instance_id: int, conn_fd: int = -1) -> Iterator[E]:
+        """Hold an entry for a request: refreshes last_seen; release waits for the last user."""
+        with self._lock:
+            e = self._get(instance_id)
+            e.users += 1
+            e.last_seen = self._clock()
+            _seen_over(e, conn_fd)
+        try:
+            yield e
+        finally:
+            with self._lock:
+                e.users -= 1
+                last = e.removed and e.users == 0
+            if last:
+                self._bounded_release([e], "deferred")
+
+    # --------------------------------------------------------------- internals
+    def _get(self, instance_id: int) -> E:
+        e = self._entries.get(instance_id)
+        if e is None:
+            raise NotRegistered(f"instance {instance_id} is not registered")
+        return e
+
+    def _scan(self, visit: Callable[[E], object]) -> Iterator[E]:
+        """Entries for which ``visit`` (run under the lock) returns truthy, in slices."""
+        with self._lock:
+            ids = list(self._entries)
+        for start in range(0, len(ids), _SLICE):
+            hits: list[E] = []
+            with self._lock:
+                for iid in ids[start : start + _SLICE]:
+                    e = self._entries.get(iid)
+                    if e is not None and visit(e):
+                        hits.append(e)
+            # Lock and GIL are not fair: without a pause this thread would take the lock
+            # straight back and a PING waiting on it would wait out the whole scan.
+            time.sleep(0)
+            yield from hits
+
+    def _reap(self, why: Callable[[E], str | None], now: float) -> list[Reaped]:
+        reaped: list[Reaped] = []
+        idle: list[E] = []
+
+        def collect_and_pop(e: E) -> bool:  # runs under the lock
+            reason = why(e)
+            if reason is None:
+                return False
+            del self._entries[e.instance_id]
+            reaped.append(Reaped(e.instance_id, reason, now - e.last_seen, e.has_liveness_signal))
+            if _mark_removed(e):
+                idle.append(e)
+            return True
+
+        for _ in self._scan(collect_and_pop):
+            pass
+        self._bounded_release(idle, "reap")  # first: nothing below can leak a popped entry
+        for r in reaped:
+            logger.warning(
+                "reaper: reaped instance %d (%s; silent %.1fs; %s)",
+                r.instance_id,
+                r.reason,
+                r.silence_s,
+                "pinged" if r.pinged else "never pinged",
+            )
+        return reaped
+
+    def _bounded_release(self, entries: list[E], why: str) -> None:
+        if not entries:
+            return
+        t = threading.Thread(
+            target=self._release_all, args=(entries, why), daemon=True, name="kvwarden-release"
+        )
+        t.start()
+        t.join(self.release_timeout_s)
+        if t.is_alive():
+            logger.error(
+                "registry: releasing %d instance(s) (%s) is stuck after %.1fs; moving on",
+                len(entries),
+                why,
+                self.release_timeout_s,
+            )
+
+    def _release_all(self, entries: list[E], why: str) -> None:
+        for e in entries:
+            try:
+                self._release(e, why)
+            except Exception:
+                logger.exception("registry: releasing instance %d (%s) failed", e.instance_id, why)
+
+
+def _mark_removed(e: Entry) -> bool:
+    """Flag a popped entry; True when no request holds it (so the caller releases it now)."""
+    e.removed = True
+    return e.users == 0
+
+
+def _seen_over(e: Entry, conn_fd: int) -> None:
+    if conn_fd >= 0:
+        e.conn_fd = conn_fd
+        e.disconnected_at = None  # it spoke: its connection is (again) alive
+
+
+def _from_row(
+    iid: int,
+    i: InstanceInfo,
+    registered_at: float,
+    last_seen: float,
+    signal: bool,
+    disconnected: bool,
+    conn_fd: int,
+) -> ContextEntry:
+    return ContextEntry(
+        iid,
+        i.transfer_mode,
+        i.memory,
+        i.model_name,
+        i.world_size,
+        i.worker_id,
+        i.owner_pid,
+        i.num_layers,
+        i.dtype,
+        registered_at,
+        last_seen,
+        signal,
+        disconnected,
+        conn_fd,
+    )
+
+
+def _public(e: Entry) -> ContextEntry:
+    return _from_row(
+        e.instance_id,
+        e.info,
+        e.registered_at,
+        e.last_seen,
+        e.has_liveness_signal,
+        e.disconnected_at is not None,
+        e.conn_fd,
+    )

@@ -1,0 +1,88 @@
+"""The one read facade of the data plane: everything the HTTP sidecar may see or do.
+
+`DataPlaneView` is a Protocol: `dataplane.server.runtime.DataPlane` implements it, and the
+sidecar's tests can serve the app over a fake. Every method is safe from any thread: each reads
+through a module's locked accessor (a leaf lock, taken, copied, let go) and returns copies or
+immutable values, never a structure the data plane mutates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from dataplane.liveness.registry import ContextEntry
+from dataplane.modules.base import ServerInfo
+from dataplane.server.config import Settings
+from dataplane.storage.l1 import L1Stats
+
+__all__ = [
+    "ComponentState",
+    "ContextEntry",
+    "DataPlaneView",
+    "L1Stats",
+    "LivenessStatus",
+    "ServerInfo",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessStatus:
+    """``worker_liveness`` of `/status`."""
+
+    enabled: bool
+    reap_timeout_seconds: float
+    registration_grace_seconds: float
+    disconnect_grace_seconds: float
+    tracked_instances: int
+    reaped_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentState:
+    """Whether each of the data plane's threads is doing its job (read from flags only)."""
+
+    state: str  # the server lifecycle: created, running, draining, stopped
+    loop_alive: bool
+    loop_error: str | None  # repr of what killed the loop thread, if it died
+    pools_alive: bool
+    reaper_alive: bool | None  # None: reaping is disabled
+
+
+class DataPlaneView(Protocol):
+    @property
+    def settings(self) -> Settings: ...
+
+    def server_info(self) -> ServerInfo: ...
+
+    def clock(self) -> float:
+        """The monotonic clock the liveness fields are read against."""
+        ...
+
+    def context_entries_snapshot(self) -> list[ContextEntry]:
+        """Every tracked instance of every transfer module (each read under its own lock)."""
+        ...
+
+    def context_entry(self, instance_id: int) -> ContextEntry | None: ...
+
+    def holders_of(self, instance_id: int) -> list[str]:
+        """Names of the modules tracking ``instance_id`` (what a reap would release)."""
+        ...
+
+    def tracked_by_mode(self) -> dict[str, int]:
+        """Tracked instances per transfer mode, every mode present (0 when none)."""
+        ...
+
+    def liveness_status(self) -> LivenessStatus: ...
+
+    def l1_stats(self) -> L1Stats: ...
+
+    def components(self) -> ComponentState: ...
+
+    def force_reap(self, instance_id: int) -> list[str]:
+        """The admin reap (the cleanup UNREGISTER runs); names of the modules that held it."""
+        ...
+
+    def render_metrics(self) -> bytes:
+        """The data plane's own metrics, Prometheus text format."""
+        ...

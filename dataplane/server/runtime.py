@@ -1,0 +1,177 @@
+"""Assembles a running data plane from Settings, and `DataPlane`, its one read facade.
+
+``build_dataplane`` sweeps orphaned segments, builds the storage, the server loop (which binds
+at once), the transfer modules and their registries, the release path, the management module
+(which owns the reaper) and the lookup module, registers every module's handlers and subscribes
+the management module to the loop's connection events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prometheus_client import generate_latest
+
+from dataplane.liveness.registry import ContextEntry, LivenessRegistry
+from dataplane.liveness.release import InstanceReleaser
+from dataplane.liveness.target import InstanceLivenessTarget
+from dataplane.memory.kvmemory import CopySplitter
+from dataplane.memory.shm import sweep_orphans
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import ServerInfo
+from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.lookup import LookupModule
+from dataplane.modules.management import ManagementModule
+from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.server.config import Settings
+from dataplane.server.facade import ComponentState, LivenessStatus
+from dataplane.server.loop import Server
+from dataplane.storage.l1 import L1Stats, L1Store
+from dataplane.wire.messages import TransferMode
+from dataplane.wire.protocol import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataPlane:
+    """The assembled data plane; implements `dataplane.server.facade.DataPlaneView`."""
+
+    settings: Settings
+    server: Server
+    l1: L1Store
+    management: ManagementModule
+    transfer: ServerDrivenTransferModule
+    engine: EngineDrivenTransferModule
+    metrics: DataPlaneMetrics
+    splitter: CopySplitter
+    clock: Callable[[], float] = time.monotonic
+
+    def start(self) -> None:
+        self.splitter.start()
+        self.server.start()
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        clean = self.server.stop(timeout_s)
+        self.splitter.stop()  # after the server: no transfer is left to use it
+        return clean
+
+    @property
+    def registries(self) -> list[LivenessRegistry[Any]]:
+        return [self.transfer.registry, self.engine.registry]
+
+    # ------------------------------------------------------------------ facade
+    def server_info(self) -> ServerInfo:
+        return self.management.info
+
+    def context_entries_snapshot(self) -> list[ContextEntry]:
+        return [e for r in self.registries for e in r.context_entries_snapshot()]
+
+    def context_entry(self, instance_id: int) -> ContextEntry | None:
+        for r in self.registries:
+            e = r.context_entry(instance_id)
+            if e is not None:
+                return e
+        return None
+
+    def holders_of(self, instance_id: int) -> list[str]:
+        return [r.name for r in self.registries if r.context_entry(instance_id) is not None]
+
+    def tracked_by_mode(self) -> dict[str, int]:
+        counts = {str(m.value): 0 for m in TransferMode}
+        for r in self.registries:
+            counts[r.name] += r.tracked_instance_count()
+        return counts
+
+    def liveness_status(self) -> LivenessStatus:
+        m = self.management
+        return LivenessStatus(
+            enabled=m.reaper is not None,
+            reap_timeout_seconds=m.reap_timeout_s,
+            registration_grace_seconds=m.registration_grace_s,
+            disconnect_grace_seconds=m.disconnect_grace_s,
+            tracked_instances=m.releaser.tracked_instance_count(),
+            reaped_total=m.releaser.reaped_total,
+        )
+
+    def l1_stats(self) -> L1Stats:
+        return self.l1.stats()
+
+    def components(self) -> ComponentState:
+        s = self.server
+        err = s.loop_error
+        return ComponentState(
+            state=s.state.value,
+            loop_alive=s.is_alive(),
+            loop_error=None if err is None else repr(err),
+            pools_alive=s.pools_alive(),
+            reaper_alive=self.management.reaper_alive(),
+        )
+
+    def force_reap(self, instance_id: int) -> list[str]:
+        return self.management.force_reap(instance_id)
+
+    def render_metrics(self) -> bytes:
+        return generate_latest(self.metrics.registry)
+
+
+def build_dataplane(
+    settings: Settings,
+    clock: Callable[[], float] = time.monotonic,
+    extra_targets: Sequence[InstanceLivenessTarget] = (),
+) -> DataPlane:
+    """``extra_targets``: more liveness targets (modules holding per-instance state) beside
+    the transfer modules' registries; PING touches them and every release reaches them."""
+    sweep_orphans()
+    if settings.remote_url:
+        logger.warning(
+            "kvwarden: remote_url is set, but this version serves the local CPU tier "
+            "only; the remote tier is not used"
+        )
+    metrics = DataPlaneMetrics()
+    l1 = L1Store(
+        settings.l1_capacity_bytes, hot_cache=settings.local_cpu, pin_memory=torch.cuda.is_available()
+    )
+    server = Server(
+        settings.zmq_endpoint,
+        max_cpu_workers=settings.max_cpu_workers,
+        max_transfer_workers=settings.max_transfer_workers,
+        max_frame_bytes=settings.max_frame_bytes,
+        metrics=metrics,
+    )
+    info = ServerInfo(
+        server.server_id,
+        server.boot_token,
+        server.version,
+        PROTOCOL_VERSION,
+        server.started_at,
+        server.bound_endpoint,
+        settings.chunk_size,
+        settings.max_frame_bytes,
+    )
+    splitter = CopySplitter(min(os.cpu_count() or 1, 4))
+    cs = settings.chunk_size
+    transfer = ServerDrivenTransferModule(l1, cs, metrics, clock, splitter=splitter)
+    engine = EngineDrivenTransferModule(l1, cs, metrics, clock, splitter=splitter)
+    releaser = InstanceReleaser([transfer.registry, engine.registry, *extra_targets], metrics)
+    management = ManagementModule(
+        info,
+        releaser,
+        metrics,
+        reap_timeout_s=settings.worker_reap_timeout_seconds,
+        registration_grace_s=settings.worker_registration_grace_seconds,
+        disconnect_grace_s=settings.worker_disconnect_grace_seconds,
+        clock=clock,
+    )
+    server.add_connection_listener(management.on_connection)
+    server.add_module(management)
+    server.add_module(transfer)
+    server.add_module(engine)
+    server.add_module(LookupModule(l1, cs, metrics, [transfer.registry, engine.registry]))
+    return DataPlane(settings, server, l1, management, transfer, engine, metrics, splitter, clock)

@@ -1,0 +1,321 @@
+"""Every message's payload, declared once, as a typed record.
+
+A record's fields, in declaration order, are its payload's positional fields, and each field's
+annotation carries the check that validates it at the edge (``Annotated[int, u63]``). The
+parser of every message type (`PARSERS`) and the encoder (`encode_payload`) are derived from
+these declarations: nothing outside `dataplane.wire` knows a field's position. Rules that span
+fields (a rank below the world size, layers of the kind ``memory`` names) live in a record's
+``_checked`` hook. docs/protocol.md describes every message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, TypeVar, get_type_hints
+
+import numpy as np
+
+from dataplane.wire.checks import (
+    INT64_MAX,
+    Check,
+    array_of,
+    blob,
+    boolean,
+    id_array,
+    ids_to_bytes,
+    int_list,
+    member_of,
+    name,
+    one_of,
+    opt_u63,
+    small_int,
+    type_name,
+    u63,
+)
+from dataplane.wire.errors import ProtocolError
+
+MAX_TOKENS_PER_REQUEST = 1 << 21
+MAX_LAYERS = 1024
+MAX_POOL_CHUNKS = 64  # chunk slots of one engine-driven pool
+MAX_RANKS = 1 << 20
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+
+
+class MsgType(enum.StrEnum):
+    HELLO = "HELLO"
+    GET_SERVER_INFO = "GET_SERVER_INFO"
+    PING = "PING"
+    REGISTER_KV_CACHE = "REGISTER_KV_CACHE"
+    UNREGISTER_KV_CACHE = "UNREGISTER_KV_CACHE"
+    STORE = "STORE"
+    RETRIEVE = "RETRIEVE"
+    LOOKUP = "LOOKUP"
+    ENGINE_REGISTER = "ENGINE_REGISTER"
+    ENGINE_STORE = "ENGINE_STORE"
+    ENGINE_RETRIEVE = "ENGINE_RETRIEVE"
+
+
+class MemoryKind(enum.StrEnum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
+class TransferMode(enum.StrEnum):
+    SERVER_DRIVEN = "server_driven"  # the server maps the worker's memory and copies
+    ENGINE_DRIVEN = "engine_driven"  # the worker copies through a pool the server owns
+
+
+# ------------------------------------------------------------------------------- records
+
+R = TypeVar("R", bound="Record")
+
+
+class Record:
+    """Base of every payload record: its fields are its positional payload fields."""
+
+    __slots__ = ()
+
+    def _checked(self: R, where: str) -> R:
+        """Cross-field rules, run after every field passed its own check."""
+        return self
+
+
+class Message(Record):
+    """A record that is a whole request's payload; ``TYPE`` names the message."""
+
+    __slots__ = ()
+    TYPE: ClassVar[MsgType]
+
+
+_IDS = id_array(MAX_TOKENS_PER_REQUEST)
+_RANKS = small_int(1, MAX_RANKS)
+_RANK = small_int(0, MAX_RANKS)
+_PID = small_int(0, 1 << 31)
+_STRIDES = int_list(5, 0, INT64_MAX)
+_OFFSET = small_int(0, INT64_MAX)
+_HANDLE = blob(1024)
+
+
+def _rank_below_world(where: str, worker_id: int, world_size: int) -> None:
+    if worker_id >= world_size:
+        raise ProtocolError(f"{where}.worker_id: {worker_id} must be < world_size {world_size}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hello(Message):
+    TYPE = MsgType.HELLO
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GetServerInfo(Message):
+    TYPE = MsgType.GET_SERVER_INFO
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """``instance_id`` None: a probe that touches nothing."""
+
+    TYPE = MsgType.PING
+    instance_id: Annotated[int | None, opt_u63]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShmLayer(Record):
+    segment: Annotated[str, name]
+    offset: Annotated[int, _OFFSET]  # bytes from the start of the segment
+    strides: Annotated[tuple[int, ...], _STRIDES]  # in elements
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CudaLayer(Record):
+    device_uuid: Annotated[str, name]
+    device_index: Annotated[int, small_int(0, 1024)]
+    ipc_handle: Annotated[bytes, _HANDLE]
+    storage_nbytes: Annotated[int, _OFFSET]
+    storage_offset: Annotated[int, _OFFSET]  # bytes of the storage inside its IPC allocation
+    tensor_offset: Annotated[int, _OFFSET]  # bytes of the layer inside its storage
+    ref_counter_handle: Annotated[bytes, _HANDLE]
+    ref_counter_offset: Annotated[int, _OFFSET]
+    event_handle: Annotated[bytes, _HANDLE]
+    event_sync_required: Annotated[bool, boolean]
+    strides: Annotated[tuple[int, ...], _STRIDES]  # in elements
+
+
+Layer = ShmLayer | CudaLayer
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Register(Message):
+    TYPE = MsgType.REGISTER_KV_CACHE
+    instance_id: Annotated[int, u63]
+    model_name: Annotated[str, name]
+    world_size: Annotated[int, _RANKS]
+    worker_id: Annotated[int, _RANK]
+    transfer_mode: Annotated[TransferMode, member_of(TransferMode, [TransferMode.SERVER_DRIVEN])]
+    memory: Annotated[MemoryKind, member_of(MemoryKind)]
+    dtype: Annotated[str, one_of(SUPPORTED_DTYPES)]
+    kv_shape: Annotated[tuple[int, ...], int_list(5, 1, 1 << 31)]  # [2, blocks, block, heads, dim]
+    owner_pid: Annotated[int, _PID]  # informational: shown to operators
+    layers: Annotated[tuple[Layer, ...], array_of(1, MAX_LAYERS, "layers")]
+
+    def _checked(self, where: str) -> Register:
+        _rank_below_world(where, self.worker_id, self.world_size)
+        if self.kv_shape[0] != 2:
+            raise ProtocolError(f"{where}.kv_shape[0]: must be 2 (K and V), got {self.kv_shape[0]}")
+        kind: type[Record] = ShmLayer if self.memory is MemoryKind.SHM else CudaLayer
+        layers = tuple(decode_record(kind, raw, f"{where}.layers[{i}]") for i, raw in enumerate(self.layers))
+        return dataclasses.replace(self, layers=layers)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unregister(Message):
+    TYPE = MsgType.UNREGISTER_KV_CACHE
+    instance_id: Annotated[int, u63]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer(Message):
+    """STORE and RETRIEVE: token i lives in block ``block_ids[i // block_size]``."""
+
+    instance_id: Annotated[int, u63]
+    token_ids: Annotated[np.ndarray, _IDS]
+    block_ids: Annotated[np.ndarray, _IDS]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Store(Transfer):
+    TYPE = MsgType.STORE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retrieve(Transfer):
+    TYPE = MsgType.RETRIEVE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lookup(Message):
+    TYPE = MsgType.LOOKUP
+    instance_id: Annotated[int, u63]
+    token_ids: Annotated[np.ndarray, _IDS]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRegister(Message):
+    """Engine-driven: the worker keeps ordinary tensors; the server hands out a chunk pool."""
+
+    TYPE = MsgType.ENGINE_REGISTER
+    instance_id: Annotated[int, u63]
+    model_name: Annotated[str, name]
+    world_size: Annotated[int, _RANKS]
+    worker_id: Annotated[int, _RANK]
+    dtype: Annotated[str, one_of(SUPPORTED_DTYPES)]
+    num_layers: Annotated[int, small_int(1, MAX_LAYERS)]
+    heads: Annotated[int, small_int(1, 1 << 16)]
+    head_dim: Annotated[int, small_int(1, 1 << 16)]
+    pool_chunks: Annotated[int, small_int(1, MAX_POOL_CHUNKS)]
+    owner_pid: Annotated[int, _PID]
+
+    def _checked(self, where: str) -> EngineRegister:
+        _rank_below_world(where, self.worker_id, self.world_size)
+        return self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineTransfer(Message):
+    """ENGINE_STORE: pool slot i holds chunk ``first_chunk + i`` (``n_chunks`` of them).
+    ENGINE_RETRIEVE: fill up to ``n_chunks`` slots from chunk ``first_chunk`` on."""
+
+    instance_id: Annotated[int, u63]
+    token_ids: Annotated[np.ndarray, _IDS]
+    first_chunk: Annotated[int, small_int(0, MAX_TOKENS_PER_REQUEST)]
+    n_chunks: Annotated[int, small_int(0, MAX_POOL_CHUNKS)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStore(EngineTransfer):
+    TYPE = MsgType.ENGINE_STORE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRetrieve(EngineTransfer):
+    TYPE = MsgType.ENGINE_RETRIEVE
+
+
+MESSAGES: tuple[type[Message], ...] = (
+    Hello,
+    GetServerInfo,
+    Ping,
+    Register,
+    Unregister,
+    Store,
+    Retrieve,
+    Lookup,
+    EngineRegister,
+    EngineStore,
+    EngineRetrieve,
+)
+BY_TYPE: dict[MsgType, type[Message]] = {m.TYPE: m for m in MESSAGES}
+assert set(BY_TYPE) == set(MsgType), "every message type has exactly one record"
+
+
+# ------------------------------------------------------------------ derived: parse, encode
+
+
+def _spec_of(cls: type[Record]) -> tuple[tuple[str, Check], ...]:
+    hints = get_type_hints(cls, include_extras=True)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    return tuple((f.name, hints[f.name].__metadata__[0]) for f in fields)
+
+
+# derived once, at import: read-only from then on (any thread may encode or decode)
+_SPECS = {cls: _spec_of(cls) for cls in (*MESSAGES, ShmLayer, CudaLayer)}
+
+
+def field_checks(cls: type[Record]) -> tuple[tuple[str, Check], ...]:
+    """``(field name, check)`` of every payload field of ``cls``, in wire order."""
+    return _SPECS[cls]
+
+
+def field_names(cls: type[Record]) -> tuple[str, ...]:
+    return tuple(n for n, _ in field_checks(cls))
+
+
+RecT = TypeVar("RecT", bound=Record)
+
+
+def decode_record(cls: type[RecT], v: Any, where: str) -> RecT:
+    """Check a positional payload against ``cls``'s declaration; the typed record."""
+    spec = field_checks(cls)
+    if not isinstance(v, list):
+        raise ProtocolError(f"{where}: payload must be an array, got {type_name(v)}")
+    if len(v) != len(spec):
+        names = ", ".join(n for n, _ in spec) or "nothing"
+        raise ProtocolError(f"{where}: expected {len(spec)} payload fields ({names}), got {len(v)}")
+    vals = [check(x, f"{where}.{fname}") for (fname, check), x in zip(spec, v, strict=True)]
+    return cls(*vals)._checked(where)
+
+
+def _parser(cls: type[Message]) -> Callable[[Any], Message]:
+    return lambda v: decode_record(cls, v, cls.TYPE.value)
+
+
+PARSERS: dict[MsgType, Callable[[Any], Message]] = {t: _parser(c) for t, c in BY_TYPE.items()}
+
+
+def encode_payload(msg: Record) -> list[Any]:
+    """The positional payload of a record, as it travels (ids packed, enums as strings)."""
+    return [_encode_value(getattr(msg, n)) for n in field_names(type(msg))]
+
+
+def _encode_value(v: Any) -> Any:
+    if isinstance(v, Record):
+        return encode_payload(v)
+    if isinstance(v, np.ndarray):
+        return ids_to_bytes(v)
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, tuple | list):
+        return [_encode_value(x) for x in v]
+    return v
