@@ -14,11 +14,11 @@ loaded p99 to the idle one (the target is <= 1.5x; docs: performance targets).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,11 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from dataplane.bench.procs import free_port  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -93,7 +89,7 @@ def main() -> int:
 
     from dataplane.client import WorkerAdapter, allocate_kv_caches
     from dataplane.wire.messages import MsgType
-    from dataplane.wire.protocol import decode_reply, encode_request
+    from dataplane.wire.protocol import decode_reply, encode_message, encode_request
 
     port, http_port = free_port(), free_port()
     endpoint, url = f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
@@ -130,15 +126,15 @@ def main() -> int:
                 time.sleep(0.05)
         worker = WorkerAdapter(endpoint, model_name="m", heartbeat_interval=10.0)
         worker.register_kv_caches(allocate_kv_caches(2, 8, 16, 2, 8, torch.bfloat16))
-        payload = worker._register_payload
-        assert payload is not None
+        reg = worker.registration
+        assert reg is not None
         t0 = time.perf_counter()
         window = 256
         ids = [uuid.uuid4().int & ((1 << 63) - 1) for _ in range(ns.instances - 1)]
         for i in range(0, len(ids), window):
             batch = ids[i : i + window]
             for iid in batch:
-                sock.send(encode_request(next(rids), MsgType.REGISTER_KV_CACHE, [iid, *payload[1:]]))
+                sock.send(encode_message(next(rids), dataclasses.replace(reg, instance_id=iid)))
             for _ in batch:
                 if not sock.poll(60_000):
                     raise RuntimeError("REGISTER replies stopped")

@@ -1,11 +1,12 @@
-"""Shared test helpers: polling with a deadline, free ports, real server processes, raw requests."""
+"""Shared test helpers: polling with a deadline, real server processes, raw requests.
+
+`free_port` is the benchmarks' (`dataplane.bench.procs`), re-exported for the tests."""
 
 from __future__ import annotations
 
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from dataplane.bench.procs import free_port
 from dataplane.wire.messages import MsgType
 from dataplane.wire.protocol import Reply, decode_reply, encode_request
 
@@ -48,12 +50,6 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

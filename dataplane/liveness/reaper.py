@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from dataplane.liveness.release import InstanceReleaser
+from dataplane.liveness.target import InstanceLivenessTarget
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +56,27 @@ class WorkerReaper:
         each goes down the one release path under its reason. Returns the reaped ids."""
         ids: list[int] = []
         for t in self.releaser.targets:  # one failing target never keeps the others reaped
-            try:
+            ids += self._reap(t, "stale")
+            if self.disconnect_grace_s > 0:
+                ids += self._reap(t, "disconnected")
+        return ids
+
+    def _reap(self, t: InstanceLivenessTarget, which: str) -> list[int]:
+        """One reap of ``t``, and what it popped down the release path, by reason. Whatever a
+        reap popped is released, even when another reap of ``t`` fails."""
+        try:
+            if which == "stale":
                 reaped = t.reap_stale_instances(self.reap_timeout_s, self.registration_grace_s)
-                if self.disconnect_grace_s > 0:
-                    reaped += t.reap_disconnected_instances(self.disconnect_grace_s)
-            except Exception:
-                logger.exception("reaper: reaping %s failed", t.name)
-                continue
-            for reason in dict.fromkeys(r.reason for r in reaped):
-                group = [r.instance_id for r in reaped if r.reason == reason]
-                self.releaser.release(group, reason, held={iid: [t.name] for iid in group})
-                ids += group
+            else:
+                reaped = t.reap_disconnected_instances(self.disconnect_grace_s)
+        except Exception:
+            logger.exception("reaper: reaping %s instances of %s failed", which, t.name)
+            return []
+        ids: list[int] = []
+        for reason in dict.fromkeys(r.reason for r in reaped):
+            group = [r.instance_id for r in reaped if r.reason == reason]
+            self.releaser.release(group, reason, held={iid: [t.name] for iid in group})
+            ids += group
         return ids
 
     def note_disconnect(self, now: float) -> None:

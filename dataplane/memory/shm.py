@@ -124,7 +124,12 @@ class Segment:
         return True
 
     def unlink(self) -> None:
+        """Remove the name. The owner's lock guards nothing once the name is gone: it is let go
+        here, not at ``close`` (a caller may unlink while tensors still view the mapping)."""
         unlink_segment(self.name)
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
 
 
 def unlink_segment(name: str) -> bool:

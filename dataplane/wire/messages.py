@@ -275,7 +275,8 @@ _SPECS = {cls: _spec_of(cls) for cls in (*MESSAGES, ShmLayer, CudaLayer)}
 
 def field_checks(cls: type[Record]) -> tuple[tuple[str, Check], ...]:
     """``(field name, check)`` of every payload field of ``cls``, in wire order."""
-    return _SPECS[cls]
+    spec = _SPECS.get(cls)
+    return spec if spec is not None else _spec_of(cls)
 
 
 def field_names(cls: type[Record]) -> tuple[str, ...]:

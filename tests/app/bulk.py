@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import uuid
 from typing import Any
@@ -9,16 +10,15 @@ from typing import Any
 import zmq
 
 from dataplane.client import WorkerAdapter
-from dataplane.wire.messages import MsgType
-from dataplane.wire.protocol import decode_reply, encode_request
+from dataplane.wire.protocol import decode_reply, encode_message
 
 _WINDOW = 256  # requests in flight at once
 
 
 def register_many(endpoint: str, template: WorkerAdapter, n: int, timeout_s: float = 60.0) -> list[int]:
     """Register ``n`` more instances mapping ``template``'s (registered) cache; their ids."""
-    payload = template._register_payload
-    assert payload is not None, "the template adapter must be registered"
+    reg = template.registration
+    assert reg is not None, "the template adapter must be registered"
     ids = [uuid.uuid4().int & ((1 << 63) - 1) for _ in range(n)]
     ctx: zmq.Context[Any] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -31,7 +31,7 @@ def register_many(endpoint: str, template: WorkerAdapter, n: int, timeout_s: flo
         done = 0
         while done < n:
             for iid in it:
-                sock.send(encode_request(next(rids), MsgType.REGISTER_KV_CACHE, [iid, *payload[1:]]))
+                sock.send(encode_message(next(rids), dataclasses.replace(reg, instance_id=iid)))
                 pending += 1
                 if pending >= _WINDOW:
                     break

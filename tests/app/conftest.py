@@ -97,7 +97,7 @@ class Worker:
     def segment(self) -> str:
         from dataplane.memory.shm import SHM_DIR
 
-        return str(SHM_DIR / self.adapter._segments[0])
+        return str(SHM_DIR / self.adapter.segments[0])
 
 
 WorkerFactory = Callable[..., Worker]

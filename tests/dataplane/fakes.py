@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from dataplane.modules.base import InstanceLivenessTarget
+from dataplane.liveness.target import InstanceLivenessTarget
 
 
 class BlendLike(InstanceLivenessTarget):

@@ -72,7 +72,7 @@ def test_engine_driven_round_trip(
     finally:
         a.close()
         b.close()
-    assert dp.engine.tracked_instance_count() == 0
+    assert dp.engine.registry.tracked_instance_count() == 0
 
 
 def test_engine_and_server_driven_share_chunks(dp: DataPlane) -> None:
@@ -106,10 +106,11 @@ def test_engine_and_server_driven_share_chunks(dp: DataPlane) -> None:
 def test_engine_pool_segment_is_released_on_close(dp: DataPlane) -> None:
     a = WorkerAdapter(_endpoint(dp), "m", transfer_mode="engine_driven")
     a.register_kv_caches(_separate())
-    seg = dp.engine.context_entries_snapshot()[0]
+    seg = dp.engine.registry.context_entries_snapshot()[0]
     assert seg.transfer_mode == "engine_driven"
-    names = [e.segment.name for e in [dp.engine._entries[a.instance_id].strategy] if e]
+    with dp.engine.registry.use(a.instance_id) as entry:
+        names = [e.segment.name for e in [entry.strategy] if e]
     assert names and all(os.path.exists(shm.SHM_DIR / n) for n in names)
     a.close()
     assert all(not os.path.exists(shm.SHM_DIR / n) for n in names)
-    assert dp.engine.tracked_instance_count() == 0
+    assert dp.engine.registry.tracked_instance_count() == 0

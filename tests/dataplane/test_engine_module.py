@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from dataplane.liveness.target import Reaped
 from dataplane.memory import shm
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext
@@ -22,8 +23,8 @@ from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.checks import ids_to_bytes
 from dataplane.wire.errors import NotRegistered
-from dataplane.wire.messages import MsgType
-from dataplane.wire.protocol import PARSERS
+from dataplane.wire.messages import PARSERS, MsgType
+from tests.dataplane.registration import engine_register_message
 from tests.helpers import FakeClock
 
 CHUNK = 16
@@ -33,13 +34,11 @@ SLOT_BYTES = 2 * 2 * CHUNK * 2 * 8 * 2  # layers * K/V * tokens * heads * head_d
 
 
 class Recording(EngineDrivenTransferModule):
-    """The real module; every release and reap it reports is also written down."""
+    """The real module; every release it runs (through its registry) is also written down."""
 
     def __init__(self, clock: Any) -> None:
         super().__init__(L1Store(8 << 20), CHUNK, DataPlaneMetrics(), clock)
         self.released: list[tuple[int, str]] = []
-        self.reaps: list[tuple[int, str, float, bool]] = []
-        self.reap_listener = lambda *a: self.reaps.append(a)
 
     def _release(self, c: EngineContext, why: str) -> None:
         self.released.append((c.instance_id, why))
@@ -56,11 +55,9 @@ def module(clock: FakeClock) -> Iterator[Recording]:
 def register(
     m: EngineDrivenTransferModule, instance_id: int, conn_fd: int = 5, pool_chunks: int = 4
 ) -> dict[str, Any]:
-    payload = PARSERS[MsgType.ENGINE_REGISTER](
-        [instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, pool_chunks, os.getpid()]
-    )
+    msg = engine_register_message(instance_id, pool_chunks)
     out: dict[str, Any] = m.handlers()[MsgType.ENGINE_REGISTER].fn(
-        RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd), payload
+        RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd), msg
     )
     return out
 
@@ -79,7 +76,7 @@ def pool_exists(name: str) -> bool:
 
 
 def entry(m: EngineDrivenTransferModule, instance_id: int) -> Any:
-    e = m.context_entry(instance_id)
+    e = m.registry.context_entry(instance_id)
     assert e is not None, f"instance {instance_id} is not tracked"
     return e
 
@@ -91,7 +88,7 @@ def test_register_inserts_an_unlatched_context_with_its_pool(module: Recording) 
     e = entry(module, 7)
     assert (e.registered_at, e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0, T0, False, 11)
     assert e.transfer_mode == "engine_driven"
-    assert module.tracked_instance_count() == module.strategy_count() == 1
+    assert module.registry.tracked_instance_count() == module.strategy_count() == 1
 
 
 def test_repeat_register_refreshes_without_rebuilding_or_latching(
@@ -112,19 +109,19 @@ def test_register_with_another_pool_replaces_context_and_pool(module: Recording)
     assert new["created"] is True and new["segment"] != old["segment"]
     assert not pool_exists(old["segment"]) and pool_exists(new["segment"])
     assert module.released == [(7, "re-registered")]
-    assert module.tracked_instance_count() == module.strategy_count() == 1
+    assert module.registry.tracked_instance_count() == module.strategy_count() == 1
 
 
 def test_touch_latches_get_and_touch_does_not(module: Recording, clock: FakeClock) -> None:
     register(module, 7)
     clock.advance(20)
-    assert module.get_and_touch_context_entry(7).last_seen == T0 + 20
+    assert module.registry.get_and_touch_context_entry(7).last_seen == T0 + 20
     assert entry(module, 7).has_liveness_signal is False
     clock.advance(20)
-    assert module.touch_instance(7, conn_fd=9) is True
+    assert module.registry.touch_instance(7, conn_fd=9) is True
     e = entry(module, 7)
     assert (e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0 + 40, True, 9)
-    assert module.touch_instance(404) is False and module.tracked_instance_count() == 1
+    assert module.registry.touch_instance(404) is False and module.registry.tracked_instance_count() == 1
 
 
 def test_reap_pops_context_and_pool_together_and_spares_a_warming_entry(
@@ -132,14 +129,13 @@ def test_reap_pops_context_and_pool_together_and_spares_a_warming_entry(
 ) -> None:
     dead = register(module, 1)["segment"]
     warming = register(module, 2)["segment"]  # registered, never pinged
-    module.touch_instance(1)
+    module.registry.touch_instance(1)
     clock.advance(TIMEOUT + 1)
-    assert module.reap_stale_instances(TIMEOUT, GRACE) == [1]
-    assert module.reaps == [(1, "timeout", TIMEOUT + 1, True)]
+    assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == [Reaped(1, "timeout", TIMEOUT + 1, True)]
     assert module.released == [(1, "reap")]
     assert not pool_exists(dead)  # the server's pool segment is unlinked
-    assert module.context_entry(1) is None
-    assert module.tracked_instance_count() == module.strategy_count() == 1
+    assert module.registry.context_entry(1) is None
+    assert module.registry.tracked_instance_count() == module.strategy_count() == 1
     assert pool_exists(warming) and entry(module, 2).has_liveness_signal is False
 
 
@@ -149,31 +145,29 @@ def test_window_boundary_is_strict(
 ) -> None:
     pool = register(module, 7)["segment"]
     if pinged:
-        module.touch_instance(7)
+        module.registry.touch_instance(7)
     clock.advance(window)
-    assert module.reap_stale_instances(TIMEOUT, GRACE) == []
+    assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == []
     assert pool_exists(pool) and module.strategy_count() == 1
     clock.advance(0.25)
-    assert module.reap_stale_instances(TIMEOUT, GRACE) == [7]
-    assert module.reaps == [(7, reason, window + 0.25, pinged)]
+    assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == [Reaped(7, reason, window + 0.25, pinged)]
     assert not pool_exists(pool)
-    assert module.tracked_instance_count() == module.strategy_count() == 0
+    assert module.registry.tracked_instance_count() == module.strategy_count() == 0
 
 
 def test_disconnect_boundary_and_reconnect(module: Recording, clock: FakeClock) -> None:
     gone = register(module, 1, conn_fd=20)["segment"]
     back = register(module, 2, conn_fd=21)["segment"]
-    assert module.mark_connection_closed(20, clock()) == 1
-    assert module.mark_connection_closed(21, clock()) == 1
+    assert module.registry.mark_connection_closed(20, clock()) == 1
+    assert module.registry.mark_connection_closed(21, clock()) == 1
     clock.advance(1)
-    assert module.touch_instance(2, conn_fd=33)  # speaks again over a new connection
+    assert module.registry.touch_instance(2, conn_fd=33)  # speaks again over a new connection
     clock.advance(9)  # 10 s since the close: exactly the grace
-    assert module.reap_disconnected_instances(10.0) == []
+    assert module.registry.reap_disconnected_instances(10.0) == []
     clock.advance(0.25)
-    assert module.reap_disconnected_instances(10.0) == [1]
+    assert module.registry.reap_disconnected_instances(10.0) == [Reaped(1, "disconnect", 10.25, False)]
     assert not pool_exists(gone) and pool_exists(back)
-    assert module.reaps == [(1, "disconnect", 10.25, False)]
-    assert [e.instance_id for e in module.context_entries_snapshot()] == [2]
+    assert [e.instance_id for e in module.registry.context_entries_snapshot()] == [2]
 
 
 @pytest.mark.parametrize("mtype", [MsgType.ENGINE_STORE, MsgType.ENGINE_RETRIEVE])
@@ -193,18 +187,20 @@ def test_transfer_of_an_unknown_id_raises_not_registered(module: Recording, mtyp
 
 def test_remove_is_idempotent_and_unlinks_the_pool(module: Recording) -> None:
     pool = register(module, 7)["segment"]
-    assert module.remove_instance(7, "unregister") is True
-    assert module.remove_instance(7, "unregister") is False
+    assert module.registry.remove_instances([7], "unregister") == [7]
+    assert module.registry.remove_instances([7], "unregister") == []
     assert module.released == [(7, "unregister")] and not pool_exists(pool)
     assert module.strategy_count() == 0
 
 
 def test_reap_during_a_transfer_keeps_the_pool_until_it_ends(module: Recording, clock: FakeClock) -> None:
     pool = register(module, 7)["segment"]
-    module.touch_instance(7)
-    with module._use(7):
+    module.registry.touch_instance(7)
+    with module.registry.use(7):
         clock.advance(TIMEOUT + 1)
-        assert module.reap_stale_instances(TIMEOUT, GRACE) == [7]
+        assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == [
+            Reaped(7, "timeout", TIMEOUT + 1, True)
+        ]
         assert module.strategy_count() == 0 and pool_exists(pool)
     assert module.released == [(7, "deferred")] and not pool_exists(pool)
 
@@ -214,7 +210,7 @@ def test_close_unlinks_every_pool(clock: FakeClock) -> None:
     pools = [register(m, i)["segment"] for i in (1, 2, 3)]
     m.close()
     assert not any(pool_exists(p) for p in pools)
-    assert m.tracked_instance_count() == m.strategy_count() == 0
+    assert m.registry.tracked_instance_count() == m.strategy_count() == 0
 
 
 def test_reregister_racing_the_reaper_leaks_no_pool() -> None:
@@ -236,7 +232,7 @@ def test_reregister_racing_the_reaper_leaks_no_pool() -> None:
 
     def reaper() -> None:
         while not stop.is_set():
-            m.reap_stale_instances(0.5, 0.5)
+            m.registry.reap_stale_instances(0.5, 0.5)
 
     threads = [threading.Thread(target=registrar), threading.Thread(target=reaper)]
     for t in threads:
@@ -244,8 +240,8 @@ def test_reregister_racing_the_reaper_leaks_no_pool() -> None:
     for t in threads:
         t.join(60)
     assert not errors and not any(t.is_alive() for t in threads)
-    assert m.tracked_instance_count() == m.strategy_count() <= 1
-    live = {e.instance_id for e in m.context_entries_snapshot()}
+    assert m.registry.tracked_instance_count() == m.strategy_count() <= 1
+    live = {e.instance_id for e in m.registry.context_entries_snapshot()}
     m.close()
     assert live <= {1}
     assert len(set(pools)) >= 20  # the race really rebuilt

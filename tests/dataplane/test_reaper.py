@@ -1,55 +1,62 @@
 """The worker reaper: its pure step on a fake clock, and its thread on a short real interval.
 
-Targets are the real transfer modules holding real shared memory, plus a blend-like target that
-overrides only ``drop_instance_state`` (the role the liveness protocol gives per-instance side
-state), so the fan-out is observed where it lands.
+Targets are the registries of the real transfer modules holding real shared memory, plus a
+blend-like target that overrides only ``drop_instance_state`` (the role the liveness protocol
+gives per-instance side state), so the fan-out is observed where it lands. The reaper sends
+what it reaps down the one release path (`InstanceReleaser`), which counts it by reason.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
 
-from dataplane.client import _layout, allocate_kv_caches, free_kv_caches
-from dataplane.liveness.registry import LivenessRegistry
+from dataplane.client import allocate_kv_caches, free_kv_caches
+from dataplane.liveness.reaper import WorkerReaper
+from dataplane.liveness.registry import Entry, InstanceInfo, LivenessRegistry
+from dataplane.liveness.release import InstanceReleaser
+from dataplane.liveness.target import InstanceLivenessTarget, Reaped
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import InstanceLivenessTarget, RequestContext
+from dataplane.modules.base import RequestContext
 from dataplane.modules.engine import EngineDrivenTransferModule
-from dataplane.modules.management import WorkerReaper
 from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
 from dataplane.storage.l1 import L1Store
-from dataplane.wire.messages import MsgType
-from dataplane.wire.protocol import PARSERS
+from dataplane.wire.messages import Message, MsgType
 from tests.dataplane.fakes import BlendLike
+from tests.dataplane.registration import engine_register_message, register_message
 from tests.helpers import FakeClock, wait_until
 
 CHUNK = 16
 T0 = 1000.0
 TIMEOUT, GRACE, DISCONNECT = 120.0, 3600.0, 10.0
 Clock = Callable[[], float]
+Module = ServerDrivenTransferModule | EngineDrivenTransferModule
 
 
 class StuckTransfer(ServerDrivenTransferModule):
-    """Releasing instance ``stuck_id`` blocks until ``unblock`` is set."""
+    """Releasing instance ``stuck_id`` blocks until ``unblock`` is set; ``left`` is set once
+    that release returns."""
 
     def __init__(self, clock: Clock, stuck_id: int) -> None:
         super().__init__(L1Store(8 << 20), CHUNK, DataPlaneMetrics(), clock, release_timeout_s=0.2)
         self.stuck_id = stuck_id
         self.entered = threading.Event()
         self.unblock = threading.Event()
+        self.left = threading.Event()
 
     def _release(self, c: CacheContext, why: str) -> None:
         if c.instance_id == self.stuck_id:
             self.entered.set()
             self.unblock.wait(30)
         super()._release(c, why)
+        if c.instance_id == self.stuck_id:
+            self.left.set()
 
 
 @pytest.fixture
@@ -61,7 +68,7 @@ def caches() -> Iterator[list[torch.Tensor]]:
 
 @pytest.fixture
 def modules() -> Iterator[Callable[[Clock], tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]]]:
-    made: list[LivenessRegistry[Any]] = []
+    made: list[Module] = []
 
     def make(clock: Clock) -> tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]:
         l1, metrics = L1Store(8 << 20), DataPlaneMetrics()
@@ -77,19 +84,31 @@ def modules() -> Iterator[Callable[[Clock], tuple[ServerDrivenTransferModule, En
         m.close()
 
 
-def register(
-    m: LivenessRegistry[Any], instance_id: int, caches: list[torch.Tensor], conn_fd: int = 5
-) -> None:
+def register(m: Module, instance_id: int, caches: list[torch.Tensor], conn_fd: int = 5) -> None:
+    msg: Message
     if isinstance(m, EngineDrivenTransferModule):
-        mtype = MsgType.ENGINE_REGISTER
-        raw = [instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, 4, os.getpid()]
+        mtype, msg = MsgType.ENGINE_REGISTER, engine_register_message(instance_id)
     else:
-        mtype = MsgType.REGISTER_KV_CACHE
-        memory, dtype, shape, layers = _layout(caches)
-        raw = [instance_id, "m", 1, 0, "server_driven", memory, dtype, shape, os.getpid(), layers]
-    assert isinstance(m, ServerDrivenTransferModule | EngineDrivenTransferModule)
-    out = m.handlers()[mtype].fn(RequestContext(1, mtype, conn_fd), PARSERS[mtype](raw))
+        mtype, msg = MsgType.REGISTER_KV_CACHE, register_message(instance_id, caches)
+    out = m.handlers()[mtype].fn(RequestContext(1, mtype, conn_fd), msg)
     assert out["created"] is True
+
+
+def reaper_of(
+    targets: Sequence[InstanceLivenessTarget],
+    timeout_s: float,
+    grace_s: float,
+    disconnect_s: float,
+    clock: Clock = time.monotonic,
+    metrics: DataPlaneMetrics | None = None,
+) -> WorkerReaper:
+    """A reaper whose release path reaches ``targets``."""
+    releaser = InstanceReleaser(targets, metrics or DataPlaneMetrics())
+    return WorkerReaper(releaser, timeout_s, grace_s, disconnect_s, clock)
+
+
+def reaped_count(metrics: DataPlaneMetrics, reason: str) -> float | None:
+    return metrics.registry.get_sample_value("kvwarden_instances_reaped_total", {"reason": reason})
 
 
 def reaper_threads() -> list[threading.Thread]:
@@ -107,25 +126,26 @@ def test_reap_once_reaps_every_target_and_fans_out_drop_instance_state(
     register(sd, 1, caches)
     register(ed, 2, caches)
     register(sd, 3, caches)
-    sd.touch_instance(1)
-    ed.touch_instance(2)
+    sd.registry.touch_instance(1)
+    ed.registry.touch_instance(2)
     clock.advance(TIMEOUT + 1)
-    sd.touch_instance(3)
-    reported: list[list[int]] = []
-    reaper = WorkerReaper([sd, ed, blend], TIMEOUT, GRACE, DISCONNECT, clock, on_reaped=reported.append)
+    sd.registry.touch_instance(3)
+    metrics = DataPlaneMetrics()
+    reaper = reaper_of([sd.registry, ed.registry, blend], TIMEOUT, GRACE, DISCONNECT, clock, metrics)
     assert sorted(reaper.reap_once()) == [1, 2]
     assert sorted(blend.seen()) == [1, 2] and blend.state == {3: "rope-3"}
-    assert reported and sorted(reported[0]) == [1, 2]
-    assert sd.tracked_instance_count() == 1 and ed.tracked_instance_count() == 0
+    # what the reaped callback reported is now counted by the release path, by reason
+    assert reaper.releaser.reaped_total == 2 and reaped_count(metrics, "timeout") == 2
+    assert sd.registry.tracked_instance_count() == 1 and ed.registry.tracked_instance_count() == 0
     assert ed.strategy_count() == 0
     assert reaper.reap_once() == [] and sorted(blend.seen()) == [1, 2]  # nothing twice
-    assert len(reported) == 1
+    assert reaper.releaser.reaped_total == 2 and reaped_count(metrics, "timeout") == 2
 
 
 def test_drop_instance_state_for_an_unknown_id_is_a_no_op(clock: FakeClock, modules: Any) -> None:
     sd, ed = modules(clock)
     blend = BlendLike([5])
-    for t in (sd, ed, blend, InstanceLivenessTarget()):
+    for t in (sd.registry, ed.registry, blend, InstanceLivenessTarget()):
         t.drop_instance_state(404)
     assert blend.state == {5: "rope-5"}
     assert InstanceLivenessTarget().reap_stale_instances(0, 0) == []
@@ -142,16 +162,18 @@ def test_each_window_reaps_only_strictly_after_it(
     blend = BlendLike([7])
     register(m, 7, caches, conn_fd=20)
     if window != "grace":
-        m.touch_instance(7)
+        m.registry.touch_instance(7)
     if window == "disconnect":
-        assert m.mark_connection_closed(20, clock()) == 1
+        assert m.registry.mark_connection_closed(20, clock()) == 1
     span = {"timeout": TIMEOUT, "grace": GRACE, "disconnect": DISCONNECT}[window]
-    reaper = WorkerReaper([sd, ed, blend], TIMEOUT, GRACE, DISCONNECT, clock)
+    metrics = DataPlaneMetrics()
+    reaper = reaper_of([sd.registry, ed.registry, blend], TIMEOUT, GRACE, DISCONNECT, clock, metrics)
     clock.advance(span)
-    assert reaper.reap_once() == [] and m.tracked_instance_count() == 1
+    assert reaper.reap_once() == [] and m.registry.tracked_instance_count() == 1
     clock.advance(0.25)
     assert reaper.reap_once() == [7]
-    assert blend.seen() == [7] and m.tracked_instance_count() == 0
+    assert blend.seen() == [7] and m.registry.tracked_instance_count() == 0
+    assert reaped_count(metrics, window) == 1  # counted under the window that reaped it
 
 
 def test_disconnect_grace_zero_leaves_disconnected_entries_to_the_windows(
@@ -159,9 +181,9 @@ def test_disconnect_grace_zero_leaves_disconnected_entries_to_the_windows(
 ) -> None:
     sd, _ = modules(clock)
     register(sd, 7, caches, conn_fd=20)
-    sd.touch_instance(7)
-    sd.mark_connection_closed(20, clock())
-    reaper = WorkerReaper([sd], TIMEOUT, GRACE, 0.0, clock)
+    sd.registry.touch_instance(7)
+    sd.registry.mark_connection_closed(20, clock())
+    reaper = reaper_of([sd.registry], TIMEOUT, GRACE, 0.0, clock)
     clock.advance(TIMEOUT)
     assert reaper.reap_once() == []
     clock.advance(0.25)
@@ -174,8 +196,8 @@ def test_a_dead_worker_goes_between_timeout_and_one_and_a_quarter_timeout(
 ) -> None:
     sd, _ = modules(clock)
     register(sd, 7, caches)
-    sd.touch_instance(7)  # its last signal, at T0
-    reaper = WorkerReaper([sd], TIMEOUT, GRACE, 0.0, clock)
+    sd.registry.touch_instance(7)  # its last signal, at T0
+    reaper = reaper_of([sd.registry], TIMEOUT, GRACE, 0.0, clock)
     assert reaper.interval_s == TIMEOUT / 4
     clock.advance(phase)  # the reaper's cycles run every interval from an arbitrary phase
     while not reaper.reap_once():
@@ -194,10 +216,10 @@ def test_a_failing_drop_still_reaches_the_other_targets(
     sd, _ = modules(clock)
     blend = BlendLike([7])
     register(sd, 7, caches)
-    sd.touch_instance(7)
+    sd.registry.touch_instance(7)
     clock.advance(TIMEOUT + 1)
-    reaper = WorkerReaper([Broken(), sd, blend], TIMEOUT, GRACE, 0.0, clock)
-    with caplog.at_level(logging.ERROR, "dataplane.modules.management"):
+    reaper = reaper_of([Broken(), sd.registry, blend], TIMEOUT, GRACE, 0.0, clock)
+    with caplog.at_level(logging.ERROR, "dataplane.liveness.release"):
         assert reaper.reap_once() == [7]
     assert blend.seen() == [7]
     assert "drop_instance_state(7) failed" in caplog.text
@@ -207,27 +229,51 @@ def test_a_failing_target_does_not_keep_the_others_from_being_reaped(
     clock: FakeClock, modules: Any, caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture
 ) -> None:
     class Broken(InstanceLivenessTarget):
-        def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[int]:
+        def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[Reaped]:
             raise RuntimeError("this target cannot reap")
 
     sd, ed = modules(clock)
     blend = BlendLike([7, 8])
     register(sd, 7, caches)
     register(ed, 8, caches)
-    sd.touch_instance(7)
-    ed.touch_instance(8)
+    sd.registry.touch_instance(7)
+    ed.registry.touch_instance(8)
     clock.advance(TIMEOUT + 1)
-    reaper = WorkerReaper([Broken(), sd, ed, blend], TIMEOUT, GRACE, 0.0, clock)
-    with caplog.at_level(logging.ERROR, "dataplane.modules.management"):
+    reaper = reaper_of([Broken(), sd.registry, ed.registry, blend], TIMEOUT, GRACE, 0.0, clock)
+    with caplog.at_level(logging.ERROR, "dataplane.liveness.reaper"):
         assert sorted(reaper.reap_once()) == [7, 8]  # every cycle asks every target
-    assert sd.tracked_instance_count() == ed.tracked_instance_count() == 0
+    assert sd.registry.tracked_instance_count() == ed.registry.tracked_instance_count() == 0
     assert blend.state == {}
     assert "cannot reap" in caplog.text
 
 
+def test_what_a_reap_popped_is_released_even_when_the_next_reap_of_that_target_fails(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    released: list[tuple[int, str]] = []
+
+    class DisconnectScanFails(LivenessRegistry[Entry]):
+        def reap_disconnected_instances(self, disconnect_grace_s: float) -> list[Reaped]:
+            raise RuntimeError("disconnect scan failed")
+
+    flaky = DisconnectScanFails("flaky", lambda e, why: released.append((e.instance_id, why)), clock)
+    info = InstanceInfo("server_driven", "shm", "m", 1, 0, 1, 2, "bfloat16")
+    flaky.put(Entry(7, clock(), clock(), b"", info, has_liveness_signal=True), "test")
+    blend = BlendLike([7])
+    clock.advance(TIMEOUT + 1)
+    metrics = DataPlaneMetrics()
+    reaper = reaper_of([flaky, blend], TIMEOUT, GRACE, DISCONNECT, clock, metrics)
+    with caplog.at_level(logging.ERROR, "dataplane.liveness.reaper"):
+        assert reaper.reap_once() == [7]  # the stale reap popped it: it is finished
+    assert flaky.tracked_instance_count() == 0 and released == [(7, "reap")]
+    assert blend.seen() == [7]  # fanned out ...
+    assert reaper.releaser.reaped_total == 1 and reaped_count(metrics, "timeout") == 1  # ... counted
+    assert "disconnect scan failed" in caplog.text
+
+
 def test_a_reaper_needs_a_positive_timeout() -> None:
     with pytest.raises(ValueError, match="positive reap timeout"):
-        WorkerReaper([], 0.0, 0.0, 0.0)
+        reaper_of([], 0.0, 0.0, 0.0)
 
 
 # ---------------------------------------------------------------------------- the thread
@@ -239,10 +285,11 @@ def test_reaper_thread_reaps_and_fans_out(modules: Any, caches: list[torch.Tenso
     blend = BlendLike([1, 2])
     register(sd, 1, caches)
     register(ed, 2, caches)
-    sd.touch_instance(1)
-    ed.touch_instance(2)
+    # taken before the last signals, so no instance can be reaped before last + timeout
     last = time.monotonic()
-    reaper = WorkerReaper([sd, ed, blend], timeout, timeout, 0.0)
+    sd.registry.touch_instance(1)
+    ed.registry.touch_instance(2)
+    reaper = reaper_of([sd.registry, ed.registry, blend], timeout, timeout, 0.0)
     assert reaper.interval_s == pytest.approx(timeout / 4)
     before = len(reaper_threads())
     reaper.start()
@@ -251,7 +298,7 @@ def test_reaper_thread_reaps_and_fans_out(modules: Any, caches: list[torch.Tenso
         wait_until(lambda: sorted(blend.seen()) == [1, 2], 5, what="the reaper fan-out")
         took = time.monotonic() - last
         assert timeout < took < 5, took
-        assert sd.tracked_instance_count() == ed.tracked_instance_count() == 0
+        assert sd.registry.tracked_instance_count() == ed.registry.tracked_instance_count() == 0
         assert blend.state == {}
     finally:
         reaper.stop()
@@ -265,16 +312,16 @@ def test_reaper_thread_wakes_for_a_disconnect_long_before_its_interval(
     sd, _ = modules(time.monotonic)
     blend = BlendLike([7])
     register(sd, 7, caches, conn_fd=20)
-    sd.touch_instance(7)
-    reaper = WorkerReaper([sd, blend], 40.0, 40.0, 0.3)  # cycles every 10 s
+    sd.registry.touch_instance(7)
+    reaper = reaper_of([sd.registry, blend], 40.0, 40.0, 0.3)  # cycles every 10 s
     reaper.start()
     try:
         now = time.monotonic()
-        assert sd.mark_connection_closed(20, now) == 1
+        assert sd.registry.mark_connection_closed(20, now) == 1
         reaper.note_disconnect(now)
         wait_until(lambda: blend.seen() == [7], 3, what="the disconnect reap")
         took = time.monotonic() - now
-        assert 0.3 < took < 3, took
+        assert 0.3 < took < 3, took  # after the grace, and well before the 10 s cycle
     finally:
         reaper.stop()
         assert reaper.join(5)
@@ -287,7 +334,7 @@ def test_reaper_thread_survives_a_failing_cycle(
         def __init__(self) -> None:
             self.calls = 0
 
-        def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[int]:
+        def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[Reaped]:
             self.calls += 1
             if self.calls == 1:
                 raise RuntimeError("first cycle fails")
@@ -296,9 +343,9 @@ def test_reaper_thread_survives_a_failing_cycle(
     sd, _ = modules(time.monotonic)
     blend = BlendLike([7])
     register(sd, 7, caches)
-    sd.touch_instance(7)
-    reaper = WorkerReaper([FailsOnce(), sd, blend], 0.4, 0.4, 0.0)
-    with caplog.at_level(logging.ERROR, "dataplane.modules.management"):
+    sd.registry.touch_instance(7)
+    reaper = reaper_of([FailsOnce(), sd.registry, blend], 0.4, 0.4, 0.0)
+    with caplog.at_level(logging.ERROR, "dataplane.liveness.reaper"):
         reaper.start()
         try:
             wait_until(lambda: blend.seen() == [7], 5, what="a reap after the failed cycle")
@@ -315,25 +362,28 @@ def test_a_stuck_release_neither_stops_the_reaper_nor_blocks_pings(
     blend = BlendLike([1, 2])
     register(sd, 1, caches)
     register(sd, 2, caches)
-    sd.touch_instance(1)
+    sd.registry.touch_instance(1)
     clock.advance(10)
-    sd.touch_instance(2)  # 1 is stale (window 0.5), 2 is not
-    reaper = WorkerReaper([sd, blend], 0.5, 0.5, 0.0, clock)  # cycles every 0.125 s (real)
+    sd.registry.touch_instance(2)  # 1 is stale (window 0.5), 2 is not
+    reaper = reaper_of([sd.registry, blend], 0.5, 0.5, 0.0, clock)  # cycles every 0.125 s (real)
     try:
         with caplog.at_level(logging.ERROR, "dataplane.liveness.registry"):
             reaper.start()
             assert sd.entered.wait(5), "the release of 1 never started"
-            t0 = time.monotonic()
-            assert sd.touch_instance(2) is True  # a PING while the release hangs
-            assert time.monotonic() - t0 < 0.1
+            # a PING while the release hangs: it returns, and the release has not (ordering,
+            # not a wall-clock bound: the release cannot return before ``unblock`` is set)
+            assert sd.registry.touch_instance(2) is True
+            assert not sd.left.is_set()
             wait_until(lambda: blend.seen() == [1], 5, what="the fan-out past the stuck release")
+            assert not sd.left.is_set()  # the fan-out went on while the release still hangs
             clock.advance(1.0)  # now 2 goes stale: the same thread must still reap it
             wait_until(lambda: blend.seen() == [1, 2], 5, what="the next reap")
             assert reaper.is_alive()
-            assert sd.tracked_instance_count() == 0
+            assert sd.registry.tracked_instance_count() == 0
         assert "stuck" in caplog.text
     finally:
         sd.unblock.set()
         reaper.stop()
         assert reaper.join(5)
         sd.close()
+    wait_until(sd.left.is_set, 5, what="the abandoned release to finish once unblocked")

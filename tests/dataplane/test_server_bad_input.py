@@ -3,6 +3,7 @@ problem, and the server keeps answering."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.wire.checks import ids_to_bytes
 from dataplane.wire.errors import NotRegistered, RequestError
+from dataplane.wire.messages import CudaLayer, MemoryKind, Register, ShmLayer, encode_payload, field_names
 from dataplane.wire.protocol import decode_reply, encode_request
 from tests.helpers import ServerProcess, call, error_of, next_rid, ping, request
 
@@ -231,10 +234,28 @@ def test_frame_just_under_the_limit_is_decoded(sock: Sock) -> None:
 def test_frame_far_over_the_hard_cap(
     server: ServerProcess, sock: Sock, make_dealer: Callable[[str], Sock]
 ) -> None:
-    """Beyond the socket's hard cap the peer is dropped, but the server lives on."""
-    sock.send(b"\x00" * (4 << 20))
+    """Beyond the socket's hard cap (ZMQ_MAXMSGSIZE, 4x the frame limit here) libzmq drops the
+    peer's connection instead of answering, but the server lives on."""
+    hard_cap = max(4 * MAX_FRAME, MAX_FRAME + (1 << 20))  # as dataplane.server.loop sets it
+    assert hard_cap < 4 << 20
+    ping(sock)  # connected, and nothing else in flight on it
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        sock.send(b"\x00" * (4 << 20))
+        # the peer itself: the server closes its connection (no FRAME_TOO_LARGE reply, which
+        # a frame between the limit and the cap gets)
+        assert monitor.poll(10_000, zmq.POLLIN), "the server kept the oversized peer's connection"
+        event = recv_monitor_message(monitor)
+        assert event["event"] == zmq.EVENT_DISCONNECTED, event
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    assert sock.poll(0, zmq.POLLIN) == 0  # nothing was answered on the dropped connection
     other = make_dealer(server.endpoint)
-    ping(other)
+    ping(other)  # another peer is served
+    # the dropped peer reconnects on a fresh connection and is served again; the first reply
+    # it reads is its PING's (ping() checks the id), so no late answer to the huge frame came
+    ping(sock)
     assert server.proc.poll() is None
 
 
@@ -334,6 +355,7 @@ def test_retrieve_into_blocks_outside_the_cache(
     w, caches = worker
     toks = np.frombuffer(tokens(CHUNK, seed=99), dtype="<i4")
     assert w.store(toks, [3, 4])
+    before = [c.clone() for c in caches]  # every block: a refused RETRIEVE writes none
     expect_error(
         sock,
         frame("RETRIEVE", [w.instance_id, toks.tobytes(), ids_to_bytes([7, 64])]),
@@ -341,6 +363,8 @@ def test_retrieve_into_blocks_outside_the_cache(
         "block_ids[1]",
         "outside the registered cache",
     )
+    for c, b in zip(caches, before, strict=True):  # bitwise: not even block 7 was written
+        assert torch.equal(c.view(torch.int16), b.view(torch.int16))
     assert not all(torch.equal(c[:, 3:5], c[:, 7:9]) for c in caches)
     assert w.retrieve(toks, [7, 8]) == CHUNK  # the stored chunk itself is intact
     for c in caches:
@@ -374,42 +398,52 @@ def test_client_raises_typed_errors(worker: tuple[WorkerAdapter, list[torch.Tens
 # -------------------------------------------------------------------- bad registrations
 
 
+def registration(w: WorkerAdapter) -> Register:
+    """The worker's own (valid) REGISTER, as the adapter sent it."""
+    reg = w.registration
+    assert isinstance(reg, Register), reg
+    return reg
+
+
 def register_payload(w: WorkerAdapter, **over: Any) -> list[Any]:
-    assert w._register_payload is not None
-    names = [
-        "instance_id",
-        "model_name",
-        "world_size",
-        "worker_id",
-        "transfer_mode",
-        "memory",
-        "dtype",
-        "kv_shape",
-        "owner_pid",
-        "layers",
-    ]
-    vals = dict(zip(names, w._register_payload, strict=True))
-    vals["instance_id"] = 777_000 + len(over)
-    vals.update(over)
-    return [vals[n] for n in names]
+    """The worker's REGISTER payload under a fresh instance id, with the fields in ``over``
+    replaced (typed values: the record encodes them as they travel)."""
+    reg = dataclasses.replace(registration(w), instance_id=777_000 + len(over), **over)
+    return encode_payload(reg)
+
+
+def instance_of(payload: list[Any]) -> int:
+    iid = payload[field_names(Register).index("instance_id")]
+    assert isinstance(iid, int)
+    return iid
 
 
 def expect_refused_registration(sock: Sock, payload: list[Any], *parts: str) -> str:
     message = expect_error(sock, frame("REGISTER_KV_CACHE", payload), "INVALID_LAYOUT", *parts)
-    assert ping(sock, payload[0]).body["tracked"] is False
+    assert ping(sock, instance_of(payload)).body["tracked"] is False
     return message
+
+
+def shm_layers(w: WorkerAdapter) -> list[ShmLayer]:
+    layers = registration(w).layers
+    assert all(isinstance(lay, ShmLayer) for lay in layers), layers
+    return [lay for lay in layers if isinstance(lay, ShmLayer)]
+
+
+STRIDES = (16384, 256, 16, 8, 1)  # contiguous [2, 64, 16, 2, 8]: the worker's LAYOUT
 
 
 def test_register_foreign_segment_names(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
+    assert shm_layers(w)[0].strides == STRIDES  # the refusal is about the name alone
     for seg in ("../../etc/passwd", "kvwarden-1-../../x", "notkvwarden"):
-        layers = [[seg, 0, [16384, 256, 16, 8, 1]]]
+        layers = (ShmLayer(segment=seg, offset=0, strides=STRIDES),)
         expect_refused_registration(sock, register_payload(w, layers=layers), "is not a kvwarden segment")
 
 
 def test_register_missing_segment(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
-    layers = [["kvwarden-1-0123456789abcdef", 0, [16384, 256, 16, 8, 1]]]
+    layers = (ShmLayer(segment="kvwarden-1-0123456789abcdef", offset=0, strides=STRIDES),)
     expect_refused_registration(sock, register_payload(w, layers=layers), "does not exist")
 
 
@@ -417,10 +451,9 @@ def test_register_layout_larger_than_the_segment(
     sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
 ) -> None:
     w, _ = worker
-    assert w._register_payload is not None
-    layers = [[lay[0], lay[1], [65536, 256, 16, 8, 1]] for lay in w._register_payload[9]]
+    layers = tuple(dataclasses.replace(lay, strides=(65536, 256, 16, 8, 1)) for lay in shm_layers(w))
     expect_refused_registration(
-        sock, register_payload(w, kv_shape=[2, 256, 16, 2, 8], layers=layers), "bytes"
+        sock, register_payload(w, kv_shape=(2, 256, 16, 2, 8), layers=layers), "bytes"
     )
 
 
@@ -428,26 +461,36 @@ def test_register_non_contiguous_strides(
     sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
 ) -> None:
     w, _ = worker
-    assert w._register_payload is not None
-    layers = [[lay[0], lay[1], [1, 1, 1, 1, 1]] for lay in w._register_payload[9]]
+    layers = tuple(dataclasses.replace(lay, strides=(1, 1, 1, 1, 1)) for lay in shm_layers(w))
     expect_refused_registration(sock, register_payload(w, layers=layers), "strides", "not contiguous")
 
 
 def test_register_misaligned_offset(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
-    assert w._register_payload is not None
-    layers = [[lay[0], lay[1] + 1, lay[2]] for lay in w._register_payload[9]]
+    layers = tuple(dataclasses.replace(lay, offset=lay.offset + 1) for lay in shm_layers(w))
     expect_refused_registration(sock, register_payload(w, layers=layers), "aligned")
 
 
 def test_register_bogus_cuda_ipc(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
-    layer = ["GPU-0", 0, b"h" * 64, 1 << 20, 0, 0, b"r", 0, b"e", False, [16384, 256, 16, 8, 1]]
-    payload = register_payload(w, memory="cuda_ipc", layers=[layer])
+    layer = CudaLayer(
+        device_uuid="GPU-0",
+        device_index=0,
+        ipc_handle=b"h" * 64,
+        storage_nbytes=1 << 20,
+        storage_offset=0,
+        tensor_offset=0,
+        ref_counter_handle=b"r",
+        ref_counter_offset=0,
+        event_handle=b"e",
+        event_sync_required=False,
+        strides=STRIDES,
+    )
+    payload = register_payload(w, memory=MemoryKind.CUDA_IPC, layers=(layer,))
     code, message = error_of(call(sock, frame("REGISTER_KV_CACHE", payload)))
     if not torch.cuda.is_available():
         assert code == "INVALID_LAYOUT" and "CUDA" in message, (code, message)
-    assert ping(sock, payload[0]).body["tracked"] is False
+    assert ping(sock, instance_of(payload)).body["tracked"] is False
 
 
 def test_registered_worker_still_works(worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:

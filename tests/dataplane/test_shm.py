@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -271,6 +272,25 @@ def test_allocate_and_free_kv_caches(shm_dir: Path) -> None:
     assert peer.close()
 
 
+def test_freeing_caches_lets_go_of_the_owner_lock(shm_dir: Path) -> None:
+    """Allocating and freeing caches again and again holds no file descriptor per round."""
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    free_kv_caches(allocate_kv_caches(1, 2, 16, 1, 8, torch.float16))  # first-use imports settle
+    gc.collect()
+    before = open_fds()
+    for _ in range(5):
+        caches = allocate_kv_caches(1, 2, 16, 1, 8, torch.float16)
+        assert open_fds() > before  # the owner's lock (and the mapping) while it is in use
+        free_kv_caches(caches)
+        del caches
+        gc.collect()  # the tensors were the mapping's last users
+        assert open_fds() == before
+    assert list(shm_dir.iterdir()) == []
+
+
 @pytest.mark.parametrize("bad", [{"num_layers": 0}, {"num_blocks": -1}, {"head_dim": 0}])
 def test_allocate_rejects_bad_shapes(bad: dict[str, int]) -> None:
     args = {"num_layers": 1, "num_blocks": 1, "block_size": 1, "num_kv_heads": 1, "head_dim": 1}
@@ -285,6 +305,7 @@ def test_allocate_rejects_unsupported_dtype() -> None:
 
 
 SWEEP = """
+import gc
 import json
 from dataplane.memory.shm import sweep_orphans
 print(json.dumps(sweep_orphans()), flush=True)

@@ -6,7 +6,7 @@ It allocates a tiny KV cache in shared memory, registers it, then prints one JSO
 line on stdout:
 
     {"event": "registered", "instance_id": ..., "pid": ..., "segments": [...]}
-    {"event": "state", "registrations": n, "healthy": bool}    (at start and on every change)
+    {"event": "state", "registrations": n, "refreshes": n, "healthy": bool}    (at start and on every change)
     {"event": "store", "seed": s, "ok": bool}
     {"event": "retrieve", "seed": s, "tokens": n, "equal": bool}
     {"event": "closed"}
@@ -52,10 +52,10 @@ def emit(**fields: Any) -> None:
 
 
 def serve_on_go(args: list[str]) -> int:
-    from dataplane import cli, runtime  # noqa: F401  (imported now so the start is fast)
+    import app.server  # noqa: F401  (imported now so the start is fast)
+    from app import cli
+    from dataplane.server import runtime  # noqa: F401
 
-    with contextlib.suppress(ImportError):
-        import app.server  # noqa: F401
     emit(event="standby", pid=os.getpid())
     if not sys.stdin.readline():
         return 0
@@ -94,11 +94,11 @@ def run_worker(ns: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def watch() -> None:
-        last: tuple[int, bool] | None = None
+        last: tuple[int, int, bool] | None = None
         while True:
-            now = (w.registrations, w.is_healthy)
+            now = (w.registrations, w.refreshes, w.is_healthy)
             if now != last:
-                emit(event="state", registrations=now[0], healthy=now[1])
+                emit(event="state", registrations=now[0], refreshes=now[1], healthy=now[2])
                 last = now
             if stop.wait(0.05):
                 return

@@ -26,13 +26,8 @@ import pytest
 import zmq
 
 from dataplane.memory.shm import SHM_DIR, unlink_if_owner_gone
-from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.engine import EngineDrivenTransferModule
-from dataplane.modules.lookup import LookupModule
-from dataplane.modules.management import ManagementModule
-from dataplane.modules.transfer import ServerDrivenTransferModule
-from dataplane.server.loop import Server
-from dataplane.storage.l1 import L1Store
+from dataplane.server.config import Settings
+from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.wire.messages import MsgType
 from dataplane.wire.protocol import PROTOCOL_VERSION, decode_reply, encode_request
 from tests.helpers import ROOT, free_port, subprocess_env, wait_until
@@ -160,7 +155,7 @@ class Worker(Proc):
         self.segments = list(ev["segments"])
         assert self.segments, ev
         self.wait_for(
-            lambda e: e == {"event": "state", "registrations": 1, "healthy": True}, 10, what="initial state"
+            lambda e: e == {"event": "state", "registrations": 1, "refreshes": 0, "healthy": True}, 10, what="initial state"
         )
 
     def _command(self, cmd: str, kind: str, timeout: float) -> tuple[float, Event]:
@@ -293,47 +288,43 @@ def start_cli_with_workers(
 
 @dataclass
 class InProcess:
-    server: Server
-    management: ManagementModule
-    transfer: ServerDrivenTransferModule
-    engine: EngineDrivenTransferModule
+    dp: DataPlane
 
     @property
     def endpoint(self) -> str:
-        return self.server.bound_endpoint
+        return self.dp.server_info().endpoint
+
+    @property
+    def reaped_total(self) -> int:
+        return self.dp.management.releaser.reaped_total
 
     def tracked(self, instance_id: int) -> bool:
-        return self.transfer.context_entry(instance_id) is not None
+        return self.dp.transfer.registry.context_entry(instance_id) is not None
 
 
 @pytest.fixture
 def in_process() -> Iterator[Callable[..., InProcess]]:
-    """A real server loop in this process whose reaper runs with a timeout below the floor."""
-    servers: list[Server] = []
+    """A real data plane in this process whose reaper runs with a timeout below the floor (its
+    settings are built without the floor's validation: the floor protects users, not tests)."""
+    made: list[DataPlane] = []
 
     def make(reap_timeout_s: float, grace_s: float, disconnect_grace_s: float = 0.0) -> InProcess:
-        metrics = DataPlaneMetrics()
-        l1 = L1Store(16 << 20)
-        server = Server("tcp://127.0.0.1:*", metrics=metrics)
-        servers.append(server)
-        transfer = ServerDrivenTransferModule(l1, CHUNK, metrics)
-        engine = EngineDrivenTransferModule(l1, CHUNK, metrics)
-        mgmt = ManagementModule(
-            server,
-            CHUNK,
-            [transfer, engine],
-            reap_timeout_s=reap_timeout_s,
-            registration_grace_s=grace_s,
-            disconnect_grace_s=disconnect_grace_s,
+        settings = Settings.model_construct(
+            port=free_port(),
+            chunk_size=CHUNK,
+            l1_size_gb=16 / 1024,
+            worker_reap_timeout_seconds=reap_timeout_s,
+            worker_registration_grace_seconds=grace_s,
+            worker_disconnect_grace_seconds=disconnect_grace_s,
         )
-        for m in (mgmt, transfer, engine, LookupModule(l1, CHUNK, metrics, [transfer, engine])):
-            server.add_module(m)
-        server.start()
-        return InProcess(server, mgmt, transfer, engine)
+        dp = build_dataplane(settings)
+        made.append(dp)
+        dp.start()
+        return InProcess(dp)
 
     yield make
-    for s in servers:
-        assert s.stop(5.0)
+    for dp in made:
+        assert dp.stop(5.0)
 
 
 # ------------------------------------------------------------------------ observations
@@ -395,7 +386,7 @@ def test_sigkilled_worker_is_reaped_within_the_disconnect_grace(procs: list[Proc
     tokens, equal, _ = other.retrieve(2)
     assert (tokens, equal) == (N_TOKENS, True)
     assert mapped(srv.pid, other.segments[0])
-    assert other.states()[-1] == {"event": "state", "registrations": 1, "healthy": True}
+    assert other.states()[-1] == {"event": "state", "registrations": 1, "refreshes": 0, "healthy": True}
     other.quit()
 
 
@@ -420,12 +411,12 @@ def test_sigkilled_worker_is_reaped_by_timeout_with_disconnect_detection_off(
     assert timeout - heartbeat - 0.1 <= took <= 1.25 * timeout + 0.5, took
     wait_until(lambda: not mapped("self", seg), 2, what="the server unmapping the segment")
     wait_until(lambda: not shm_of(victim.pid), 2, what="the dead worker's segment unlinked")
-    assert dp.management.report_status()["worker_liveness"]["reaped_total"] == 1
+    assert dp.dp.management.report_status()["worker_liveness"]["reaped_total"] == 1
 
     assert dp.tracked(other.instance_id)
     works(other, 3)
     assert other.retrieve(2)[:2] == (N_TOKENS, True)
-    assert other.states()[-1] == {"event": "state", "registrations": 1, "healthy": True}
+    assert other.states()[-1] == {"event": "state", "registrations": 1, "refreshes": 0, "healthy": True}
     other.quit()
 
 
@@ -438,11 +429,11 @@ def test_idle_worker_outlives_the_grace_on_its_heartbeat(
     deadline = time.monotonic() + 2 * window
     tick = threading.Event()
     while time.monotonic() < deadline:  # idle for two windows; it must stay tracked throughout
-        entry = dp.transfer.context_entry(w.instance_id)
+        entry = dp.dp.transfer.registry.context_entry(w.instance_id)
         assert entry is not None, "a live idle worker was reaped"
         tick.wait(0.05)
     assert entry.has_liveness_signal  # its own heartbeat, not traffic, kept it
-    assert dp.management.reaped_total == 0
+    assert dp.reaped_total == 0
     assert [s["registrations"] for s in w.states()] == [1]
     works(w, 1)
     w.quit()
@@ -477,6 +468,8 @@ def test_server_paused_shorter_than_the_window_costs_a_no_op_reregister(
 
     w.wait_for(lambda e: e["event"] == "state" and e["healthy"], 10, since, what="recovery")
     assert all(s["registrations"] == 1 for s in w.states()), w.states()
+    # exactly one REGISTER went out on recovery, and the server answered it as a refresh
+    assert w.states()[-1]["refreshes"] == 1, w.states()
     assert srv.log().count(f"registered instance {w.instance_id} ") == 1  # nothing rebuilt
     assert "reaper: reaped" not in srv.log()
     tokens, equal, _ = w.retrieve(1)  # the data stored before the pause is still served
@@ -546,11 +539,11 @@ def test_worker_silent_past_the_window_is_reaped_then_reregisters_once(
         what="the re-registration",
     )
     assert dp.tracked(w.instance_id) and mapped("self", seg)
-    assert dp.transfer.tracked_instance_count() == 1
+    assert dp.dp.transfer.registry.tracked_instance_count() == 1
     stable_until = time.monotonic() + 4 * heartbeat  # several more PINGs: no second rebuild
     wait_until(lambda: time.monotonic() >= stable_until, 5 * heartbeat, what="a few heartbeats")
     assert max(s["registrations"] for s in w.states()) == 2
-    assert dp.management.reaped_total == 1
+    assert dp.reaped_total == 1
     tokens, equal, _ = w.retrieve(1)  # L1 keys by layout, not by context: still there
     assert (tokens, equal) == (N_TOKENS, True)
     works(w, 2)

@@ -299,11 +299,13 @@ def test_sigterm_with_workers_attached(tmp_path: Path, private_shm: Path) -> Non
 
         t0 = time.monotonic()
         server.sigterm()
-        rc = server.proc.wait(15)
+        rc = server.proc.wait(30)
         took = time.monotonic() - t0
         out = server.output()
         assert rc == 0, out
-        assert took < 15
+        # nothing is in flight, so the drain ends at once (about 0.2 s here); 5 s leaves room
+        # for a loaded 2-core machine and still fails a stop that waits out its 10 s drain bound
+        assert took < 5.0, took
         assert "SIGTERM received" in out and "Traceback" not in out, out
 
         # on its way out the server released the dead worker's segment; the live one's stays

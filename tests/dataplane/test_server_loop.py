@@ -1,0 +1,333 @@
+"""The server loop's promises, at the module seam: an in-process `Server` with hand-made modules
+(`Server.add_module` with an object giving ``handlers()`` and ``start/stop/close``), driven over
+real ZMQ sockets.
+
+A handler exception becomes an INTERNAL reply and the loop goes on; a request that arrives while
+the server drains gets SHUTTING_DOWN while the in-flight one still gets its reply; a type no
+module handles gets UNSUPPORTED; transfers of one instance run in arrival order without holding
+another instance's back; and a client's request that gets no reply raises `RequestTimeout`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from dataplane.client import WorkerAdapter
+from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.server.loop import Lifecycle, Server
+from dataplane.wire.errors import RequestTimeout
+from dataplane.wire.messages import Hello, Lookup, Message, MsgType, Ping, Store
+from dataplane.wire.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Reply,
+    decode_reply,
+    decode_request,
+    encode_message,
+    unpack,
+)
+from tests.conftest import DealerFactory
+from tests.helpers import call, error_of, next_rid, wait_until
+
+PONG = {"pong": True}
+WAIT_S = 30.0  # bound on any wait for the server (a shared 2-core machine can be slow)
+
+Sock = zmq.Socket[Any]
+
+
+class HandMade:
+    """A module made of the handlers it is given; it counts its lifecycle calls."""
+
+    def __init__(self, name: str, handlers: dict[MsgType, Handler]) -> None:
+        self.name = name
+        self._handlers = handlers
+        self.calls: list[str] = []
+
+    def handlers(self) -> dict[MsgType, Handler]:
+        return dict(self._handlers)
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def pong(_rctx: RequestContext, _p: Ping) -> dict[str, Any]:
+    return PONG
+
+
+PING_HANDLER = Handler(HandlerKind.LOOP, pong)
+
+
+def by_instance(p: Store) -> int:
+    return p.instance_id
+
+
+def store(instance_id: int, seq: int) -> Store:
+    """A STORE whose single token id carries ``seq`` (the handlers below read it back)."""
+    return Store(instance_id, np.array([seq], dtype="<i4"), np.array([0], dtype="<i4"))
+
+
+def seq_of(p: Store) -> int:
+    return int(p.token_ids[0])
+
+
+ServerFactory = Callable[..., Server]
+
+
+@pytest.fixture
+def make_loop() -> Iterator[ServerFactory]:
+    """Started in-process servers with the given modules; every one stopped at teardown."""
+    made: list[Server] = []
+
+    def make(*modules: HandMade, **kw: Any) -> Server:
+        server = Server("tcp://127.0.0.1:*", **kw)
+        made.append(server)
+        for m in modules:
+            server.add_module(m)
+        server.start()
+        return server
+
+    yield make
+    for server in made:
+        assert server.stop(5.0), "server did not stop within its bound"
+
+
+def send(sock: Sock, msg: Message) -> int:
+    rid = next_rid()
+    sock.send(encode_message(rid, msg))
+    return rid
+
+
+def request(sock: Sock, msg: Message, timeout: float = WAIT_S) -> tuple[int, Reply]:
+    rid = next_rid()
+    reply = call(sock, encode_message(rid, msg), timeout)
+    assert reply.request_id == rid, reply
+    return rid, reply
+
+
+def receive(sock: Sock, timeout: float = WAIT_S) -> Reply:
+    assert sock.poll(int(timeout * 1000), zmq.POLLIN), f"no reply within {timeout:g}s"
+    return decode_reply(sock.recv())
+
+
+def assert_pong(sock: Sock) -> None:
+    _, reply = request(sock, Ping(None))
+    assert reply.ok and reply.body == PONG, reply
+
+
+# ------------------------------------------------------------------- handler exceptions
+
+
+@pytest.mark.parametrize(
+    ("kind", "msg"),
+    [
+        (HandlerKind.LOOP, Hello()),
+        (HandlerKind.NORMAL, Lookup(5, np.arange(4, dtype="<i4"))),
+        (HandlerKind.TRANSFER, store(5, 0)),
+    ],
+    ids=["loop", "normal", "transfer"],
+)
+def test_a_handler_exception_becomes_an_internal_reply_and_the_loop_goes_on(
+    make_loop: ServerFactory, make_dealer: DealerFactory, kind: HandlerKind, msg: Message
+) -> None:
+    def explode(_rctx: RequestContext, _p: Any) -> Any:
+        raise RuntimeError("handler exploded")
+
+    order_key = by_instance if kind is HandlerKind.TRANSFER else None
+    server = make_loop(
+        HandMade("faulty", {msg.TYPE: Handler(kind, explode, order_key), MsgType.PING: PING_HANDLER})
+    )
+    sock = make_dealer(server.bound_endpoint)
+    _, reply = request(sock, msg)
+    code, message = error_of(reply)
+    assert code == "INTERNAL"
+    assert msg.TYPE.value in message and "handler exploded" in message, message
+    assert_pong(sock)  # the very next request is answered: the loop went on
+    # and a second failure is answered just the same
+    _, again = request(sock, msg)
+    assert error_of(again)[0] == "INTERNAL"
+    assert server.is_alive() and server.loop_error is None
+    assert server.state is Lifecycle.RUNNING
+
+
+# ------------------------------------------------------------------------- SHUTTING_DOWN
+
+
+def test_a_request_arriving_while_draining_gets_shutting_down_and_the_inflight_one_its_reply(
+    make_loop: ServerFactory, make_dealer: DealerFactory
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    handled: list[int] = []
+
+    def blocking_store(_rctx: RequestContext, p: Store) -> dict[str, int]:
+        handled.append(seq_of(p))
+        entered.set()
+        if not release.wait(WAIT_S):
+            raise RuntimeError("the test never released the transfer")
+        return {"seq": seq_of(p)}
+
+    module = HandMade(
+        "blocking",
+        {
+            MsgType.PING: PING_HANDLER,
+            MsgType.STORE: Handler(HandlerKind.TRANSFER, blocking_store, by_instance),
+        },
+    )
+    # a drain bound far above the test's own waits: the server drains until released
+    server = make_loop(module, drain_timeout_s=60.0)
+    inflight = make_dealer(server.bound_endpoint)
+    late = make_dealer(server.bound_endpoint)
+    assert_pong(late)  # connected before the drain starts
+    rid = send(inflight, store(1, 0))
+    assert entered.wait(WAIT_S), "the transfer handler never ran"
+
+    stopped: list[bool] = []
+    stopper = threading.Thread(target=lambda: stopped.append(server.stop()), name="test-stopper")
+    stopper.start()
+    try:
+        wait_until(lambda: server.state is Lifecycle.DRAINING, WAIT_S, what="the server to drain")
+        # background work is stopped first; the modules' state is not closed while draining
+        wait_until(lambda: module.calls == ["start", "stop"], WAIT_S, what="the modules to stop")
+        for msg in (Ping(None), store(2, 1), Hello()):
+            _, reply = request(late, msg)
+            code, message = error_of(reply)
+            assert code == "SHUTTING_DOWN", (msg, reply)
+            assert "stopping" in message
+        assert handled == [0]  # nothing that arrived while draining reached a handler
+        assert stopper.is_alive() and stopped == []  # stop() waits for the in-flight transfer
+        assert server.state is Lifecycle.DRAINING
+        assert not inflight.poll(0, zmq.POLLIN)  # and that transfer has no reply yet
+        assert module.calls == ["start", "stop"]
+    finally:
+        release.set()
+        stopper.join(WAIT_S)
+    assert not stopper.is_alive(), "stop() did not return after the transfer was released"
+    assert stopped == [True]
+    reply = receive(inflight)
+    assert reply.ok and reply.request_id == rid and reply.body == {"seq": 0}, reply
+    assert server.state is Lifecycle.STOPPED
+    assert module.calls == ["start", "stop", "close"]
+
+
+# --------------------------------------------------------------------------- UNSUPPORTED
+
+
+def test_a_valid_request_no_module_handles_gets_unsupported(
+    make_loop: ServerFactory, make_dealer: DealerFactory
+) -> None:
+    server = make_loop(HandMade("ping-only", {MsgType.PING: PING_HANDLER}))
+    sock = make_dealer(server.bound_endpoint)
+    for msg in (Hello(), store(3, 0), Lookup(3, np.arange(2, dtype="<i4"))):
+        _, reply = request(sock, msg)
+        code, message = error_of(reply)
+        assert code == "UNSUPPORTED", (msg, reply)
+        assert msg.TYPE.value in message, message
+    assert_pong(sock)  # the handled type is still answered
+    assert server.is_alive() and server.loop_error is None
+
+
+# ------------------------------------------------------------------------- ordering
+
+
+def test_transfers_of_one_instance_run_in_arrival_order_without_holding_another_instance(
+    make_loop: ServerFactory, make_dealer: DealerFactory
+) -> None:
+    first, other = 11, 22
+    entered, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    events: list[tuple[str, int, int]] = []  # (start | end, instance, seq)
+
+    def recording_store(_rctx: RequestContext, p: Store) -> dict[str, int]:
+        key = (p.instance_id, seq_of(p))
+        with lock:
+            events.append(("start", *key))
+        if key == (first, 0):
+            entered.set()
+            if not release.wait(WAIT_S):
+                raise RuntimeError("the test never released the first transfer")
+        with lock:
+            events.append(("end", *key))
+        return {"instance": p.instance_id, "seq": seq_of(p)}
+
+    module = HandMade("ordered", {MsgType.STORE: Handler(HandlerKind.TRANSFER, recording_store, by_instance)})
+    # enough transfer threads that unordered requests of `first` would overtake the blocked one
+    server = make_loop(module, max_transfer_workers=4)
+    sock = make_dealer(server.bound_endpoint)
+    try:
+        # back to back on one connection: the server reads them in this order, so by the time
+        # `other`'s reply comes back every request of `first` has arrived
+        rids = [send(sock, store(first, seq)) for seq in range(4)]
+        other_rid = send(sock, store(other, 0))
+        assert entered.wait(WAIT_S), "the first transfer never ran"
+        reply = receive(sock)
+        assert reply.ok and reply.request_id == other_rid, reply  # not held behind `first`
+        with lock:
+            started = [(i, s) for what, i, s in events if what == "start"]
+        # two pool threads ran these two; the rest of `first` waits its turn
+        assert sorted(started) == [(first, 0), (other, 0)]
+        assert not release.is_set()  # ... while the first is still blocked
+    finally:
+        release.set()
+    replies = [receive(sock) for _ in range(4)]
+    assert all(r.ok for r in replies), replies
+    assert [r.request_id for r in replies] == rids
+    assert [r.body["seq"] for r in replies] == [0, 1, 2, 3]
+    with lock:
+        mine = [(what, s) for what, i, s in events if i == first]
+    # one at a time, in arrival order: each starts only after the one before it ended
+    assert mine == [(what, s) for s in range(4) for what in ("start", "end")]
+
+
+# ------------------------------------------------------------------- client request timeout
+
+REQUEST_TIMEOUT_S = 1.0
+# the upper bound is generous on purpose: CI shares a 2-core machine, so a thread may wait its
+# turn for a while; it still fails if the adapter ignored request_timeout (default 30 s)
+TIMEOUT_SLACK_S = 5.0
+
+
+@pytest.mark.parametrize(
+    ("request_fn", "mtype"),
+    [
+        (lambda w: w.server_info(), MsgType.HELLO),
+        (lambda w: w.lookup(np.arange(16, dtype="<i4")), MsgType.LOOKUP),
+    ],
+    ids=["hello", "lookup"],
+)
+def test_a_request_without_a_reply_raises_request_timeout_after_request_timeout(
+    request_fn: Callable[[WorkerAdapter], Any], mtype: MsgType
+) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)  # takes every request, answers none
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        router.bind("tcp://127.0.0.1:*")
+        endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        w = WorkerAdapter(endpoint, model_name="m", request_timeout=REQUEST_TIMEOUT_S)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RequestTimeout) as info:
+                request_fn(w)
+            elapsed = time.monotonic() - t0
+        finally:
+            w.close()
+        assert str(info.value) == f"{mtype}: no reply within {REQUEST_TIMEOUT_S:g}s"
+        assert REQUEST_TIMEOUT_S <= elapsed < REQUEST_TIMEOUT_S + TIMEOUT_SLACK_S, elapsed
+        # the request was delivered: the timeout is about the missing reply, not a connection
+        assert router.poll(int(WAIT_S * 1000), zmq.POLLIN)
+        got = decode_request(unpack(router.recv_multipart()[-1], DEFAULT_MAX_FRAME_BYTES))
+        assert got.type is mtype
+    finally:
+        router.close(linger=0)
+        ctx.term()
