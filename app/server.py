@@ -118,6 +118,8 @@ class Sidecar:
             server.run(sockets=[sock])
         except BaseException:  # SystemExit from uvicorn included: log it, never kill the process
             logger.exception("sidecar: HTTP server thread died")
+        finally:
+            self._close_socket()  # here, once uvicorn let go of it (stop() may have given up)
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -134,10 +136,11 @@ class Sidecar:
         if thread.is_alive():
             server.force_exit = True
             thread.join(1.0)
-        self._close_socket()
         if thread.is_alive():
+            # the socket stays open: uvicorn still holds it, and the thread closes it on its way out
             logger.error("sidecar: HTTP thread still alive %.1fs after stop", bound + 1.0)
             return False
+        self._close_socket()
         logger.info("sidecar: stopped")
         return True
 

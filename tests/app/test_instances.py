@@ -82,4 +82,4 @@ def test_instance_id_empty_redirects_to_the_list(client: httpx.Client) -> None:
     # router redirects the trailing-slash form to it (httpx does not follow redirects here)
     r = client.get("/instances/")
     assert r.status_code == 307
-    assert r.headers["location"] == f"{client.base_url}".rstrip("/") + "/instances"
+    assert r.headers["location"] == str(client.base_url.join("/instances"))

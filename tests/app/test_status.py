@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
+from collections.abc import Iterator
 
 import httpx
+import pytest
 
 from app.models import StatusPublic
-from dataplane.server.runtime import DataPlane
+from dataplane.server.config import Settings
+from dataplane.server.runtime import DataPlane, build_dataplane
 from tests.app.bulk import register_many
-from tests.app.conftest import CHUNK, WorkerFactory
-from tests.helpers import wait_until
+from tests.app.conftest import CHUNK, TOKEN, WorkerFactory
+from tests.helpers import FakeClock, free_port
 
 
 def status(client: httpx.Client) -> StatusPublic:
@@ -44,39 +48,70 @@ def test_status_describes_the_server(client: httpx.Client, dp: DataPlane) -> Non
     assert s.health.bypassed_backends == []
 
 
-def test_status_lists_registered_instances_with_live_figures(
-    client: httpx.Client, make_worker: WorkerFactory
-) -> None:
-    a = make_worker(model="llama")
-    b = make_worker(model="qwen")
-    s = status(client)
-    assert s.worker_liveness.tracked_instances == 2
-    by_id = {i.instance_id: i for i in s.instances}
-    assert set(by_id) == {a.id, b.id}
-    ia = by_id[a.id]
-    assert (ia.transfer_mode, ia.memory, ia.model_name, ia.world_size, ia.worker_id) == (
-        "server_driven",
-        "shm",
-        "llama",
-        1,
-        0,
-    )
-    assert by_id[b.id].model_name == "qwen"
-    assert ia.has_liveness_signal is False and ia.disconnected is False
-    assert 0 <= ia.last_seen_seconds_ago <= ia.registered_seconds_ago < 60
+class TestOnAnInjectedClock:
+    """The data plane reads a `FakeClock`: the liveness figures of /status are exact."""
 
-    # a PING latches the liveness signal and refreshes last_seen; registration time stays
-    first = ia.registered_seconds_ago
+    @pytest.fixture
+    def clock(self) -> FakeClock:
+        return FakeClock()
 
-    def registered_ago() -> float:
-        return {i.instance_id: i for i in status(client).instances}[a.id].registered_seconds_ago
+    @pytest.fixture
+    def dp(self, clock: FakeClock) -> Iterator[DataPlane]:
+        """Overrides conftest's ``dp`` (so ``client`` and ``make_worker`` use this one)."""
+        settings = Settings.model_validate(
+            {"port": free_port(), "http_port": free_port(), "chunk_size": CHUNK, "admin_token": TOKEN}
+        )
+        dp = build_dataplane(settings, clock=clock)
+        dp.start()
+        yield dp
+        assert dp.stop(), "data plane did not stop within its bound"
 
-    wait_until(lambda: registered_ago() > first + 0.05, 10, what="time to pass")
-    a.adapter.heartbeat_once()
-    ia2 = {i.instance_id: i for i in status(client).instances}[a.id]
-    assert ia2.has_liveness_signal is True
-    assert ia2.registered_seconds_ago > first
-    assert ia2.last_seen_seconds_ago < ia2.registered_seconds_ago
+    def test_status_lists_registered_instances_with_live_figures(
+        self, client: httpx.Client, make_worker: WorkerFactory, clock: FakeClock
+    ) -> None:
+        a = make_worker(model="llama")
+        clock.advance(2.0)
+        b = make_worker(model="qwen")
+        s = status(client)
+        assert s.worker_liveness.tracked_instances == 2
+        by_id = {i.instance_id: i for i in s.instances}
+        assert set(by_id) == {a.id, b.id}
+        ia = by_id[a.id]
+        assert (ia.transfer_mode, ia.memory, ia.model_name, ia.world_size, ia.worker_id) == (
+            "server_driven",
+            "shm",
+            "llama",
+            1,
+            0,
+        )
+        assert by_id[b.id].model_name == "qwen"
+        assert ia.has_liveness_signal is False and ia.disconnected is False
+        assert (ia.registered_seconds_ago, ia.last_seen_seconds_ago) == (2.0, 2.0)
+        assert (by_id[b.id].registered_seconds_ago, by_id[b.id].last_seen_seconds_ago) == (0.0, 0.0)
+
+        # time passes; a PING latches the liveness signal and refreshes last_seen; the
+        # registration time stays
+        clock.advance(5.5)
+        ia = {i.instance_id: i for i in status(client).instances}[a.id]
+        assert (ia.registered_seconds_ago, ia.last_seen_seconds_ago, ia.has_liveness_signal) == (
+            7.5,
+            7.5,
+            False,
+        )
+        a.adapter.heartbeat_once()
+        clock.advance(0.25)
+        by_id = {i.instance_id: i for i in status(client).instances}
+        ia, ib = by_id[a.id], by_id[b.id]
+        assert (ia.registered_seconds_ago, ia.last_seen_seconds_ago, ia.has_liveness_signal) == (
+            7.75,
+            0.25,
+            True,
+        )
+        assert (ib.registered_seconds_ago, ib.last_seen_seconds_ago, ib.has_liveness_signal) == (
+            5.75,
+            5.75,
+            False,
+        )
 
 
 def test_status_storage_follows_stores(client: httpx.Client, make_worker: WorkerFactory) -> None:
@@ -103,7 +138,10 @@ def test_status_and_metrics_with_10000_instances(
 ) -> None:
     """10,000 tracked instances (REGISTERs of one shared cache under distinct ids): every one
     listed once, and both routes within their budget (50 ms each; the strict figure is checked
-    with KVWARDEN_SLOW=1, on a quiet machine; here a bound 5x looser, against regressions)."""
+    with KVWARDEN_SLOW=1, on a quiet machine). By default the bound is 1 s, 20x looser: the
+    suite runs on a shared 2-core machine, where other processes can take the CPU for hundreds
+    of milliseconds at a time and bounds under 0.5 s flake (it takes ~50 ms there when quiet);
+    1 s still fails a regression of an order of magnitude (say, a build gone quadratic)."""
     w = make_worker()
     register_many(dp.server.bound_endpoint, w.adapter, 9_999)
     doc = client.get("/status").json()
@@ -112,14 +150,56 @@ def test_status_and_metrics_with_10000_instances(
     assert len({i["instance_id"] for i in doc["instances"]}) == 10_000
     StatusPublic.model_validate(doc)
     assert 'kvwarden_tracked_instances{transfer_mode="server_driven"} 10000.0' in client.get("/metrics").text
-    budget = 0.05 if os.environ.get("KVWARDEN_SLOW") else 0.25
+    budget = 0.05 if os.environ.get("KVWARDEN_SLOW") else 1.0
     status_s = _median_seconds(client, "/status")
     metrics_s = _median_seconds(client, "/metrics")
     assert status_s < budget, f"/status took {status_s * 1e3:.1f} ms (median)"
     assert metrics_s < budget, f"/metrics took {metrics_s * 1e3:.1f} ms (median)"
 
 
+def _server_side_connections(port: int) -> list[socket.socket]:
+    """Duplicates of this process's accepted TCP connections on ``port`` (the sidecar runs in
+    this process, so its sockets are among our fds); the caller closes them."""
+    found: list[socket.socket] = []
+    ours: set[int] = set()  # our own duplicates may take numbers the listing still names
+    for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")):
+        if fd in ours:
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:  # listdir's own fd, or one closed since
+            continue
+        ours.add(dup)
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # not a socket
+            os.close(dup)
+            continue
+        try:
+            inet = sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6)
+            accepted = inet and sock.getsockname()[1] == port and bool(sock.getpeername())
+        except OSError:  # the listening socket (no peer)
+            accepted = False
+        if accepted:
+            found.append(sock)
+        else:
+            sock.close()
+    return found
+
+
 def test_responses_are_not_held_back_by_delayed_acks(client: httpx.Client) -> None:
-    """Headers and body leave in separate writes: without TCP_NODELAY every response would
-    wait ~40 ms for the client's delayed ACK."""
-    assert _median_seconds(client, "/livez", 9) < 0.02
+    """Headers and body leave in separate writes: without TCP_NODELAY on the server's side of
+    a connection, Nagle holds the body until the client's delayed ACK (~40 ms) for every
+    response. Asserted on the socket option of the accepted connection itself rather than on
+    a latency: a shared 2-core machine cannot tell 40 ms from a stall reliably."""
+    assert client.get("/livez").status_code == 200  # the client keeps this connection open
+    port = client.base_url.port
+    assert port is not None
+    connections = _server_side_connections(port)
+    try:
+        assert len(connections) == 1, connections
+        (conn,) = connections
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        for c in connections:
+            c.close()

@@ -24,7 +24,6 @@ Its own state is watched by polling every 50 ms; logs go to stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os

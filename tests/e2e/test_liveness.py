@@ -155,7 +155,9 @@ class Worker(Proc):
         self.segments = list(ev["segments"])
         assert self.segments, ev
         self.wait_for(
-            lambda e: e == {"event": "state", "registrations": 1, "refreshes": 0, "healthy": True}, 10, what="initial state"
+            lambda e: e == {"event": "state", "registrations": 1, "refreshes": 0, "healthy": True},
+            10,
+            what="initial state",
         )
 
     def _command(self, cmd: str, kind: str, timeout: float) -> tuple[float, Event]:
