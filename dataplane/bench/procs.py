@@ -24,10 +24,12 @@ def serve_command(*args: str) -> list[str]:
 
 
 def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """A ``kvwarden serve`` process on free ports (warnings only); its ZMQ endpoint."""
+    """A ``kvwarden serve`` process on free ports; its ZMQ endpoint. Its standard output (the
+    "serving on" line) is dropped, so a benchmark's own output stays clean (``--json``); its
+    warnings and errors still reach standard error."""
     port, http_port = free_port(), free_port()
     cmd = serve_command("--port", str(port), "--http-port", str(http_port), "--log-level", "warning", *args)
-    return subprocess.Popen(cmd, env=env), f"tcp://127.0.0.1:{port}"
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL), f"tcp://127.0.0.1:{port}"
 
 
 def wait_ready(probe: Callable[[], Any], proc: subprocess.Popen[Any], timeout_s: float) -> None:

@@ -75,7 +75,7 @@ class WorkerReaper:
         ids: list[int] = []
         for reason in dict.fromkeys(r.reason for r in reaped):
             group = [r.instance_id for r in reaped if r.reason == reason]
-            self.releaser.release(group, reason, held={iid: [t.name] for iid in group})
+            self.releaser.release(group, reason, popped_by=t.name)
             ids += group
         return ids
 

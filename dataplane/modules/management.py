@@ -98,7 +98,7 @@ class ManagementModule:
     def force_reap(self, instance_id: int) -> list[str]:
         """Admin reap: the one release path, counted as reason ``admin``. The names of the
         targets that held the instance (empty: it was not tracked)."""
-        return self.releaser.release([instance_id], "admin").get(instance_id, [])
+        return list(self.releaser.release([instance_id], "admin").get(instance_id, ()))
 
     def on_connection(self, fd: int, connected: bool) -> None:
         """A peer connected or disconnected (called on the loop thread: must not block)."""

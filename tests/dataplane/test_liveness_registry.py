@@ -351,9 +351,9 @@ def test_a_failing_target_in_the_release_path_does_not_leak_the_reaped_context(
     reaped = module.registry.reap_stale_instances(TIMEOUT, GRACE)
     assert reaped == [Reaped(7, "timeout", TIMEOUT + 1, True)]
     with caplog.at_level(logging.ERROR, "dataplane.liveness.release"):
-        assert releaser.release([7], "timeout", held={7: [module.registry.name]}) == {7: ["server_driven"]}
+        assert releaser.release([7], "timeout", popped_by=module.registry.name) == {7: ("server_driven",)}
         # the admin reap: the registry's own removal runs after the broken target's
-        assert releaser.release([8], "admin") == {8: ["server_driven"]}
+        assert releaser.release([8], "admin") == {8: ("server_driven",)}
     assert module.registry.tracked_instance_count() == 0
     # popped from the dict, so nobody else will ever release them: the release path must
     assert module.released == [(7, "reap"), (8, "admin")], "a reaped context was never released"
