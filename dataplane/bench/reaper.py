@@ -22,6 +22,7 @@ from dataplane.liveness.reaper import WorkerReaper
 from dataplane.liveness.registry import Entry, InstanceInfo, LivenessRegistry
 from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
+from dataplane.wire.messages import MemoryKind, TransferMode
 
 PINGER = r"""
 import sys, time, zmq
@@ -36,7 +37,7 @@ while time.monotonic() < end:
     time.sleep(0.0005)
 ts.sort(); print(f"{ts[len(ts) // 2] * 1e6:.0f} {ts[int(len(ts) * .99)] * 1e6:.0f}")
 """
-_INFO = InstanceInfo("server_driven", "shm", "m", 1, 0, 1, 32, "bfloat16")
+_INFO = InstanceInfo(TransferMode.SERVER_DRIVEN.value, MemoryKind.SHM.value, "m", 1, 0, 1, 32, "bfloat16")
 
 
 def add_args(sub: Any) -> None:

@@ -64,7 +64,7 @@ class EngineContext(Entry):
 
 
 class EngineDrivenTransferModule(TransferModule[EngineContext]):
-    name = "engine_driven"
+    name = TransferMode.ENGINE_DRIVEN.value
 
     def __init__(
         self,

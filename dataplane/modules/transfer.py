@@ -27,7 +27,7 @@ from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.wire.errors import RequestError
-from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer
+from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer, TransferMode
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class CacheContext(Entry):
 
 
 class ServerDrivenTransferModule(TransferModule[CacheContext]):
-    name = "server_driven"
+    name = TransferMode.SERVER_DRIVEN.value
 
     def handlers(self) -> dict[MsgType, Handler]:
         return {

@@ -33,7 +33,7 @@ import zmq
 
 from dataplane import __version__
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext
+from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
 from dataplane.wire.errors import (
     KVWardenError,
     ProtocolError,
@@ -42,7 +42,14 @@ from dataplane.wire.errors import (
     Unsupported,
 )
 from dataplane.wire.messages import MsgType
-from dataplane.wire.protocol import decode_request, encode_error, encode_ok, peek_request_id, unpack
+from dataplane.wire.protocol import (
+    PROTOCOL_VERSION,
+    decode_request,
+    encode_error,
+    encode_ok,
+    peek_request_id,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +156,19 @@ class Server:
     def add_connection_listener(self, fn: ConnListener) -> None:
         """``fn(fd, connected)`` runs on the loop thread for every peer connect/disconnect."""
         self._conn_listeners.append(fn)
+
+    def info(self, chunk_size: int) -> ServerInfo:
+        """Who this server is (what HELLO answers), for a data plane of ``chunk_size``."""
+        return ServerInfo(
+            self.server_id,
+            self.boot_token,
+            self.version,
+            PROTOCOL_VERSION,
+            self.started_at,
+            self.bound_endpoint,
+            chunk_size,
+            self.max_frame_bytes,
+        )
 
     @property
     def modules(self) -> list[Module]:

@@ -34,7 +34,6 @@ from dataplane.server.facade import ComponentState, LivenessStatus
 from dataplane.server.loop import Server
 from dataplane.storage.l1 import L1Stats, L1Store
 from dataplane.wire.messages import TransferMode
-from dataplane.wire.protocol import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +144,7 @@ def build_dataplane(
         max_frame_bytes=settings.max_frame_bytes,
         metrics=metrics,
     )
-    info = ServerInfo(
-        server.server_id,
-        server.boot_token,
-        server.version,
-        PROTOCOL_VERSION,
-        server.started_at,
-        server.bound_endpoint,
-        settings.chunk_size,
-        settings.max_frame_bytes,
-    )
+    info = server.info(settings.chunk_size)
     splitter = CopySplitter(min(os.cpu_count() or 1, 4))
     cs = settings.chunk_size
     transfer = ServerDrivenTransferModule(l1, cs, metrics, clock, splitter=splitter)

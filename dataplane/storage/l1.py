@@ -91,10 +91,6 @@ class L1Store:
                     if e.readers == 0:
                         self._pinned -= e.buf.numel()
 
-    def missing(self, keys: list[bytes]) -> list[int]:
-        with self._lock:
-            return [i for i, k in enumerate(keys) if k not in self._entries]
-
     def pin_present(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
         """Pin every present key (a writer protects a prompt's own chunks from its later
         reserves); returns (indices missing, keys pinned) — ``release`` the latter."""

@@ -17,6 +17,7 @@ from app.main import create_app
 from app.server import Sidecar
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.server.config import Settings
+from dataplane.server.facade import DataPlaneView
 from dataplane.server.runtime import DataPlane, build_dataplane
 from tests.helpers import free_port
 
@@ -64,7 +65,7 @@ def serve_app() -> Iterator[AppFactory]:
     """Serve ``create_app(dp, ...)`` on a real socket; returns an httpx client for it."""
     running: list[tuple[Sidecar, httpx.Client]] = []
 
-    def serve(dp: DataPlane, **app_kw: Any) -> httpx.Client:
+    def serve(dp: DataPlaneView, **app_kw: Any) -> httpx.Client:
         sidecar = Sidecar(dp, host="127.0.0.1", port=0, app=create_app(dp, **app_kw))
         sidecar.start()
         c = httpx.Client(base_url=sidecar.url, timeout=30.0)

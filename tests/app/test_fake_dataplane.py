@@ -6,7 +6,6 @@ liveness and L1 figures, an injected clock, and which facade calls a route makes
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -14,9 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.main import create_app
 from app.models import HealthPublic
-from app.server import Sidecar
 from dataplane.server.config import Settings
 from dataplane.server.facade import (
     ComponentState,
@@ -26,7 +23,7 @@ from dataplane.server.facade import (
     LivenessStatus,
     ServerInfo,
 )
-from tests.app.conftest import AUTH, TOKEN
+from tests.app.conftest import AUTH, TOKEN, AppFactory
 
 HEALTH_MEDIA_TYPE = "application/health+json"
 # the fake's own metrics text: what /metrics must pass through untouched, first
@@ -148,26 +145,6 @@ class FakeDataPlane:
 # the structural check: mypy fails here if the fake stops implementing the Protocol
 _CONFORMS: DataPlaneView = FakeDataPlane()
 
-ServeFake = Callable[[FakeDataPlane], httpx.Client]
-
-
-@pytest.fixture
-def serve_fake() -> Iterator[ServeFake]:
-    """Serve ``create_app(fake)`` through the real `Sidecar` on a free port; an httpx client."""
-    running: list[tuple[Sidecar, httpx.Client]] = []
-
-    def serve(fake: FakeDataPlane) -> httpx.Client:
-        sidecar = Sidecar(fake, host="127.0.0.1", port=0, app=create_app(fake))
-        sidecar.start()
-        c = httpx.Client(base_url=sidecar.url, timeout=30.0)
-        running.append((sidecar, c))
-        return c
-
-    yield serve
-    for sidecar, c in running:
-        c.close()
-        assert sidecar.stop(), "sidecar did not stop within its bound"
-
 
 @pytest.fixture
 def fake() -> FakeDataPlane:
@@ -175,8 +152,8 @@ def fake() -> FakeDataPlane:
 
 
 @pytest.fixture
-def client(fake: FakeDataPlane, serve_fake: ServeFake) -> httpx.Client:
-    return serve_fake(fake)
+def client(fake: FakeDataPlane, serve_app: AppFactory) -> httpx.Client:
+    return serve_app(fake)
 
 
 def health(client: httpx.Client, expect: int) -> HealthPublic:
@@ -248,10 +225,10 @@ def test_health_is_503_naming_the_one_failing_check(
     assert metric_value(client.get("/metrics").text, "kvwarden_healthy") == 1.0
 
 
-def test_no_reaper_check_when_reaping_is_disabled(serve_fake: ServeFake) -> None:
+def test_no_reaper_check_when_reaping_is_disabled(serve_app: AppFactory) -> None:
     fake = FakeDataPlane()
     fake.state = replace(RUNNING, reaper_alive=None)  # reaping disabled: decided when the app is built
-    client = serve_fake(fake)
+    client = serve_app(fake)
     body = health(client, 200)
     assert sorted(body.checks) == ["dataplane:loop", "dataplane:pools"]
 
@@ -444,10 +421,10 @@ def test_a_refused_reap_never_calls_force_reap(
     assert sorted(fake.entries) == [41]
 
 
-def test_reap_is_403_without_a_configured_token(serve_fake: ServeFake) -> None:
+def test_reap_is_403_without_a_configured_token(serve_app: AppFactory) -> None:
     fake = FakeDataPlane(Settings.model_validate({"admin_token": None}))
     fake.entries = {51: entry(51, registered_at=4_000.0, last_seen=4_000.0)}
-    client = serve_fake(fake)
+    client = serve_app(fake)
     r = client.post("/instances/51/reap", headers=AUTH)
     assert (r.status_code, r.json()) == (
         403,

@@ -24,7 +24,7 @@ from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.memory.shm import SHM_DIR
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext, ServerInfo
+from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
@@ -35,7 +35,7 @@ from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MsgType, Register
-from dataplane.wire.protocol import PROTOCOL_VERSION, encode_request
+from dataplane.wire.protocol import encode_request
 from tests.dataplane.registration import segment_of
 from tests.helpers import free_port, wait_until
 
@@ -96,16 +96,7 @@ class Servers:
         metrics = DataPlaneMetrics()
         l1 = L1Store(16 << 20)
         server = Server(self.endpoint, metrics=metrics)
-        info = ServerInfo(
-            server.server_id,
-            server.boot_token,
-            server.version,
-            PROTOCOL_VERSION,
-            server.started_at,
-            server.bound_endpoint,
-            CHUNK,
-            server.max_frame_bytes,
-        )
+        info = server.info(CHUNK)
         sd = transfer or ServerDrivenTransferModule(l1, CHUNK, metrics)
         ed = EngineDrivenTransferModule(l1, CHUNK, metrics)
         releaser = InstanceReleaser([sd.registry, ed.registry], metrics)

@@ -60,16 +60,7 @@ def server_info(server: Server | None = None) -> ServerInfo:
         return ServerInfo(
             "test-server", BOOT_TOKEN, "test", PROTOCOL_VERSION, T0, "tcp://127.0.0.1:0", CHUNK, 16 << 20
         )
-    return ServerInfo(
-        server.server_id,
-        server.boot_token,
-        server.version,
-        PROTOCOL_VERSION,
-        server.started_at,
-        server.bound_endpoint,
-        CHUNK,
-        server.max_frame_bytes,
-    )
+    return server.info(CHUNK)
 
 
 def management(
