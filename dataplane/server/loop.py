@@ -171,10 +171,6 @@ class Server:
         )
 
     @property
-    def modules(self) -> list[Module]:
-        return list(self._modules)
-
-    @property
     def state(self) -> Lifecycle:
         return self._state
 
