@@ -83,7 +83,7 @@ def run_ping(ns: argparse.Namespace) -> int:
         raw.connect(f"tcp://127.0.0.1:{echo_port}")
         srv = ctx.socket(zmq.DEALER)
         srv.connect(endpoint)
-        frame = encode_message(1, Ping(12345))
+        frame = encode_message(1, Ping(12345, bytes(16)))  # an unknown id: a PING as a worker sends it
         raw_s, ping_s = _interleaved(raw, srv, frame, ns.pings)
         storers = [
             subprocess.Popen([sys.executable, "-c", _STORER, endpoint], stdout=subprocess.PIPE, text=True)

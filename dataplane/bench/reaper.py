@@ -29,7 +29,7 @@ import sys, time, zmq
 from dataplane.wire.messages import Ping
 from dataplane.wire.protocol import encode_message
 ctx = zmq.Context(); d = ctx.socket(zmq.DEALER); d.connect(sys.argv[1])
-frame = encode_message(1, Ping(5)); ts = []
+frame = encode_message(1, Ping(5, bytes(16))); ts = []
 d.send(frame); d.recv(); print("ready", flush=True)
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -110,7 +111,8 @@ class WorkerAdapter:
         self.heartbeat_interval = heartbeat_interval
         self.request_timeout = request_timeout
         self.instance_id = instance_id if instance_id is not None else uuid.uuid4().int & ((1 << 63) - 1)
-        who = Identity(self.instance_id, model_name, world_size, worker_id, os.getpid())
+        self._secret = secrets.token_bytes(16)  # this instance's: every request carries it
+        who = Identity(self.instance_id, self._secret, model_name, world_size, worker_id, os.getpid())
         self._transport: Transport = (
             EngineDrivenTransport(who, pool_chunks)
             if self.transfer_mode is TransferMode.ENGINE_DRIVEN
@@ -192,7 +194,9 @@ class WorkerAdapter:
         self._heartbeat.beat()
 
     def _ping(self) -> dict[str, Any]:
-        reply: dict[str, Any] = self._hb_chan.request(Ping(self.instance_id), self.heartbeat_interval)
+        reply: dict[str, Any] = self._hb_chan.request(
+            Ping(self.instance_id, self._secret), self.heartbeat_interval
+        )
         return reply
 
     def _recover(self) -> bool:
@@ -231,7 +235,10 @@ class WorkerAdapter:
     def lookup(self, token_ids: TokenIds) -> int:
         """Prefix tokens the server holds (0 while unhealthy)."""
         return self._unless_outage(
-            lambda: int(self._send(Lookup(self.instance_id, _id_array(token_ids)))["hit_tokens"]), 0
+            lambda: int(
+                self._send(Lookup(self.instance_id, self._secret, _id_array(token_ids)))["hit_tokens"]
+            ),
+            0,
         )
 
     def retrieve(self, token_ids: TokenIds, block_ids: TokenIds) -> int:
@@ -287,7 +294,7 @@ class WorkerAdapter:
             self._registration = None
         if registered:
             try:
-                self._chan.request(Unregister(self.instance_id), min(self.request_timeout, 5.0))
+                self._chan.request(Unregister(self.instance_id, self._secret), min(self.request_timeout, 5.0))
             except KVWardenError as exc:
                 logger.warning("kvwarden client: UNREGISTER failed: %s", exc)
         self._chan.close()

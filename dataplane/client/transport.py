@@ -43,6 +43,7 @@ class Identity:
     """Who the worker is: the fields every registration carries."""
 
     instance_id: int
+    secret: bytes  # carried by every request of the instance: only its registrant knows it
     model_name: str
     world_size: int
     worker_id: int
@@ -76,6 +77,7 @@ class ServerDrivenTransport:
         self.segments = layout.segments
         return Register(
             who.instance_id,
+            who.secret,
             who.model_name,
             who.world_size,
             who.worker_id,
@@ -93,11 +95,11 @@ class ServerDrivenTransport:
     def store(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None
     ) -> dict[str, int]:
-        r: dict[str, int] = send(Store(self.who.instance_id, tokens, blocks))
+        r: dict[str, int] = send(Store(self.who.instance_id, self.who.secret, tokens, blocks))
         return r
 
     def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int:
-        return int(send(Retrieve(self.who.instance_id, tokens, blocks))["retrieved_tokens"])
+        return int(send(Retrieve(self.who.instance_id, self.who.secret, tokens, blocks))["retrieved_tokens"])
 
     def close(self) -> None:
         return None
@@ -122,6 +124,7 @@ class EngineDrivenTransport:
         self._local = map_local_tensors(list(caches))
         return EngineRegister(
             who.instance_id,
+            who.secret,
             who.model_name,
             who.world_size,
             who.worker_id,
@@ -151,7 +154,9 @@ class EngineDrivenTransport:
     ) -> dict[str, int]:
         cs, local = self._require_local(chunk_size)
         n_full = len(tokens) // cs
-        present = int(send(Lookup(self.who.instance_id, tokens))["hit_tokens"]) // cs  # those need no copy
+        present = (
+            int(send(Lookup(self.who.instance_id, self.who.secret, tokens))["hit_tokens"]) // cs
+        )  # those need no copy
         slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
         total = {"chunks": n_full, "stored": 0, "present": present, "rejected": 0}
         first = present
@@ -162,7 +167,9 @@ class EngineDrivenTransport:
                 for i in range(k):
                     c = first + i
                     local.gather(slots[c * cs : (c + 1) * cs], pool[i])
-                r = send(EngineStore(self.who.instance_id, tokens[: (first + k) * cs], first, k))
+                r = send(
+                    EngineStore(self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k)
+                )
                 for key in ("stored", "present", "rejected"):
                     total[key] += int(r[key])
                 if r["rejected"]:
@@ -179,7 +186,9 @@ class EngineDrivenTransport:
             pool = self._slots()
             while first < n_full:
                 k = min(len(pool), n_full - first)
-                msg = EngineRetrieve(self.who.instance_id, tokens[: (first + k) * cs], first, k)
+                msg = EngineRetrieve(
+                    self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k
+                )
                 got = int(send(msg)["chunks"])
                 slots = token_slots(blocks, local.block_size, local.num_blocks, (first + got) * cs)
                 for i in range(got):

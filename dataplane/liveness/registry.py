@@ -12,6 +12,7 @@ never wedging the reaper. An entry held by a request (``use``) is released by it
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -20,8 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
+from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.target import InstanceLivenessTarget, Reaped
-from dataplane.wire.errors import NotRegistered
+from dataplane.wire.errors import NotOwner, NotRegistered
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class Entry:
     has_liveness_signal: bool = False
     conn_fd: int = -1
     disconnected_at: float | None = None
+    secret: bytes = b""  # what every request of this instance carries (its registrant's)
     users: int = 0  # requests holding the entry's resources
     removed: bool = False  # popped; the last user releases
 
@@ -87,40 +90,66 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         release: Callable[[E, str], None],
         clock: Clock = time.monotonic,
         release_timeout_s: float = 10.0,
+        quota: InstanceQuota | None = None,
     ) -> None:
         self.name = name
         self._release = release  # frees an entry's resources; runs outside the lock
         self._clock = clock
         self.release_timeout_s = release_timeout_s
+        self._quota = quota  # shared by the registries of one server
         self._lock = threading.Lock()  # guards _entries and every entry's mutable fields
         self._entries: dict[int, E] = {}
 
     # ------------------------------------------------------------------ insert
-    def refresh_if(self, instance_id: int, same: Callable[[E], bool], conn_fd: int = -1) -> E | None:
+    def refresh_if(
+        self, instance_id: int, same: Callable[[E], bool], conn_fd: int = -1, secret: bytes | None = None
+    ) -> E | None:
         """A repeat registration: when the entry exists and ``same(entry)``, refresh its
-        ``last_seen`` (never latching the signal) and return it; else None."""
+        ``last_seen`` (never latching the signal) and return it; else None. NotOwner when the
+        entry was registered with another secret."""
         with self._lock:
             e = self._entries.get(instance_id)
-            if e is None or not same(e):
+            if e is None:
+                return None
+            _own(e, secret)
+            if not same(e):
                 return None
             e.last_seen = self._clock()
             _seen_over(e, conn_fd)
             return e
 
     def put(self, entry: E, why_replaced: str) -> None:
-        """Insert ``entry``; an entry it replaces is released (by its last user if in use)."""
+        """Insert ``entry``; an entry it replaces (only its owner may replace it: NotOwner
+        otherwise) is released, by its last user if in use. A new id takes a place of the
+        quota first (LimitExceeded when there is none left)."""
         with self._lock:
-            old = self._entries.get(entry.instance_id)
-            self._entries[entry.instance_id] = entry
-            idle = old is not None and _mark_removed(old)
+            known = entry.instance_id in self._entries
+        admitted = not known and self._quota is not None
+        if admitted:
+            assert self._quota is not None
+            self._quota.admit(entry.instance_id, entry.conn_fd)  # its own lock: never under ours
+        try:
+            with self._lock:
+                old = self._entries.get(entry.instance_id)
+                if old is not None:
+                    _own(old, entry.secret)
+                self._entries[entry.instance_id] = entry
+                idle = old is not None and _mark_removed(old)
+        except BaseException:
+            if admitted:
+                self._forget([entry.instance_id])
+            raise
+        if admitted and old is not None:  # another register of the same id got in first
+            self._forget([entry.instance_id])
         if idle and old is not None:
             self._bounded_release([old], why_replaced)
 
     # ---------------------------------------------------------------- liveness
-    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
+    def touch_instance(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> bool:
+        """Refresh and latch; False (touching nothing) for an unknown id or a wrong secret."""
         with self._lock:
             e = self._entries.get(instance_id)
-            if e is None:
+            if e is None or not _owned_by(e, secret):
                 return False
             e.last_seen = self._clock()
             e.has_liveness_signal = True
@@ -177,8 +206,16 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                     held.append(iid)
                     if _mark_removed(e):
                         idle.append(e)
+        self._forget(held)
         self._bounded_release(idle, why)
         return held
+
+    def check_owner(self, instance_id: int, secret: bytes) -> None:
+        """NotOwner when ``instance_id`` is held here under another secret."""
+        with self._lock:
+            e = self._entries.get(instance_id)
+            if e is not None:
+                _own(e, secret)
 
     def close(self) -> None:
         with self._lock:
@@ -215,21 +252,23 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             e = self._entries.get(instance_id)
             return None if e is None else _public(e)
 
-    def scope_of(self, instance_id: int, conn_fd: int = -1) -> bytes | None:
+    def scope_of(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> bytes | None:
         """The chunk-key scope of a tracked instance (refreshing last_seen), else None."""
         with self._lock:
             e = self._entries.get(instance_id)
             if e is None:
                 return None
+            _own(e, secret)
             e.last_seen = self._clock()
             _seen_over(e, conn_fd)
             return e.scope
 
     @contextmanager
-    def use(self, instance_id: int, conn_fd: int = -1) -> Iterator[E]:
+    def use(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> Iterator[E]:
         """Hold an entry for a request: refreshes last_seen; release waits for the last user."""
         with self._lock:
             e = self._get(instance_id)
+            _own(e, secret)
             e.users += 1
             e.last_seen = self._clock()
             _seen_over(e, conn_fd)
@@ -281,6 +320,7 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
 
         for _ in self._scan(collect_and_pop):
             pass
+        self._forget([r.instance_id for r in reaped])
         self._bounded_release(idle, "reap")  # first: nothing below can leak a popped entry
         for r in reaped:
             logger.warning(
@@ -291,6 +331,10 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                 "pinged" if r.pinged else "never pinged",
             )
         return reaped
+
+    def _forget(self, ids: list[int]) -> None:
+        if self._quota is not None and ids:
+            self._quota.forget(ids)
 
     def _bounded_release(self, entries: list[E], why: str) -> None:
         if not entries:
@@ -314,6 +358,19 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                 self._release(e, why)
             except Exception:
                 logger.exception("registry: releasing instance %d (%s) failed", e.instance_id, why)
+
+
+def _owned_by(e: Entry, secret: bytes | None) -> bool:
+    """``secret`` None: an in-process caller that is no request (no check)."""
+    return secret is None or hmac.compare_digest(e.secret, secret)
+
+
+def _own(e: Entry, secret: bytes | None) -> None:
+    if not _owned_by(e, secret):
+        raise NotOwner(
+            f"instance {e.instance_id} is registered by another owner: its requests must carry "
+            "the secret it registered with"
+        )
 
 
 def _mark_removed(e: Entry) -> bool:

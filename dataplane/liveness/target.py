@@ -33,10 +33,10 @@ class InstanceLivenessTarget:
 
     name = "target"
 
-    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
+    def touch_instance(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> bool:
         """Refresh ``last_seen`` and latch ``has_liveness_signal``; never inserts.
 
-        Returns whether the id is tracked here."""
+        Returns whether the id is tracked here (and ``secret``, when given, is its owner's)."""
         return False
 
     def reap_stale_instances(self, timeout_s: float, grace_s: float) -> list[Reaped]:
@@ -57,6 +57,10 @@ class InstanceLivenessTarget:
     def remove_instances(self, instance_ids: Iterable[int], why: str) -> list[int]:
         """Release these instances through the UNREGISTER cleanup; the ids that were held."""
         return []
+
+    def check_owner(self, instance_id: int, secret: bytes) -> None:
+        """Raise NotOwner when ``instance_id`` is held here under another secret."""
+        return None
 
     def drop_instance_state(self, instance_id: int) -> None:
         """Forget any per-instance side state of ``instance_id`` (unknown ids: a no-op)."""

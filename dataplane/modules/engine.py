@@ -19,15 +19,17 @@ from typing import Any
 
 import torch
 
+from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock, Entry, InstanceInfo
+from dataplane.memory.budget import ByteBudget
 from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter
-from dataplane.memory.shm import Segment
+from dataplane.memory.shm import SHM_DIR, Segment
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
-from dataplane.wire.errors import RequestError
+from dataplane.wire.errors import LimitExceeded, RequestError
 from dataplane.wire.messages import (
     EngineRegister,
     EngineRetrieve,
@@ -48,10 +50,27 @@ class PoolStrategy:
     segment: Segment
     slots: list[torch.Tensor]
 
+    @property
+    def nbytes(self) -> int:
+        return self.segment.size
+
     def release(self) -> None:
         self.slots = []
         self.segment.close()
         self.segment.unlink()
+
+
+def _new_pool(chunk_bytes: int, chunks: int) -> PoolStrategy:
+    """A segment of ``chunks`` slots, its space reserved (a full segment directory refuses here,
+    with the reason, instead of faulting at the first copy)."""
+    try:
+        seg = Segment.create(chunk_bytes * chunks)
+    except OSError as exc:
+        raise LimitExceeded(
+            f"cannot create a chunk pool of {chunk_bytes * chunks} bytes in {SHM_DIR}: {exc.strerror}"
+        ) from None
+    flat = seg.as_tensor()
+    return PoolStrategy(seg, [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(chunks)])
 
 
 @dataclass(eq=False)
@@ -75,9 +94,12 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         release_timeout_s: float = 10.0,
         max_pool_bytes: int = 4 << 30,
         splitter: CopySplitter | None = None,
+        quota: InstanceQuota | None = None,
+        pool_budget: ByteBudget | None = None,
     ) -> None:
-        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter)
-        self.max_pool_bytes = max_pool_bytes
+        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter, quota)
+        self.max_pool_bytes = max_pool_bytes  # one instance's pool
+        self.pool_budget = pool_budget  # every pool of this server
 
     def handlers(self) -> dict[MsgType, Handler]:
         return {
@@ -93,6 +115,8 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
     def _release(self, c: EngineContext, why: str) -> None:
         if c.strategy is not None:
             c.strategy.release()
+            if self.pool_budget is not None:
+                self.pool_budget.give_back(c.strategy.nbytes)
         logger.info("engine: released instance %d (%s)", c.instance_id, why)
 
     # ------------------------------------------------------------- handlers
@@ -101,56 +125,49 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         item = torch.empty((), dtype=dtype).element_size()
         chunk_bytes = reg.num_layers * 2 * self.chunk_size * reg.heads * reg.head_dim * item
         old = self.registry.refresh_if(
-            reg.instance_id, lambda c: c.strategy is not None and c.reg == reg, rctx.conn_fd
+            reg.instance_id, lambda c: c.strategy is not None and c.reg == reg, rctx.conn_fd, reg.secret
         )
         if old is not None and old.strategy is not None:  # a repeat register: refreshed
             return self._pool_info(old.strategy, chunk_bytes, created=False)
-        if chunk_bytes * reg.pool_chunks > self.max_pool_bytes:
+        pool_bytes = chunk_bytes * reg.pool_chunks
+        if pool_bytes > self.max_pool_bytes:
             raise RequestError(
                 f"pool_chunks: {reg.pool_chunks} chunks of {chunk_bytes} bytes exceed the pool "
                 f"limit of {self.max_pool_bytes} bytes"
             )
-        seg = Segment.create(chunk_bytes * reg.pool_chunks)  # slow: outside the lock
-        flat = seg.as_tensor()
-        strat = PoolStrategy(
-            seg, [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(reg.pool_chunks)]
-        )
-        del flat
+        if self.pool_budget is not None:
+            self.pool_budget.take(pool_bytes, f"the chunk pool of instance {reg.instance_id}")
+        strat: PoolStrategy | None = None
+        try:
+            strat = _new_pool(chunk_bytes, reg.pool_chunks)  # slow: outside the lock
+            self.registry.put(self._context(rctx, reg, chunk_bytes, strat), "re-registered")
+        except BaseException:
+            if strat is not None:
+                strat.release()
+            if self.pool_budget is not None:
+                self.pool_budget.give_back(pool_bytes)
+            raise
+        logger.info(
+            "engine: registered instance %d (%s, rank %d/%d, pool of %d chunks)",
+            reg.instance_id, reg.model_name, reg.worker_id, reg.world_size, reg.pool_chunks,
+        )  # fmt: skip
+        return self._pool_info(strat, chunk_bytes, created=True)
+
+    def _context(
+        self, rctx: RequestContext, reg: EngineRegister, chunk_bytes: int, strat: PoolStrategy
+    ) -> EngineContext:
         scope = scope_digest(
             reg.model_name, reg.world_size, reg.worker_id, reg.dtype, reg.num_layers, reg.heads, reg.head_dim
         )
         now = self._clock()
         info = InstanceInfo(
-            TransferMode.ENGINE_DRIVEN.value,
-            MemoryKind.SHM.value,
-            reg.model_name,
-            reg.world_size,
-            reg.worker_id,
-            reg.owner_pid,
-            reg.num_layers,
-            reg.dtype,
-        )
-        ctx = EngineContext(
-            reg.instance_id,
-            now,
-            now,
-            scope,
-            info,
-            conn_fd=rctx.conn_fd,
-            reg=reg,
-            chunk_bytes=chunk_bytes,
-            strategy=strat,
-        )
-        self.registry.put(ctx, "re-registered")
-        logger.info(
-            "engine: registered instance %d (%s, rank %d/%d, pool of %d chunks)",
-            reg.instance_id,
-            reg.model_name,
-            reg.worker_id,
-            reg.world_size,
-            reg.pool_chunks,
-        )
-        return self._pool_info(strat, chunk_bytes, created=True)
+            TransferMode.ENGINE_DRIVEN.value, MemoryKind.SHM.value, reg.model_name, reg.world_size,
+            reg.worker_id, reg.owner_pid, reg.num_layers, reg.dtype,
+        )  # fmt: skip
+        return EngineContext(
+            reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, secret=reg.secret, reg=reg,
+            chunk_bytes=chunk_bytes, strategy=strat,
+        )  # fmt: skip
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One chunk, split across the copy threads (in 16 slices)."""
@@ -192,7 +209,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         return s, keys
 
     def _store(self, rctx: RequestContext, p: EngineStore) -> dict[str, Any]:
-        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
+        with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             slots = s.slots
             return self.write_chunks(
@@ -204,7 +221,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             )
 
     def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> dict[str, Any]:
-        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
+        with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             wanted = keys[p.first_chunk : p.first_chunk + p.n_chunks]
             bufs = self.l1.acquire_prefix(wanted)

@@ -13,7 +13,7 @@ from dataplane.wire.messages import Lookup, MsgType
 
 
 class ScopeSource(Protocol):
-    def scope_of(self, instance_id: int, conn_fd: int = -1) -> bytes | None: ...
+    def scope_of(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> bytes | None: ...
 
 
 class LookupModule:
@@ -44,7 +44,7 @@ class LookupModule:
 
     def _lookup(self, rctx: RequestContext, p: Lookup) -> dict[str, Any]:
         for src in self.sources:
-            scope = src.scope_of(p.instance_id, rctx.conn_fd)
+            scope = src.scope_of(p.instance_id, rctx.conn_fd, p.secret)
             if scope is not None:
                 break
         else:

@@ -107,6 +107,8 @@ class ManagementModule:
 
     # --------------------------------------------------------------- handlers
     def _unregister(self, rctx: RequestContext, p: Unregister) -> dict[str, Any]:
+        for t in self.releaser.targets:  # only the owner unregisters (the admin route reaps)
+            t.check_owner(p.instance_id, p.secret)
         held = self.releaser.release([p.instance_id], "unregister")
         return {"removed": p.instance_id in held}
 
@@ -119,5 +121,5 @@ class ManagementModule:
         if p.instance_id is not None:
             tracked = False
             for t in self.releaser.targets:
-                tracked = t.touch_instance(p.instance_id, rctx.conn_fd) or tracked
+                tracked = t.touch_instance(p.instance_id, rctx.conn_fd, p.secret) or tracked
         return {"boot_token": self.info.boot_token, "tracked": tracked}

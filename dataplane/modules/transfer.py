@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from dataplane.liveness.registry import Entry, InstanceInfo
-from dataplane.memory.kvmemory import MappedKV, map_registration, token_slots
+from dataplane.liveness.quota import InstanceQuota
+from dataplane.liveness.registry import Clock, Entry, InstanceInfo
+from dataplane.memory.budget import ByteBudget
+from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter, MappedKV, map_registration, token_slots
 from dataplane.memory.shm import unlink_if_owner_gone
+from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer, TransferMode
 
@@ -38,10 +43,25 @@ class CacheContext(Entry):
 
     layout: bytes = b""  # digest of the registered layout: a repeat register compares it
     kv: MappedKV | None = None
+    mapped_bytes: int = 0  # of worker memory, counted in the mapped budget
 
 
 class ServerDrivenTransferModule(TransferModule[CacheContext]):
     name = TransferMode.SERVER_DRIVEN.value
+
+    def __init__(
+        self,
+        l1: L1Store,
+        chunk_size: int,
+        metrics: DataPlaneMetrics,
+        clock: Clock = time.monotonic,
+        release_timeout_s: float = 10.0,
+        splitter: CopySplitter | None = None,
+        quota: InstanceQuota | None = None,
+        mapped_budget: ByteBudget | None = None,
+    ) -> None:
+        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter, quota)
+        self.mapped_budget = mapped_budget  # worker memory mapped, every instance of this server
 
     def handlers(self) -> dict[MsgType, Handler]:
         return {
@@ -54,6 +74,8 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
     def _release(self, c: CacheContext, why: str) -> None:
         assert c.kv is not None
         closed = c.kv.release()
+        if self.mapped_budget is not None:
+            self.mapped_budget.give_back(c.mapped_bytes)
         for seg in c.kv.segments:
             unlink_if_owner_gone(seg.name)
         logger.info(
@@ -66,36 +88,43 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
     # -------------------------------------------------------------- handlers
     def _register(self, rctx: RequestContext, reg: Register) -> dict[str, Any]:
         layout = _layout_digest(reg)
-        if self.registry.refresh_if(reg.instance_id, lambda c: c.layout == layout, rctx.conn_fd):
+        if self.registry.refresh_if(reg.instance_id, lambda c: c.layout == layout, rctx.conn_fd, reg.secret):
             return {"created": False, "chunk_size": self.chunk_size}  # a repeat: refreshed
+        nbytes = _registered_bytes(reg)
+        if self.mapped_budget is not None:
+            self.mapped_budget.take(nbytes, f"the KV cache of instance {reg.instance_id}")
+        kv: MappedKV | None = None
+        try:
+            kv = map_registration(reg)  # slow (maps and pre-faults): outside the lock
+            self.registry.put(self._context(rctx, reg, layout, kv, nbytes), "re-registered with a new layout")
+        except BaseException:
+            if kv is not None:
+                kv.release()
+            if self.mapped_budget is not None:
+                self.mapped_budget.give_back(nbytes)
+            raise
+        logger.info(
+            "transfer: registered instance %d (%s, rank %d/%d, %d layers, %s)",
+            reg.instance_id, reg.model_name, reg.worker_id, reg.world_size, len(reg.layers), reg.memory.value,
+        )  # fmt: skip
+        return {"created": True, "chunk_size": self.chunk_size}
+
+    def _context(
+        self, rctx: RequestContext, reg: Register, layout: bytes, kv: MappedKV, nbytes: int
+    ) -> CacheContext:
         _, _, _, heads, hd = reg.kv_shape
-        kv = map_registration(reg)  # slow (maps and pre-faults): outside the lock
         scope = scope_digest(
             reg.model_name, reg.world_size, reg.worker_id, reg.dtype, len(reg.layers), heads, hd
         )
         now = self._clock()
         info = InstanceInfo(
-            reg.transfer_mode.value,
-            reg.memory.value,
-            reg.model_name,
-            reg.world_size,
-            reg.worker_id,
-            reg.owner_pid,
-            len(reg.layers),
-            reg.dtype,
-        )
-        ctx = CacheContext(reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, layout=layout, kv=kv)
-        self.registry.put(ctx, "re-registered with a new layout")
-        logger.info(
-            "transfer: registered instance %d (%s, rank %d/%d, %d layers, %s)",
-            reg.instance_id,
-            reg.model_name,
-            reg.worker_id,
-            reg.world_size,
-            len(reg.layers),
-            reg.memory.value,
-        )
-        return {"created": True, "chunk_size": self.chunk_size}
+            reg.transfer_mode.value, reg.memory.value, reg.model_name, reg.world_size, reg.worker_id,
+            reg.owner_pid, len(reg.layers), reg.dtype,
+        )  # fmt: skip
+        return CacheContext(
+            reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, secret=reg.secret, layout=layout,
+            kv=kv, mapped_bytes=nbytes,
+        )  # fmt: skip
 
     def _slots(self, c: CacheContext, p: Transfer, n_tokens: int) -> np.ndarray:
         """Token slots (block * block_size + offset) of the first ``n_tokens`` tokens."""
@@ -107,7 +136,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
 
     def _store(self, rctx: RequestContext, p: Store) -> dict[str, Any]:
         cs = self.chunk_size
-        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
+        with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
@@ -133,7 +162,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
 
     def _retrieve(self, rctx: RequestContext, p: Retrieve) -> dict[str, Any]:
         cs = self.chunk_size
-        with self.registry.use(p.instance_id, rctx.conn_fd) as c:
+        with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             keys = chunk_keys(c.scope, p.token_ids, cs)
             kv = c.kv
             assert kv is not None
@@ -151,6 +180,14 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         self.metrics.lookup_tokens.inc(len(p.token_ids))
         self.metrics.hit_tokens.inc(len(bufs) * cs)
         return {"retrieved_tokens": len(bufs) * cs}
+
+
+def _registered_bytes(reg: Register) -> int:
+    """The bytes of worker memory a registration maps: every layer's [2, blocks, ...] tensor."""
+    elems = 1
+    for d in reg.kv_shape:
+        elems *= d
+    return elems * torch.empty((), dtype=TORCH_DTYPES[reg.dtype]).element_size() * len(reg.layers)
 
 
 def _layout_digest(reg: Register) -> bytes:

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock, Entry, LivenessRegistry
 from dataplane.memory.kvmemory import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
@@ -39,9 +40,10 @@ class TransferModule(Generic[E]):
         clock: Clock = time.monotonic,
         release_timeout_s: float = 10.0,
         splitter: CopySplitter | None = None,
+        quota: InstanceQuota | None = None,
     ) -> None:
         self.registry: LivenessRegistry[E] = LivenessRegistry(
-            self.name, self._release, clock, release_timeout_s
+            self.name, self._release, clock, release_timeout_s, quota
         )
         self._clock = clock
         self.l1 = l1

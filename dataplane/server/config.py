@@ -78,11 +78,28 @@ class Settings(BaseSettings):
     get_blocking_failed_threshold: int = Field(10, ge=1, description="Failed gets per round that trip.")
     waiting_time_for_recovery: float = Field(300.0, ge=0, description="Least wait before recovery.")
     fallback_policy: FallbackPolicy = Field(FallbackPolicy.RECOMPUTE, description="recompute|local_cpu")
+    max_instances: int = Field(
+        4096, ge=1, le=1 << 20, description="Tracked instances, both transfer modes; more are refused."
+    )
+    max_instances_per_connection: int = Field(
+        64, ge=1, le=1 << 20, description="Instances registered over one connection; more are refused."
+    )
+    max_pool_gb: float = Field(
+        8.0, gt=0, le=1 << 14, description="Server-owned engine-driven pools, in all (GiB); more are refused."
+    )
+    max_mapped_gb: float = Field(
+        1024.0,
+        gt=0,
+        le=1 << 20,
+        description="Worker KV memory the server maps, in all (GiB); more is refused.",
+    )
     admin_token: SecretStr | None = Field(None, description="Bearer token of the admin routes.")
     log_level: LogLevel = Field(LogLevel.INFO, description="Logging level.")
 
     @field_validator(
         "l1_size_gb",
+        "max_pool_gb",
+        "max_mapped_gb",
         "remote_timeout_seconds",
         "worker_reap_timeout_seconds",
         "worker_registration_grace_seconds",

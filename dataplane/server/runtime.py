@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from prometheus_client import generate_latest
 
+from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import ContextEntry, LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget
+from dataplane.memory.budget import ByteBudget
 from dataplane.memory.kvmemory import CopySplitter
 from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
@@ -147,8 +149,15 @@ def build_dataplane(
     info = server.info(settings.chunk_size)
     splitter = CopySplitter(min(os.cpu_count() or 1, 4))
     cs = settings.chunk_size
-    transfer = ServerDrivenTransferModule(l1, cs, metrics, clock, splitter=splitter)
-    engine = EngineDrivenTransferModule(l1, cs, metrics, clock, splitter=splitter)
+    quota = InstanceQuota(settings.max_instances, settings.max_instances_per_connection)
+    mapped = ByteBudget("worker memory mapped", int(settings.max_mapped_gb * (1 << 30)), "max_mapped_gb")
+    pools = ByteBudget("the chunk pools", int(settings.max_pool_gb * (1 << 30)), "max_pool_gb")
+    transfer = ServerDrivenTransferModule(
+        l1, cs, metrics, clock, splitter=splitter, quota=quota, mapped_budget=mapped
+    )
+    engine = EngineDrivenTransferModule(
+        l1, cs, metrics, clock, splitter=splitter, quota=quota, pool_budget=pools
+    )
     releaser = InstanceReleaser([transfer.registry, engine.registry, *extra_targets], metrics)
     management = ManagementModule(
         info,
@@ -160,6 +169,7 @@ def build_dataplane(
         clock=clock,
     )
     server.add_connection_listener(management.on_connection)
+    server.add_connection_listener(quota.on_connection)
     server.add_module(management)
     server.add_module(transfer)
     server.add_module(engine)

@@ -6,6 +6,8 @@
     │   └── VersionMismatch      client and server speak different protocol versions
     ├── RequestError             a well-formed request the server refuses
     │   ├── NotRegistered        the instance id is not tracked
+    │   ├── NotOwner             the instance is registered with another secret
+    │   ├── LimitExceeded        a bound the server keeps (instances, pool bytes, ...) is reached
     │   └── InvalidLayout        a registered KV layout that cannot be mapped or used
     ├── ServerError              an unexpected failure inside a handler
     │   ├── ShuttingDown         the server is draining: it takes no new requests
@@ -52,6 +54,18 @@ class NotRegistered(RequestError):
     code = "NOT_REGISTERED"
 
 
+class NotOwner(RequestError):
+    """A request of an instance registered by someone else (its secret differs)."""
+
+    code = "NOT_OWNER"
+
+
+class LimitExceeded(RequestError):
+    """A request that would take the server past one of its limits (named in the message)."""
+
+    code = "LIMIT_EXCEEDED"
+
+
 class InvalidLayout(RequestError):
     code = "INVALID_LAYOUT"
 
@@ -92,6 +106,8 @@ _BY_CODE: dict[str, type[KVWardenError]] = {
         VersionMismatch,
         RequestError,
         NotRegistered,
+        NotOwner,
+        LimitExceeded,
         InvalidLayout,
         ServerError,
         ShuttingDown,

@@ -96,6 +96,20 @@ _PID = small_int(0, 1 << 31)
 _STRIDES = int_list(5, 0, INT64_MAX)
 _OFFSET = small_int(0, INT64_MAX)
 _HANDLE = blob(1024)
+SECRET_BYTES = (16, 64)  # an instance's secret: random bytes only its registrant knows
+
+
+def _secret(v: Any, where: str) -> bytes:
+    lo, hi = SECRET_BYTES
+    if not isinstance(v, bytes):
+        raise ProtocolError(f"{where}: expected bytes, got {type_name(v)}")
+    if not lo <= len(v) <= hi:
+        raise ProtocolError(f"{where}: {len(v)} bytes is outside [{lo}, {hi}]")
+    return v
+
+
+def _opt_secret(v: Any, where: str) -> bytes | None:
+    return None if v is None else _secret(v, where)
 
 
 def _rank_below_world(where: str, worker_id: int, world_size: int) -> None:
@@ -115,10 +129,17 @@ class GetServerInfo(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ping(Message):
-    """``instance_id`` None: a probe that touches nothing."""
+    """``instance_id`` None: a probe that touches nothing. With an id, ``secret`` must be the
+    one the instance registered with, else the PING touches nothing and answers untracked."""
 
     TYPE = MsgType.PING
     instance_id: Annotated[int | None, opt_u63]
+    secret: Annotated[bytes | None, _opt_secret]  # None with a probe
+
+    def _checked(self, where: str) -> Ping:
+        if (self.instance_id is None) != (self.secret is None):
+            raise ProtocolError(f"{where}.secret: must be given with an instance_id, and only then")
+        return self
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +171,7 @@ Layer = ShmLayer | CudaLayer
 class Register(Message):
     TYPE = MsgType.REGISTER_KV_CACHE
     instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
     model_name: Annotated[str, name]
     world_size: Annotated[int, _RANKS]
     worker_id: Annotated[int, _RANK]
@@ -173,6 +195,7 @@ class Register(Message):
 class Unregister(Message):
     TYPE = MsgType.UNREGISTER_KV_CACHE
     instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -180,6 +203,7 @@ class Transfer(Message):
     """STORE and RETRIEVE: token i lives in block ``block_ids[i // block_size]``."""
 
     instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
     token_ids: Annotated[np.ndarray, _IDS]
     block_ids: Annotated[np.ndarray, _IDS]
 
@@ -198,6 +222,7 @@ class Retrieve(Transfer):
 class Lookup(Message):
     TYPE = MsgType.LOOKUP
     instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
     token_ids: Annotated[np.ndarray, _IDS]
 
 
@@ -207,6 +232,7 @@ class EngineRegister(Message):
 
     TYPE = MsgType.ENGINE_REGISTER
     instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
     model_name: Annotated[str, name]
     world_size: Annotated[int, _RANKS]
     worker_id: Annotated[int, _RANK]
@@ -228,6 +254,7 @@ class EngineTransfer(Message):
     ENGINE_RETRIEVE: fill up to ``n_chunks`` slots from chunk ``first_chunk`` on."""
 
     instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
     token_ids: Annotated[np.ndarray, _IDS]
     first_chunk: Annotated[int, small_int(0, MAX_TOKENS_PER_REQUEST)]
     n_chunks: Annotated[int, small_int(0, MAX_POOL_CHUNKS)]

@@ -10,16 +10,21 @@ from dataplane.client.kvalloc import describe_caches
 from dataplane.wire.messages import EngineRegister, Register, TransferMode
 
 
-def register_message(instance_id: int, caches: list[torch.Tensor], model: str = "m") -> Register:
+SECRET = bytes(range(16))  # the secret the tests' instances register with
+
+
+def register_message(
+    instance_id: int, caches: list[torch.Tensor], model: str = "m", secret: bytes = SECRET
+) -> Register:
     layout = describe_caches(caches)
-    return Register(instance_id, model, 1, 0, TransferMode.SERVER_DRIVEN, layout.memory, layout.dtype,
-                    layout.kv_shape, os.getpid(), layout.layers)  # fmt: skip
+    return Register(instance_id, secret, model, 1, 0, TransferMode.SERVER_DRIVEN, layout.memory,
+                    layout.dtype, layout.kv_shape, os.getpid(), layout.layers)  # fmt: skip
 
 
-def engine_register_message(instance_id: int, pool_chunks: int = 4) -> EngineRegister:
+def engine_register_message(instance_id: int, pool_chunks: int = 4, secret: bytes = SECRET) -> EngineRegister:
     """An engine-driven REGISTER for the tiny layout of the data-plane tests (2 layers, 2 heads,
     head dim 8)."""
-    return EngineRegister(instance_id, "m", 1, 0, "bfloat16", 2, 2, 8, pool_chunks, os.getpid())
+    return EngineRegister(instance_id, secret, "m", 1, 0, "bfloat16", 2, 2, 8, pool_chunks, os.getpid())
 
 
 def segment_of(caches: list[torch.Tensor]) -> str:
