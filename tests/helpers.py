@@ -89,9 +89,13 @@ def next_rid() -> int:
     return next(_RID)
 
 
-def ping(sock: zmq.Socket[Any], instance_id: int | None = None, timeout: float = 10.0) -> Reply:
+def ping(
+    sock: zmq.Socket[Any], instance_id: int | None = None, timeout: float = 10.0, secret: bytes = bytes(16)
+) -> Reply:
+    """A PING; with an id it carries ``secret`` (a wrong one answers ``tracked: false``)."""
     rid = next_rid()
-    reply = call(sock, encode_request(rid, MsgType.PING, [instance_id]), timeout)
+    payload = [instance_id, None if instance_id is None else secret]
+    reply = call(sock, encode_request(rid, MsgType.PING, payload), timeout)
     assert reply.ok, reply
     assert reply.request_id == rid
     assert isinstance(reply.body["boot_token"], int)

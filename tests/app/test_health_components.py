@@ -42,7 +42,7 @@ class FatalTarget(InstanceLivenessTarget):
 
     name = "fatal"
 
-    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
+    def touch_instance(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> bool:
         if instance_id == FATAL_ID:
             raise LoopKiller(f"touch of {instance_id}")
         return False
@@ -92,7 +92,7 @@ def test_health_fails_naming_the_loop_when_the_loop_thread_dies(
     r = c.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "pass", r.text
 
-    sock.send(encode_message(next_rid(), Ping(FATAL_ID)))
+    sock.send(encode_message(next_rid(), Ping(FATAL_ID, bytes(16))))
     wait_until(lambda: not dp.server.is_alive(), 30.0, what="the loop thread to die")
     comp = dp.components()
     assert comp.loop_error is not None and "LoopKiller" in comp.loop_error, comp

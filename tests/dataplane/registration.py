@@ -9,7 +9,6 @@ import torch
 from dataplane.client.kvalloc import describe_caches
 from dataplane.wire.messages import EngineRegister, Register, TransferMode
 
-
 SECRET = bytes(range(16))  # the secret the tests' instances register with
 
 

@@ -570,7 +570,7 @@ def test_other_protocol_version_gets_an_immediate_error_naming_both(
         assert (reply.ok, reply.request_id) == (False, 4242)
         assert reply.body["code"] == "VERSION_MISMATCH"
         assert "v99" in reply.body["message"] and f"v{PROTOCOL_VERSION}" in reply.body["message"]
-        sock.send(encode_request(4243, MsgType.PING, [None]))  # the connection still works
+        sock.send(encode_request(4243, MsgType.PING, [None, None]))  # the connection still works
         assert sock.poll(2000, zmq.POLLIN)
         ok = decode_reply(sock.recv())
         assert ok.ok and ok.request_id == 4243
