@@ -127,7 +127,9 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         admitted = not known and self._quota is not None
         if admitted:
             assert self._quota is not None
-            self._quota.admit(entry.instance_id, entry.conn_fd)  # its own lock: never under ours
+            self._quota.admit(
+                entry.instance_id, entry.conn_fd, entry.secret
+            )  # its own lock, never under ours
         try:
             with self._lock:
                 old = self._entries.get(entry.instance_id)

@@ -92,6 +92,20 @@ class KeyedSerialExecutor:
                 task = waiting.popleft()
 
 
+def _bind(sock: zmq.Socket[Any], endpoint: str) -> None:
+    """Bind; an ``ipc://`` socket file is created readable and writable by this user only (the
+    umask is set around the bind, so it never exists with wider permissions), so only processes
+    of the server's user can connect."""
+    if not endpoint.startswith("ipc://"):
+        sock.bind(endpoint)
+        return
+    old = os.umask(0o177)
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(old)
+
+
 class Server:
     def __init__(
         self,
@@ -121,7 +135,7 @@ class Server:
         # libzmq drops the peer's connection rather than buffer an unbounded frame
         self._sock.setsockopt(zmq.MAXMSGSIZE, max(4 * max_frame_bytes, max_frame_bytes + (1 << 20)))
         try:
-            self._sock.bind(endpoint)
+            _bind(self._sock, endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
             self._ctx.term()

@@ -24,7 +24,7 @@ from dataplane.storage.l1 import L1Store
 from dataplane.wire.checks import ids_to_bytes
 from dataplane.wire.errors import NotRegistered
 from dataplane.wire.messages import PARSERS, MsgType
-from tests.dataplane.registration import engine_register_message
+from tests.dataplane.registration import SECRET, engine_register_message
 from tests.helpers import FakeClock
 
 CHUNK = 16
@@ -66,7 +66,7 @@ def transfer(
     m: EngineDrivenTransferModule, mtype: MsgType, instance_id: int, conn_fd: int = -1
 ) -> dict[str, Any]:
     tokens = ids_to_bytes(list(range(200, 200 + 2 * CHUNK)))
-    payload = PARSERS[mtype]([instance_id, tokens, 0, 2])
+    payload = PARSERS[mtype]([instance_id, SECRET, tokens, 0, 2])
     out: dict[str, Any] = m.handlers()[mtype].fn(RequestContext(2, mtype, conn_fd), payload)
     return out
 

@@ -31,7 +31,7 @@ from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import NotRegistered
 from dataplane.wire.messages import MsgType, Retrieve, Store
 from tests.dataplane.fakes import BlendLike
-from tests.dataplane.registration import register_message, segment_of
+from tests.dataplane.registration import SECRET, register_message, segment_of
 from tests.helpers import FakeClock, wait_until
 
 CHUNK = 16
@@ -104,7 +104,7 @@ def transfer(
 ) -> dict[str, Any]:
     tokens = np.arange(100, 100 + 2 * CHUNK, dtype=ID_DTYPE)
     record = {MsgType.STORE: Store, MsgType.RETRIEVE: Retrieve}[mtype]
-    payload = record(instance_id, tokens, np.array([0, 1], dtype=ID_DTYPE))
+    payload = record(instance_id, SECRET, tokens, np.array([0, 1], dtype=ID_DTYPE))
     out: dict[str, Any] = m.handlers()[mtype].fn(RequestContext(2, mtype, conn_fd), payload)
     return out
 

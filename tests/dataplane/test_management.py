@@ -29,7 +29,7 @@ from dataplane.storage.l1 import L1Store
 from dataplane.wire.messages import Message, MsgType, Ping, Register, Unregister
 from dataplane.wire.protocol import PROTOCOL_VERSION, decode_reply, encode_message
 from tests.dataplane.fakes import BlendLike
-from tests.dataplane.registration import engine_register_message, register_message
+from tests.dataplane.registration import SECRET, engine_register_message, register_message
 from tests.helpers import FakeClock, wait_until
 
 CHUNK = 16
@@ -42,10 +42,10 @@ class TouchLog(InstanceLivenessTarget):
     """A target that only writes down the touches it gets."""
 
     def __init__(self) -> None:
-        self.touches: list[tuple[int, int]] = []
+        self.touches: list[tuple[int, int, bytes | None]] = []
 
-    def touch_instance(self, instance_id: int, conn_fd: int = -1) -> bool:
-        self.touches.append((instance_id, conn_fd))
+    def touch_instance(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> bool:
+        self.touches.append((instance_id, conn_fd, secret))
         return False
 
 
@@ -94,9 +94,14 @@ def modules(
     )
 
 
+def ping_of(instance_id: int | None) -> Ping:
+    """A PING of ``instance_id`` with its registrant's secret, or a probe (None)."""
+    return Ping(instance_id, None if instance_id is None else SECRET)
+
+
 def ping(mgmt: ManagementModule, instance_id: int | None, conn_fd: int = 9) -> dict[str, Any]:
     fn = mgmt.handlers()[MsgType.PING].fn
-    out: dict[str, Any] = fn(RequestContext(3, MsgType.PING, conn_fd), Ping(instance_id))
+    out: dict[str, Any] = fn(RequestContext(3, MsgType.PING, conn_fd), ping_of(instance_id))
     return out
 
 
@@ -128,7 +133,7 @@ def test_ping_touches_every_target_for_an_id(
             e = m.registry.context_entry(7)
             assert e is not None
             assert (e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0 + 30, True, 9)
-        assert log.touches == [(7, 9)]
+        assert log.touches == [(7, 9, SECRET)]
         assert sample(metrics, "kvwarden_pings_total") == 1
     finally:
         sd.close()
@@ -262,8 +267,8 @@ def test_ping_is_answered_while_a_registration_is_slow(
     try:
         slow.send(encode_message(1, register_message(7, make_caches())))
         assert entered.wait(10)
-        assert call(pinger, 2, Ping(7))["tracked"] is False
-        assert call(pinger, 3, Ping(None))["boot_token"] == r.server.boot_token
+        assert call(pinger, 2, ping_of(7))["tracked"] is False
+        assert call(pinger, 3, ping_of(None))["boot_token"] == r.server.boot_token
         # Ordering, not a wall-clock bound (a shared 2-core CI machine can stall any thread
         # past a bound worth asserting): both PINGs were answered while the registration was
         # still held inside its handler, its reply not yet sent.
@@ -273,7 +278,7 @@ def test_ping_is_answered_while_a_registration_is_slow(
         gate.set()
     assert slow.poll(10_000, zmq.POLLIN)
     assert decode_reply(slow.recv()).body["created"] is True
-    assert call(pinger, 4, Ping(7))["tracked"] is True
+    assert call(pinger, 4, ping_of(7))["tracked"] is True
 
 
 def test_closed_connection_gets_its_instance_reaped_after_the_grace(
@@ -283,7 +288,7 @@ def test_closed_connection_gets_its_instance_reaped_after_the_grace(
     r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
     sock = r.dealer()
     call(sock, 1, register_message(7, make_caches()))
-    call(sock, 2, Ping(7))
+    call(sock, 2, ping_of(7))
     t_close = time.monotonic()
     sock.close(linger=0)
     wait_until(lambda: r.blend.seen() == [7], grace + 6, what="the disconnect reap")
@@ -303,15 +308,15 @@ def test_instance_that_speaks_over_a_new_connection_is_not_reaped(
     r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
     old, new = r.dealer(), r.dealer()
     call(old, 1, register_message(7, make_caches()))
-    call(new, 2, Ping(None))  # the new connection is up before the old one goes
-    call(old, 3, Ping(7))
+    call(new, 2, ping_of(None))  # the new connection is up before the old one goes
+    call(old, 3, ping_of(7))
     old.close(linger=0)
     wait_until(
         lambda: (e := r.transfer.registry.context_entry(7)) is not None and e.disconnected,
         3,
         what="the close to be noticed",
     )
-    assert call(new, 4, Ping(7))["tracked"] is True
+    assert call(new, 4, ping_of(7))["tracked"] is True
     entry = r.transfer.registry.context_entry(7)
     assert entry is not None and not entry.disconnected
     deadline = time.monotonic() + 3 * grace
@@ -363,14 +368,14 @@ def test_management_reaper_reaps_fans_out_and_counts(
     assert any(t.is_alive() for t in reaper_threads())
     sock = r.dealer()
     call(sock, 1, register_message(7, make_caches()))
-    assert call(sock, 2, Ping(7))["tracked"] is True
+    assert call(sock, 2, ping_of(7))["tracked"] is True
     clock.advance(0.5)  # past the reap timeout of a pinged instance
     wait_until(lambda: r.blend.seen() == [7], 5, what="the reaper")
     assert r.transfer.registry.context_entry(7) is None
     assert r.management.releaser.reaped_total == 1
     assert sample(r.metrics, "kvwarden_instances_reaped_total", reason="timeout") == 1
     assert sample(r.metrics, "kvwarden_instances_reaped_total", reason="grace") == 0
-    assert call(sock, 3, Ping(7))["tracked"] is False  # the client will re-register
+    assert call(sock, 3, ping_of(7))["tracked"] is False  # the client will re-register
 
 
 def test_shutdown_joins_the_reaper_before_any_module_clears_its_state(
@@ -459,10 +464,10 @@ def test_unregister_runs_the_cleanup_and_is_idempotent(
     r.blend.state[7] = "rope-7"
     sock = r.dealer()
     call(sock, 1, register_message(7, make_caches()))
-    assert call(sock, 2, Unregister(7)) == {"removed": True}
+    assert call(sock, 2, Unregister(7, SECRET)) == {"removed": True}
     assert r.transfer.registry.context_entry(7) is None
     assert r.blend.state == {} and r.blend.seen() == [7]
-    assert call(sock, 3, Unregister(7)) == {"removed": False}
+    assert call(sock, 3, Unregister(7, SECRET)) == {"removed": False}
     assert r.blend.seen() == [7, 7]  # fanned out again: a no-op for an unknown id
     assert r.management.releaser.reaped_total == 0  # an UNREGISTER is not a reap
 

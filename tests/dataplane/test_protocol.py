@@ -16,8 +16,11 @@ from dataplane.wire import checks as c
 from dataplane.wire import messages as m
 from dataplane.wire import protocol as p
 from dataplane.wire.errors import FrameTooLarge, ProtocolError, ShuttingDown, VersionMismatch
+from tests.dataplane.registration import SECRET, engine_register_message
 
 IID = 123456789
+V = p.PROTOCOL_VERSION
+NO_IDS = np.zeros(0, dtype=c.ID_DTYPE)
 
 
 def raw(version: Any, rid: Any, mtype: Any, payload: Any) -> list[Any]:
@@ -32,9 +35,24 @@ def roundtrip(frame: bytes, limit: int = p.DEFAULT_MAX_FRAME_BYTES) -> p.Request
     return p.decode_request(p.unpack(frame, limit))
 
 
+def payload_of(msg: m.Record, **over: Any) -> list[Any]:
+    """``msg``'s payload as it travels, the named fields replaced by raw (wire) values."""
+    out = m.encode_payload(msg)
+    names = m.field_names(type(msg))
+    for field, value in over.items():
+        out[names.index(field)] = value
+    return out
+
+
+def in_wire_order(cls: type[m.Record], vals: dict[str, Any]) -> list[Any]:
+    assert set(vals) == set(m.field_names(cls)), set(vals) ^ set(m.field_names(cls))
+    return [vals[n] for n in m.field_names(cls)]
+
+
 def shm_register(**over: Any) -> list[Any]:
     vals: dict[str, Any] = {
         "instance_id": IID,
+        "secret": SECRET,
         "model_name": "m",
         "world_size": 2,
         "worker_id": 1,
@@ -49,7 +67,7 @@ def shm_register(**over: Any) -> list[Any]:
         ],
     }
     vals.update(over)
-    return list(vals.values())
+    return in_wire_order(m.Register, vals)
 
 
 def cuda_layer(**over: Any) -> list[Any]:
@@ -67,7 +85,26 @@ def cuda_layer(**over: Any) -> list[Any]:
         "strides": [16384, 256, 16, 8, 1],
     }
     vals.update(over)
-    return list(vals.values())
+    return in_wire_order(m.CudaLayer, vals)
+
+
+def instance_messages() -> list[m.Message]:
+    """One valid message of every type that names an instance (all carry its secret)."""
+    tok = np.arange(2 * 16)
+    return [
+        m.Ping(IID, SECRET),
+        m.PARSERS[m.MsgType.REGISTER_KV_CACHE](shm_register()),
+        m.Unregister(IID, SECRET),
+        m.Store(IID, SECRET, tok, np.array([3, 1])),
+        m.Retrieve(IID, SECRET, tok, np.array([3, 1])),
+        m.Lookup(IID, SECRET, tok),
+        engine_register_message(IID),
+        m.EngineStore(IID, SECRET, tok, 0, 2),
+        m.EngineRetrieve(IID, SECRET, tok, 0, 2),
+    ]
+
+
+INSTANCE_MESSAGES = instance_messages()
 
 
 # ------------------------------------------------------------------------------- validators
@@ -224,29 +261,53 @@ class TestFraming:
         blk = c.ids_to_bytes([3, 1, 2])
         assert roundtrip(p.encode_request(1, m.MsgType.HELLO, [])).payload == m.Hello()
         assert roundtrip(p.encode_request(1, m.MsgType.GET_SERVER_INFO, [])).type is m.MsgType.GET_SERVER_INFO
-        assert roundtrip(p.encode_request(2, m.MsgType.PING, [None])).payload == m.Ping(None)
-        assert roundtrip(p.encode_request(2, m.MsgType.PING, [IID])).payload == m.Ping(IID)
-        assert roundtrip(p.encode_request(3, "UNREGISTER_KV_CACHE", [IID])).payload == m.Unregister(IID)
-        for mtype in (m.MsgType.STORE, m.MsgType.RETRIEVE):
-            req = roundtrip(p.encode_request(9, mtype, [IID, tok, blk]))
-            assert req.request_id == 9 and req.type is mtype
-            assert isinstance(req.payload, m.Transfer)
+        assert roundtrip(p.encode_message(2, m.Ping(None, None))).payload == m.Ping(None, None)
+        assert roundtrip(p.encode_message(2, m.Ping(IID, SECRET))).payload == m.Ping(IID, SECRET)
+        unreg = m.Unregister(IID, SECRET)
+        assert roundtrip(p.encode_message(3, unreg)).payload == unreg
+        for cls in (m.Store, m.Retrieve):
+            req = roundtrip(p.encode_message(9, cls(IID, SECRET, np.arange(40), np.array([3, 1, 2]))))
+            assert req.request_id == 9 and req.type is cls.TYPE
+            assert isinstance(req.payload, cls)
             assert req.payload.instance_id == IID
+            assert req.payload.secret == SECRET
             assert req.payload.token_ids.tolist() == list(range(40))
             assert req.payload.block_ids.tolist() == [3, 1, 2]
-        req = roundtrip(p.encode_request(4, m.MsgType.LOOKUP, [IID, tok]))
+        req = roundtrip(p.encode_message(4, m.Lookup(IID, SECRET, np.arange(40))))
         assert isinstance(req.payload, m.Lookup)
+        assert req.payload.secret == SECRET
         assert req.payload.token_ids.tolist() == list(range(40))
+        # what travels: ids packed, the secret as bytes right after the instance id
+        assert m.encode_payload(m.Store(IID, SECRET, np.arange(40), np.array([3, 1, 2]))) == [
+            IID,
+            SECRET,
+            tok,
+            blk,
+        ]
+        assert m.encode_payload(m.Lookup(IID, SECRET, np.arange(40))) == [IID, SECRET, tok]
+        assert m.encode_payload(m.Ping(None, None)) == [None, None]
+
+    @pytest.mark.parametrize("msg", INSTANCE_MESSAGES, ids=lambda msg: type(msg).__name__)
+    def test_every_instance_message_roundtrips_its_secret(self, msg: m.Message) -> None:
+        names = m.field_names(type(msg))
+        assert names[:2] == ("instance_id", "secret")  # the secret travels at index 1
+        raw_payload = m.encode_payload(msg)
+        assert raw_payload[:2] == [IID, SECRET]
+        req = roundtrip(p.encode_message(5, msg))
+        assert req.type is msg.TYPE and type(req.payload) is type(msg)
+        assert req.payload.instance_id == IID  # type: ignore[attr-defined]
+        assert req.payload.secret == SECRET  # type: ignore[attr-defined]
+        assert m.encode_payload(req.payload) == raw_payload  # nothing lost or reordered
 
     def test_request_id_full_u64_range(self) -> None:
         assert roundtrip(p.encode_request((1 << 64) - 1, "HELLO", [])).request_id == (1 << 64) - 1
         with pytest.raises(ProtocolError, match=r"request_id: expected an integer in \[0, 2\^64\)"):
-            p.decode_request([1, -1, "HELLO", []])
+            p.decode_request([V, -1, "HELLO", []])
         with pytest.raises(ProtocolError, match="request_id"):
-            p.decode_request([1, "7", "HELLO", []])
+            p.decode_request([V, "7", "HELLO", []])
 
     def test_frame_too_large(self) -> None:
-        frame = p.encode_request(1, m.MsgType.LOOKUP, [IID, c.ids_to_bytes(range(2000))])
+        frame = p.encode_message(1, m.Lookup(IID, SECRET, np.arange(2000)))
         assert len(frame) > 4096
         with pytest.raises(
             FrameTooLarge, match=f"frame of {len(frame)} bytes exceeds the limit of 4096 bytes"
@@ -274,12 +335,27 @@ class TestFraming:
         with pytest.raises(ProtocolError, match="undecodable frame"):
             p.unpack(data, 4096)
 
+    def test_protocol_version_is_2(self) -> None:
+        assert p.PROTOCOL_VERSION == 2
+
     def test_version_mismatch_names_both_versions(self) -> None:
         with pytest.raises(VersionMismatch) as exc:
-            roundtrip(p.encode_request(1, "HELLO", [], version=2))
+            roundtrip(p.encode_request(1, "HELLO", [], version=3))
         msg = str(exc.value)
-        assert "v2" in msg and f"v{p.PROTOCOL_VERSION}" in msg
-        assert "client speaks v2" in msg and "server speaks v1" in msg
+        assert "v3" in msg and f"v{p.PROTOCOL_VERSION}" in msg
+        assert "client speaks v3" in msg and "server speaks v2" in msg
+        assert exc.value.code == "VERSION_MISMATCH"
+
+    @pytest.mark.parametrize(
+        ("mtype", "v1_payload"),
+        [("HELLO", []), ("PING", [None]), ("PING", [IID]), ("UNREGISTER_KV_CACHE", [IID])],
+    )
+    def test_v1_client_gets_version_mismatch(self, mtype: str, v1_payload: list[Any]) -> None:
+        """A v1 client's frame (its payload without a secret) is refused for its version, not
+        for its payload: it learns to upgrade, not that its PING is malformed."""
+        with pytest.raises(VersionMismatch) as exc:
+            roundtrip(p.encode_request(1, mtype, v1_payload, version=1))
+        assert "client speaks v1, server speaks v2" in str(exc.value)
         assert exc.value.code == "VERSION_MISMATCH"
 
     def test_version_checked_before_everything_else(self) -> None:
@@ -339,13 +415,23 @@ class TestFraming:
 
     def test_reply_version_mismatch_names_both(self) -> None:
         data = msgpack.packb([9, 1, True, None])
-        with pytest.raises(VersionMismatch, match="server speaks v9, client speaks v1"):
+        with pytest.raises(VersionMismatch, match="server speaks v9, client speaks v2"):
             p.decode_reply(data)
+        with pytest.raises(VersionMismatch, match="server speaks v1, client speaks v2"):
+            p.decode_reply(msgpack.packb([1, 1, True, None]))
         with pytest.raises(ProtocolError, match="malformed reply"):
             p.decode_reply(msgpack.packb([1, 1, True]))
 
 
 # ----------------------------------------------------------------------- payload parsers
+
+
+PING = m.Ping(IID, SECRET)
+UNREG = m.Unregister(IID, SECRET)
+STORE = m.Store(IID, SECRET, NO_IDS, NO_IDS)
+RETRIEVE = m.Retrieve(IID, SECRET, NO_IDS, NO_IDS)
+LOOKUP = m.Lookup(IID, SECRET, NO_IDS)
+S = SECRET
 
 
 @pytest.mark.parametrize(
@@ -354,33 +440,49 @@ class TestFraming:
         ("HELLO", [1], r"HELLO: expected 0 payload fields \(nothing\), got 1"),
         ("HELLO", None, "HELLO: payload must be an array, got NoneType"),
         ("GET_SERVER_INFO", [None], "GET_SERVER_INFO: expected 0 payload fields"),
-        ("PING", [], r"PING: expected 1 payload fields \(instance_id\), got 0"),
-        ("PING", [1, 2], r"PING: expected 1 payload fields \(instance_id\), got 2"),
-        ("PING", ["x"], "PING.instance_id: expected an integer, got str"),
-        ("PING", [1.5], "PING.instance_id: expected an integer, got float"),
-        ("PING", [-1], r"PING.instance_id: -1 is out of range \[0, 2\^63\)"),
-        ("PING", [1 << 63], r"PING.instance_id: 9223372036854775808 is out of range"),
-        ("UNREGISTER_KV_CACHE", [None], "UNREGISTER_KV_CACHE.instance_id: expected an integer"),
-        ("UNREGISTER_KV_CACHE", [], r"UNREGISTER_KV_CACHE: expected 1 payload fields"),
+        ("PING", [], r"PING: expected 2 payload fields \(instance_id, secret\), got 0"),
+        ("PING", [1, S, 2], r"PING: expected 2 payload fields \(instance_id, secret\), got 3"),
+        ("PING", payload_of(PING, instance_id="x"), "PING.instance_id: expected an integer, got str"),
+        ("PING", payload_of(PING, instance_id=1.5), "PING.instance_id: expected an integer, got float"),
+        ("PING", payload_of(PING, instance_id=-1), r"PING.instance_id: -1 is out of range \[0, 2\^63\)"),
+        (
+            "PING",
+            payload_of(PING, instance_id=1 << 63),
+            r"PING.instance_id: 9223372036854775808 is out of range",
+        ),
+        (
+            "UNREGISTER_KV_CACHE",
+            payload_of(UNREG, instance_id=None),
+            "UNREGISTER_KV_CACHE.instance_id: expected an integer",
+        ),
+        ("UNREGISTER_KV_CACHE", [], r"UNREGISTER_KV_CACHE: expected 2 payload fields"),
         (
             "STORE",
-            [IID, b""],
-            r"STORE: expected 3 payload fields \(instance_id, token_ids, "
-            r"block_ids\), got 2",
+            [IID, S, b""],
+            r"STORE: expected 4 payload fields \(instance_id, secret, token_ids, "
+            r"block_ids\), got 3",
         ),
-        ("STORE", [IID, [1, 2], b""], "STORE.token_ids: expected bytes"),
-        ("STORE", [IID, b"", "ab"], "STORE.block_ids: expected bytes"),
-        ("STORE", [IID, b"\x00" * 6, b""], "STORE.token_ids: 6 bytes is not a whole number"),
-        ("STORE", [IID, b"", b"\x00" * 3], "STORE.block_ids: 3 bytes is not a whole number"),
-        ("STORE", [-7, b"", b""], r"STORE.instance_id: -7 is out of range \[0, 2\^63\)"),
-        ("STORE", [1 << 63, b"", b""], r"STORE.instance_id: .* is out of range"),
-        ("RETRIEVE", [IID, b"", b"", b""], "RETRIEVE: expected 3 payload fields"),
-        ("RETRIEVE", ["1", b"", b""], "RETRIEVE.instance_id: expected an integer, got str"),
-        ("RETRIEVE", [(1 << 64) - 1, b"", b""], "RETRIEVE.instance_id: .* is out of range"),
-        ("LOOKUP", [IID], r"LOOKUP: expected 2 payload fields \(instance_id, token_ids\)"),
-        ("LOOKUP", [IID, b"\x01"], "LOOKUP.token_ids: 1 bytes is not a whole number"),
-        ("LOOKUP", [IID, None], "LOOKUP.token_ids: expected bytes"),
-        ("LOOKUP", [True, b""], "LOOKUP.instance_id: expected an integer, got bool"),
+        ("STORE", payload_of(STORE, token_ids=[1, 2]), "STORE.token_ids: expected bytes"),
+        ("STORE", payload_of(STORE, block_ids="ab"), "STORE.block_ids: expected bytes"),
+        ("STORE", payload_of(STORE, token_ids=b"\x00" * 6), "STORE.token_ids: 6 bytes is not a whole number"),
+        ("STORE", payload_of(STORE, block_ids=b"\x00" * 3), "STORE.block_ids: 3 bytes is not a whole number"),
+        ("STORE", payload_of(STORE, instance_id=-7), r"STORE.instance_id: -7 is out of range \[0, 2\^63\)"),
+        ("STORE", payload_of(STORE, instance_id=1 << 63), r"STORE.instance_id: .* is out of range"),
+        ("RETRIEVE", [*m.encode_payload(RETRIEVE), b""], "RETRIEVE: expected 4 payload fields"),
+        (
+            "RETRIEVE",
+            payload_of(RETRIEVE, instance_id="1"),
+            "RETRIEVE.instance_id: expected an integer, got str",
+        ),
+        (
+            "RETRIEVE",
+            payload_of(RETRIEVE, instance_id=(1 << 64) - 1),
+            "RETRIEVE.instance_id: .* is out of range",
+        ),
+        ("LOOKUP", [IID, S], r"LOOKUP: expected 3 payload fields \(instance_id, secret, token_ids\)"),
+        ("LOOKUP", payload_of(LOOKUP, token_ids=b"\x01"), "LOOKUP.token_ids: 1 bytes is not a whole number"),
+        ("LOOKUP", payload_of(LOOKUP, token_ids=None), "LOOKUP.token_ids: expected bytes"),
+        ("LOOKUP", payload_of(LOOKUP, instance_id=True), "LOOKUP.instance_id: expected an integer, got bool"),
     ],
 )
 def test_payload_validation(mtype: str, payload: Any, message: str) -> None:
@@ -392,7 +494,7 @@ def test_payload_validation(mtype: str, payload: Any, message: str) -> None:
 def test_too_many_tokens() -> None:
     n = m.MAX_TOKENS_PER_REQUEST + 1
     with pytest.raises(ProtocolError, match=f"LOOKUP.token_ids: {n} ids exceeds the limit"):
-        decode("LOOKUP", [IID, b"\x00" * (4 * n)])
+        decode("LOOKUP", payload_of(LOOKUP, token_ids=b"\x00" * (4 * n)))
 
 
 class TestRegister:
@@ -400,6 +502,7 @@ class TestRegister:
         reg = decode("REGISTER_KV_CACHE", shm_register()).payload
         assert isinstance(reg, m.Register)
         assert reg.instance_id == IID and reg.model_name == "m"
+        assert reg.secret == SECRET
         assert reg.world_size == 2 and reg.worker_id == 1
         assert reg.memory is m.MemoryKind.SHM
         assert reg.kv_shape == (2, 64, 16, 2, 8)
@@ -418,6 +521,8 @@ class TestRegister:
         [
             ({"instance_id": -1}, r"REGISTER_KV_CACHE.instance_id: -1 is out of range"),
             ({"instance_id": 1 << 63}, "REGISTER_KV_CACHE.instance_id: .* is out of range"),
+            ({"secret": b"s" * 15}, r"REGISTER_KV_CACHE.secret: 15 bytes is outside \[16, 64\]"),
+            ({"secret": None}, "REGISTER_KV_CACHE.secret: expected bytes, got NoneType"),
             ({"model_name": ""}, "REGISTER_KV_CACHE.model_name: length 0"),
             ({"model_name": 5}, "REGISTER_KV_CACHE.model_name: expected a string"),
             ({"world_size": 0}, r"REGISTER_KV_CACHE.world_size: 0 is out of range"),
@@ -472,8 +577,108 @@ class TestRegister:
             decode("REGISTER_KV_CACHE", shm_register(**over))
 
     def test_wrong_arity(self) -> None:
-        with pytest.raises(ProtocolError, match="REGISTER_KV_CACHE: expected 10 payload fields"):
+        with pytest.raises(ProtocolError, match="REGISTER_KV_CACHE: expected 11 payload fields"):
             decode("REGISTER_KV_CACHE", shm_register()[:-1])
+
+
+# ---------------------------------------------------------------------------- secrets
+
+
+def type_name(msg: m.Message) -> str:
+    return type(msg).__name__
+
+
+class TestSecret:
+    """Every message about an instance carries its secret: 16 to 64 bytes, right after the id."""
+
+    def test_bounds(self) -> None:
+        assert m.SECRET_BYTES == (16, 64)
+
+    @pytest.mark.parametrize("msg", INSTANCE_MESSAGES, ids=type_name)
+    @pytest.mark.parametrize("size", [16, 17, 63, 64])
+    def test_accepts_16_to_64_bytes(self, msg: m.Message, size: int) -> None:
+        secret = bytes(range(size))
+        req = decode(msg.TYPE, payload_of(msg, secret=secret))
+        assert req.payload.secret == secret  # type: ignore[attr-defined]
+
+    @pytest.mark.parametrize("msg", INSTANCE_MESSAGES, ids=type_name)
+    @pytest.mark.parametrize("size", [0, 1, 15, 65, 1024])
+    def test_rejects_a_secret_outside_16_to_64_bytes(self, msg: m.Message, size: int) -> None:
+        with pytest.raises(
+            ProtocolError, match=rf"^{msg.TYPE}\.secret: {size} bytes is outside \[16, 64\]$"
+        ) as exc:
+            decode(msg.TYPE, payload_of(msg, secret=b"s" * size))
+        assert exc.value.code == "BAD_REQUEST"
+
+    @pytest.mark.parametrize("msg", INSTANCE_MESSAGES, ids=type_name)
+    @pytest.mark.parametrize("secret", ["s" * 16, 16, 1.5, True, [0] * 16, {"s": 1}])
+    def test_rejects_a_secret_that_is_not_bytes(self, msg: m.Message, secret: Any) -> None:
+        with pytest.raises(
+            ProtocolError, match=rf"^{msg.TYPE}\.secret: expected bytes, got {type(secret).__name__}$"
+        ) as exc:
+            decode(msg.TYPE, payload_of(msg, secret=secret))
+        assert exc.value.code == "BAD_REQUEST"
+
+    @pytest.mark.parametrize(
+        "msg", [x for x in INSTANCE_MESSAGES if not isinstance(x, m.Ping)], ids=type_name
+    )
+    def test_a_secret_is_required(self, msg: m.Message) -> None:
+        """None is a secret only in a probe PING."""
+        with pytest.raises(ProtocolError, match=rf"^{msg.TYPE}\.secret: expected bytes, got NoneType$"):
+            decode(msg.TYPE, payload_of(msg, secret=None))
+
+    @pytest.mark.parametrize("msg", INSTANCE_MESSAGES, ids=type_name)
+    def test_a_missing_secret_field_is_a_wrong_field_count(self, msg: m.Message) -> None:
+        """A payload laid out as in v1 (no secret): the count names the secret among the fields."""
+        names = m.field_names(type(msg))
+        assert names[:2] == ("instance_id", "secret")
+        v1_payload = m.encode_payload(msg)
+        del v1_payload[names.index("secret")]
+        expected = (
+            f"{msg.TYPE}: expected {len(names)} payload fields ({', '.join(names)}), got {len(names) - 1}"
+        )
+        with pytest.raises(ProtocolError) as exc:
+            decode(msg.TYPE, v1_payload)
+        assert str(exc.value) == expected
+        assert exc.value.code == "BAD_REQUEST"
+
+    def test_ping_probe_has_neither_id_nor_secret(self) -> None:
+        assert decode("PING", [None, None]).payload == m.Ping(None, None)
+
+    @pytest.mark.parametrize(
+        "payload", [[IID, None], [None, SECRET]], ids=["id-without-secret", "secret-without-id"]
+    )
+    def test_ping_needs_both_id_and_secret_or_neither(self, payload: list[Any]) -> None:
+        with pytest.raises(
+            ProtocolError, match=r"^PING\.secret: must be given with an instance_id, and only then$"
+        ) as exc:
+            decode("PING", payload)
+        assert exc.value.code == "BAD_REQUEST"
+
+    def test_ping_secret_is_checked_even_without_an_id(self) -> None:
+        with pytest.raises(ProtocolError, match=r"^PING\.secret: 15 bytes is outside \[16, 64\]$"):
+            decode("PING", [None, b"s" * 15])
+        with pytest.raises(ProtocolError, match=r"^PING\.secret: expected bytes, got str$"):
+            decode("PING", [IID, "s" * 16])
+
+    def test_field_checks_run_in_wire_order(self) -> None:
+        """A bad id and a bad secret: the id (index 0) is named, then the secret (index 1)."""
+        with pytest.raises(ProtocolError, match=r"^STORE\.instance_id: "):
+            decode("STORE", payload_of(STORE, instance_id=-1, secret=b""))
+        with pytest.raises(ProtocolError, match=r"^STORE\.secret: "):
+            decode("STORE", payload_of(STORE, secret=b"", token_ids=None))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=80))
+def test_secret_length_property(secret: bytes) -> None:
+    """Any bytes of 16 to 64 are a secret (kept as sent); any other length is refused."""
+    payload = payload_of(UNREG, secret=secret)
+    if 16 <= len(secret) <= 64:
+        assert decode("UNREGISTER_KV_CACHE", payload).payload == m.Unregister(IID, secret)
+    else:
+        with pytest.raises(ProtocolError, match=r"UNREGISTER_KV_CACHE\.secret: .* is outside \[16, 64\]"):
+            decode("UNREGISTER_KV_CACHE", payload)
 
 
 # -------------------------------------------------------------------------------- fuzzing

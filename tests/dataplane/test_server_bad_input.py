@@ -4,9 +4,11 @@ problem, and the server keeps answering."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import msgpack
 import numpy as np
 import pytest
@@ -14,16 +16,43 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.wire.checks import ids_to_bytes
+from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
+from dataplane.memory.shm import Segment
+from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import NotRegistered, RequestError
-from dataplane.wire.messages import CudaLayer, MemoryKind, Register, ShmLayer, encode_payload, field_names
-from dataplane.wire.protocol import decode_reply, encode_request
-from tests.helpers import ServerProcess, call, error_of, next_rid, ping, request
+from dataplane.wire.messages import (
+    CudaLayer,
+    EngineRegister,
+    EngineRetrieve,
+    EngineStore,
+    Lookup,
+    MemoryKind,
+    Message,
+    MsgType,
+    Ping,
+    Record,
+    Register,
+    Retrieve,
+    ShmLayer,
+    Store,
+    Unregister,
+    encode_payload,
+    field_names,
+)
+from dataplane.wire.protocol import PROTOCOL_VERSION, Reply, decode_reply, encode_message, encode_request
+from tests.dataplane.registration import SECRET, engine_register_message, register_message
+from tests.helpers import ServerProcess, call, error_of, next_rid, request, wait_until
 
 MAX_FRAME = 65536
 CHUNK = 32
 LAYOUT = dict(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+OTHER = bytes(range(100, 116))  # an attacker's secret: anything but the victim's
+NO_IDS = np.zeros(0, dtype=ID_DTYPE)
+# valid messages of instance 1 (never registered), for breaking one field at a time
+PING1 = Ping(1, SECRET)
+UNREG1 = Unregister(1, SECRET)
+STORE1 = Store(1, SECRET, NO_IDS, NO_IDS)
+LOOKUP1 = Lookup(1, SECRET, NO_IDS)
 
 Sock = zmq.Socket[Any]
 
@@ -75,21 +104,44 @@ def expect_error(sock: Sock, frame: bytes | list[bytes], code: str, *parts: str)
     return message
 
 
-def frame(mtype: str, payload: Any, rid: int | None = None, version: int = 1) -> bytes:
+def frame(mtype: str, payload: Any, rid: int | None = None, version: int = PROTOCOL_VERSION) -> bytes:
     return encode_request(next_rid() if rid is None else rid, mtype, payload, version=version)
+
+
+def ping(sock: Sock, instance_id: int | None = None, secret: bytes | None = None) -> Reply:
+    """A PING (a probe without an id and secret) that must be answered, for this request."""
+    rid = next_rid()
+    reply = call(sock, encode_message(rid, Ping(instance_id, secret)))
+    assert reply.ok, reply
+    assert reply.request_id == rid
+    assert isinstance(reply.body["boot_token"], int)
+    return reply
+
+
+def send(sock: Sock, msg: Message) -> Reply:
+    return call(sock, encode_message(next_rid(), msg))
+
+
+def payload_of(msg: Record, **over: Any) -> list[Any]:
+    """``msg``'s payload as it travels, the named fields replaced by raw (wire) values."""
+    out = encode_payload(msg)
+    names = field_names(type(msg))
+    for field, value in over.items():
+        out[names.index(field)] = value
+    return out
 
 
 def test_server_info(server: ServerProcess, sock: Sock) -> None:
     reply = call(sock, frame("HELLO", []))
     assert reply.ok
-    assert reply.body["protocol_version"] == 1
+    assert reply.body["protocol_version"] == 2 == PROTOCOL_VERSION
     assert reply.body["chunk_size"] == CHUNK
     assert reply.body["max_frame_bytes"] == MAX_FRAME
 
 
 @pytest.mark.parametrize("cut", [1, 3, 10])
 def test_truncated_msgpack(sock: Sock, cut: int) -> None:
-    data = frame("LOOKUP", [1, ids_to_bytes(range(10))])
+    data = encode_message(next_rid(), Lookup(1, SECRET, np.arange(10)))
     msg = expect_error(sock, data[:-cut], "BAD_REQUEST", "undecodable frame")
     assert len(msg) < 300
 
@@ -100,14 +152,16 @@ def test_garbage_bytes(sock: Sock) -> None:
 
 def test_deeply_nested_frames(sock: Sock) -> None:
     expect_error(sock, b"\x91" * 60_000 + b"\xc0", "BAD_REQUEST", "undecodable frame")
-    nested = b"\x94\x01\x05\xa4PING\x91" + b"\x91" * 500 + b"\xc0"  # [1, 5, "PING", [[[...]]]]
+    # [2, 5, "PING", [[[...]], None]]: the id (checked first) nested 500 deep, no secret
+    nested = b"\x94" + msgpack.packb(PROTOCOL_VERSION) + b"\x05\xa4PING\x92" + b"\x91" * 500 + b"\xc0\xc0"
+    assert msgpack.unpackb(nested)[:3] == [PROTOCOL_VERSION, 5, "PING"]
     expect_error(sock, nested, "BAD_REQUEST", "PING.instance_id", "got list")
 
 
 def test_not_an_array(sock: Sock) -> None:
     expect_error(
         sock,
-        msgpack.packb({"version": 1}),
+        msgpack.packb({"version": PROTOCOL_VERSION}),
         "BAD_REQUEST",
         "request must be [version, request_id, type, payload]",
     )
@@ -115,12 +169,34 @@ def test_not_an_array(sock: Sock) -> None:
 
 def test_wrong_version(sock: Sock) -> None:
     rid = next_rid()
-    reply = call(sock, frame("PING", [None], rid=rid, version=7))
+    reply = call(sock, frame("PING", [None, None], rid=rid, version=7))
     code, message = error_of(reply)
     assert code == "VERSION_MISMATCH"
-    assert "v7" in message and "v1" in message
+    assert "v7" in message and "v2" in message
     assert reply.request_id == rid  # the id is echoed even on a decode error
     ping(sock)
+
+
+def test_v1_client_gets_version_mismatch(
+    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
+) -> None:
+    """A v1 client's frames (payloads without a secret) are refused for their version, naming
+    both, and change nothing: its UNREGISTER of a live instance leaves it tracked."""
+    w, _ = worker
+    for mtype, v1_payload in (
+        ("HELLO", []),
+        ("PING", [None]),
+        ("PING", [w.instance_id]),
+        ("UNREGISTER_KV_CACHE", [w.instance_id]),
+        ("LOOKUP", [w.instance_id, tokens(CHUNK).tobytes()]),
+    ):
+        rid = next_rid()
+        reply = call(sock, frame(mtype, v1_payload, rid=rid, version=1))
+        code, message = error_of(reply)
+        assert code == "VERSION_MISMATCH", (mtype, code, message)
+        assert "client speaks v1" in message and "server speaks v2" in message, message
+        assert reply.request_id == rid
+    assert ping(sock, w.instance_id, secret_of(w)).body["tracked"] is True
 
 
 def test_unknown_message_type(sock: Sock) -> None:
@@ -135,12 +211,12 @@ def test_unknown_message_type(sock: Sock) -> None:
 @pytest.mark.parametrize(
     ("mtype", "payload", "parts"),
     [
-        ("PING", [], ["PING: expected 1 payload fields", "got 0"]),
-        ("PING", [1, 2, 3], ["PING: expected 1 payload fields", "got 3"]),
+        ("PING", [], ["PING: expected 2 payload fields", "got 0"]),
+        ("PING", [1, SECRET, 3], ["PING: expected 2 payload fields", "got 3"]),
         ("HELLO", [1], ["HELLO: expected 0 payload fields"]),
-        ("STORE", [1, b""], ["STORE: expected 3 payload fields", "got 2"]),
-        ("LOOKUP", [1, b"", b"", b""], ["LOOKUP: expected 2 payload fields"]),
-        ("REGISTER_KV_CACHE", [1, "m"], ["REGISTER_KV_CACHE: expected 10 payload fields"]),
+        ("STORE", [1, SECRET, b""], ["STORE: expected 4 payload fields", "got 3"]),
+        ("LOOKUP", [1, SECRET, b"", b""], ["LOOKUP: expected 3 payload fields", "got 4"]),
+        ("REGISTER_KV_CACHE", [1, SECRET, "m"], ["REGISTER_KV_CACHE: expected 11 payload fields"]),
         ("RETRIEVE", "not a list", ["RETRIEVE: payload must be an array"]),
     ],
 )
@@ -151,12 +227,16 @@ def test_wrong_arity(sock: Sock, mtype: str, payload: Any, parts: list[str]) -> 
 @pytest.mark.parametrize(
     ("mtype", "payload", "parts"),
     [
-        ("PING", ["me"], ["PING.instance_id", "expected an integer, got str"]),
-        ("PING", [1.0], ["PING.instance_id", "got float"]),
-        ("PING", [True], ["PING.instance_id", "got bool"]),
-        ("LOOKUP", [1, [1, 2, 3]], ["LOOKUP.token_ids", "expected bytes"]),
-        ("STORE", [1, b"", "blocks"], ["STORE.block_ids", "expected bytes"]),
-        ("UNREGISTER_KV_CACHE", [[1]], ["UNREGISTER_KV_CACHE.instance_id", "got list"]),
+        ("PING", payload_of(PING1, instance_id="me"), ["PING.instance_id", "expected an integer, got str"]),
+        ("PING", payload_of(PING1, instance_id=1.0), ["PING.instance_id", "got float"]),
+        ("PING", payload_of(PING1, instance_id=True), ["PING.instance_id", "got bool"]),
+        ("LOOKUP", payload_of(LOOKUP1, token_ids=[1, 2, 3]), ["LOOKUP.token_ids", "expected bytes"]),
+        ("STORE", payload_of(STORE1, block_ids="blocks"), ["STORE.block_ids", "expected bytes"]),
+        (
+            "UNREGISTER_KV_CACHE",
+            payload_of(UNREG1, instance_id=[1]),
+            ["UNREGISTER_KV_CACHE.instance_id", "got list"],
+        ),
     ],
 )
 def test_wrong_types(sock: Sock, mtype: str, payload: Any, parts: list[str]) -> None:
@@ -164,11 +244,12 @@ def test_wrong_types(sock: Sock, mtype: str, payload: Any, parts: list[str]) -> 
 
 
 def test_wrong_type_of_request_fields(sock: Sock) -> None:
-    expect_error(sock, msgpack.packb([1, 1, 5, []]), "BAD_REQUEST", "request.type", "expected a string")
-    expect_error(sock, msgpack.packb([1, "id", "PING", [None]]), "BAD_REQUEST", "request.request_id")
+    v = PROTOCOL_VERSION
+    expect_error(sock, msgpack.packb([v, 1, 5, []]), "BAD_REQUEST", "request.type", "expected a string")
+    expect_error(sock, msgpack.packb([v, "id", "PING", [None, None]]), "BAD_REQUEST", "request.request_id")
     expect_error(
         sock,
-        msgpack.packb(["1", 1, "PING", [None]]),
+        msgpack.packb([str(v), 1, "PING", [None, None]]),
         "BAD_REQUEST",
         "request.version",
         "expected an integer",
@@ -178,12 +259,8 @@ def test_wrong_type_of_request_fields(sock: Sock) -> None:
 @pytest.mark.parametrize("iid", [-1, -(1 << 63), 1 << 63, (1 << 64) - 1])
 @pytest.mark.parametrize("mtype", ["PING", "LOOKUP", "STORE", "UNREGISTER_KV_CACHE"])
 def test_out_of_range_instance_id(sock: Sock, mtype: str, iid: int) -> None:
-    payload = {
-        "PING": [iid],
-        "LOOKUP": [iid, b""],
-        "STORE": [iid, b"", b""],
-        "UNREGISTER_KV_CACHE": [iid],
-    }[mtype]
+    valid = {"PING": PING1, "LOOKUP": LOOKUP1, "STORE": STORE1, "UNREGISTER_KV_CACHE": UNREG1}[mtype]
+    payload = payload_of(valid, instance_id=iid)
     expect_error(
         sock,
         frame(mtype, payload),
@@ -198,14 +275,14 @@ def test_out_of_range_instance_id(sock: Sock, mtype: str, iid: int) -> None:
 def test_id_array_not_whole_int32(sock: Sock, n: int) -> None:
     expect_error(
         sock,
-        frame("LOOKUP", [1, b"\x00" * n]),
+        frame("LOOKUP", payload_of(LOOKUP1, token_ids=b"\x00" * n)),
         "BAD_REQUEST",
         "LOOKUP.token_ids",
         f"{n} bytes is not a whole number of int32 ids",
     )
     expect_error(
         sock,
-        frame("STORE", [1, b"", b"\x00" * n]),
+        frame("STORE", payload_of(STORE1, block_ids=b"\x00" * n)),
         "BAD_REQUEST",
         "STORE.block_ids",
         "not a whole number",
@@ -213,7 +290,7 @@ def test_id_array_not_whole_int32(sock: Sock, n: int) -> None:
 
 
 def test_frame_over_the_size_limit(sock: Sock) -> None:
-    big = frame("LOOKUP", [1, b"\x00" * 69_984])
+    big = frame("LOOKUP", payload_of(LOOKUP1, token_ids=b"\x00" * 69_984))
     assert len(big) >= 70_000
     msg = expect_error(sock, big, "FRAME_TOO_LARGE", f"{len(big)} bytes", str(MAX_FRAME))
     assert "exceeds the limit" in msg
@@ -225,7 +302,7 @@ def test_plain_bytes_over_the_size_limit(sock: Sock) -> None:
 
 
 def test_frame_just_under_the_limit_is_decoded(sock: Sock) -> None:
-    data = frame("LOOKUP", [1, b"\x00" * (MAX_FRAME - 64)])
+    data = frame("LOOKUP", payload_of(LOOKUP1, token_ids=b"\x00" * (MAX_FRAME - 64)))
     assert len(data) <= MAX_FRAME
     # it passes the size check and fails later, on the unknown instance
     expect_error(sock, data, "NOT_REGISTERED", "instance 1 is not registered")
@@ -273,7 +350,7 @@ def test_empty_multipart_frames(sock: Sock) -> None:
 
 def test_req_style_envelope_on_a_dealer(sock: Sock) -> None:
     rid = next_rid()
-    frames = request(sock, [b"", frame("PING", [None], rid=rid)])
+    frames = request(sock, [b"", frame("PING", [None, None], rid=rid)])
     assert len(frames) == 2 and frames[0] == b""
     reply = decode_reply(frames[1])
     assert reply.ok and reply.request_id == rid
@@ -312,8 +389,15 @@ def test_many_bad_frames_in_a_burst(sock: Sock) -> None:
 # ------------------------------------------------------------- against a registered cache
 
 
-def tokens(n: int, seed: int = 0) -> bytes:
-    return ids_to_bytes(np.random.default_rng(seed).integers(0, 30_000, n))
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, n).astype(ID_DTYPE)
+
+
+def secret_of(w: WorkerAdapter) -> bytes:
+    """The secret the adapter registered with (its REGISTER carries it)."""
+    reg = w.registration
+    assert isinstance(reg, Register | EngineRegister), reg
+    return reg.secret
 
 
 @pytest.mark.parametrize(
@@ -330,20 +414,22 @@ def test_store_with_blocks_outside_the_cache(
     w, _ = worker
     expect_error(
         sock,
-        frame("STORE", [w.instance_id, tokens(2 * 16, seed=bad_index), ids_to_bytes(blocks)]),
+        encode_message(
+            next_rid(), Store(w.instance_id, secret_of(w), tokens(2 * 16, seed=bad_index), np.array(blocks))
+        ),
         "REQUEST_REFUSED",
         f"block_ids[{bad_index}]",
         f"block {bad_block}",
         "outside the registered cache [0, 64)",
     )
-    assert w.lookup(np.frombuffer(tokens(2 * 16, seed=bad_index), dtype="<i4")) == 0
+    assert w.lookup(tokens(2 * 16, seed=bad_index)) == 0
 
 
 def test_store_with_too_few_blocks(sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
     w, _ = worker
     expect_error(
         sock,
-        frame("STORE", [w.instance_id, tokens(2 * CHUNK), ids_to_bytes([1, 2])]),
+        encode_message(next_rid(), Store(w.instance_id, secret_of(w), tokens(2 * CHUNK), np.array([1, 2]))),
         "REQUEST_REFUSED",
         "2 blocks cannot hold 64 tokens",
     )
@@ -353,12 +439,12 @@ def test_retrieve_into_blocks_outside_the_cache(
     sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]]
 ) -> None:
     w, caches = worker
-    toks = np.frombuffer(tokens(CHUNK, seed=99), dtype="<i4")
+    toks = tokens(CHUNK, seed=99)
     assert w.store(toks, [3, 4])
     before = [c.clone() for c in caches]  # every block: a refused RETRIEVE writes none
     expect_error(
         sock,
-        frame("RETRIEVE", [w.instance_id, toks.tobytes(), ids_to_bytes([7, 64])]),
+        encode_message(next_rid(), Retrieve(w.instance_id, secret_of(w), toks, np.array([7, 64]))),
         "REQUEST_REFUSED",
         "block_ids[1]",
         "outside the registered cache",
@@ -372,15 +458,19 @@ def test_retrieve_into_blocks_outside_the_cache(
 
 
 def test_transfer_for_an_unknown_instance(sock: Sock) -> None:
-    for mtype, payload in (
-        ("STORE", [424242, tokens(CHUNK), ids_to_bytes([0, 1])]),
-        ("RETRIEVE", [424242, tokens(CHUNK), ids_to_bytes([0, 1])]),
-        ("LOOKUP", [424242, tokens(CHUNK)]),
+    for msg in (
+        Store(424242, SECRET, tokens(CHUNK), np.array([0, 1])),
+        Retrieve(424242, SECRET, tokens(CHUNK), np.array([0, 1])),
+        Lookup(424242, SECRET, tokens(CHUNK)),
+        EngineStore(424242, SECRET, tokens(CHUNK), 0, 1),
+        EngineRetrieve(424242, SECRET, tokens(CHUNK), 0, 1),
     ):
-        expect_error(sock, frame(mtype, payload), "NOT_REGISTERED", "instance 424242", "not registered")
-    reply = call(sock, frame("UNREGISTER_KV_CACHE", [424242]))
+        expect_error(
+            sock, encode_message(next_rid(), msg), "NOT_REGISTERED", "instance 424242", "not registered"
+        )
+    reply = send(sock, Unregister(424242, SECRET))
     assert reply.ok and reply.body == {"removed": False}
-    assert ping(sock, 424242).body["tracked"] is False
+    assert ping(sock, 424242, SECRET).body["tracked"] is False
 
 
 def test_client_raises_typed_errors(worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
@@ -408,7 +498,7 @@ def registration(w: WorkerAdapter) -> Register:
 def register_payload(w: WorkerAdapter, **over: Any) -> list[Any]:
     """The worker's REGISTER payload under a fresh instance id, with the fields in ``over``
     replaced (typed values: the record encodes them as they travel)."""
-    reg = dataclasses.replace(registration(w), instance_id=777_000 + len(over), **over)
+    reg = dataclasses.replace(registration(w), instance_id=777_000 + len(over), secret=SECRET, **over)
     return encode_payload(reg)
 
 
@@ -420,7 +510,7 @@ def instance_of(payload: list[Any]) -> int:
 
 def expect_refused_registration(sock: Sock, payload: list[Any], *parts: str) -> str:
     message = expect_error(sock, frame("REGISTER_KV_CACHE", payload), "INVALID_LAYOUT", *parts)
-    assert ping(sock, instance_of(payload)).body["tracked"] is False
+    assert ping(sock, instance_of(payload), SECRET).body["tracked"] is False
     return message
 
 
@@ -490,7 +580,7 @@ def test_register_bogus_cuda_ipc(sock: Sock, worker: tuple[WorkerAdapter, list[t
     code, message = error_of(call(sock, frame("REGISTER_KV_CACHE", payload)))
     if not torch.cuda.is_available():
         assert code == "INVALID_LAYOUT" and "CUDA" in message, (code, message)
-    assert ping(sock, instance_of(payload)).body["tracked"] is False
+    assert ping(sock, instance_of(payload), SECRET).body["tracked"] is False
 
 
 def test_registered_worker_still_works(worker: tuple[WorkerAdapter, list[torch.Tensor]]) -> None:
@@ -503,3 +593,412 @@ def test_registered_worker_still_works(worker: tuple[WorkerAdapter, list[torch.T
     assert w.retrieve(toks, [40, 41, 42, 43, 44, 45]) == 3 * CHUNK
     for c in caches:
         assert torch.equal(c[:, 10:16], c[:, 40:46])
+
+
+# ------------------------------------------------------------------------ secrets on the wire
+
+FRESH = 888_001  # never registered: a message of it that passed the wire checks would be refused
+
+
+def fresh_message(mtype: str, w: WorkerAdapter) -> Message:
+    """A valid message of type ``mtype`` for the unregistered instance FRESH, with SECRET."""
+    toks = tokens(2 * CHUNK)
+    messages: dict[str, Callable[[], Message]] = {
+        "PING": lambda: Ping(FRESH, SECRET),
+        "REGISTER_KV_CACHE": lambda: dataclasses.replace(registration(w), instance_id=FRESH, secret=SECRET),
+        "UNREGISTER_KV_CACHE": lambda: Unregister(FRESH, SECRET),
+        "STORE": lambda: Store(FRESH, SECRET, toks, np.array([0, 1, 2, 3])),
+        "RETRIEVE": lambda: Retrieve(FRESH, SECRET, toks, np.array([0, 1, 2, 3])),
+        "LOOKUP": lambda: Lookup(FRESH, SECRET, toks),
+        "ENGINE_REGISTER": lambda: engine_register_message(FRESH),
+        "ENGINE_STORE": lambda: EngineStore(FRESH, SECRET, toks, 0, 2),
+        "ENGINE_RETRIEVE": lambda: EngineRetrieve(FRESH, SECRET, toks, 0, 2),
+    }
+    msg = messages[mtype]()
+    assert MsgType(mtype) is msg.TYPE
+    return msg
+
+
+INSTANCE_TYPES = [
+    "PING",
+    "REGISTER_KV_CACHE",
+    "UNREGISTER_KV_CACHE",
+    "STORE",
+    "RETRIEVE",
+    "LOOKUP",
+    "ENGINE_REGISTER",
+    "ENGINE_STORE",
+    "ENGINE_RETRIEVE",
+]
+
+
+def test_every_instance_message_type_is_covered() -> None:
+    assert set(INSTANCE_TYPES) == set(MsgType) - {MsgType.HELLO, MsgType.GET_SERVER_INFO}
+
+
+def expect_bad_secret(sock: Sock, msg: Message, secret: Any, *parts: str) -> None:
+    """The message with ``secret`` in its secret field is refused naming the field, and no
+    instance appeared."""
+    payload = payload_of(msg, secret=secret)
+    expect_error(sock, frame(msg.TYPE, payload), "BAD_REQUEST", f"{msg.TYPE}.secret", *parts)
+    assert ping(sock, FRESH, SECRET).body["tracked"] is False
+
+
+@pytest.mark.parametrize("mtype", INSTANCE_TYPES)
+@pytest.mark.parametrize("size", [15, 65])
+def test_secret_of_the_wrong_length(
+    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]], mtype: str, size: int
+) -> None:
+    msg = fresh_message(mtype, worker[0])
+    expect_bad_secret(sock, msg, b"s" * size, f"{size} bytes is outside [16, 64]")
+
+
+@pytest.mark.parametrize("mtype", INSTANCE_TYPES)
+@pytest.mark.parametrize("secret", ["s" * 16, 16, [1] * 16], ids=["str", "int", "list"])
+def test_secret_that_is_not_bytes(
+    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]], mtype: str, secret: Any
+) -> None:
+    msg = fresh_message(mtype, worker[0])
+    expect_bad_secret(sock, msg, secret, f"expected bytes, got {type(secret).__name__}")
+
+
+@pytest.mark.parametrize("mtype", [t for t in INSTANCE_TYPES if t != "PING"])
+def test_secret_none_is_refused(
+    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]], mtype: str
+) -> None:
+    expect_bad_secret(sock, fresh_message(mtype, worker[0]), None, "expected bytes, got NoneType")
+
+
+@pytest.mark.parametrize("mtype", INSTANCE_TYPES)
+def test_missing_secret_field(
+    sock: Sock, worker: tuple[WorkerAdapter, list[torch.Tensor]], mtype: str
+) -> None:
+    """A payload without its secret (the v1 layout, sent as v2) is a wrong field count, and the
+    message names every field it expects, the secret among them."""
+    msg = fresh_message(mtype, worker[0])
+    names = field_names(type(msg))
+    payload = encode_payload(msg)
+    del payload[names.index("secret")]
+    expect_error(
+        sock,
+        frame(mtype, payload),
+        "BAD_REQUEST",
+        f"{mtype}: expected {len(names)} payload fields ({', '.join(names)}), got {len(names) - 1}",
+    )
+    assert "secret" in names
+    assert ping(sock, FRESH, SECRET).body["tracked"] is False
+
+
+@pytest.mark.parametrize(
+    "payload", [[FRESH, None], [None, SECRET]], ids=["id-without-secret", "secret-without-id"]
+)
+def test_ping_needs_id_and_secret_together(sock: Sock, payload: list[Any]) -> None:
+    expect_error(
+        sock, frame("PING", payload), "BAD_REQUEST", "PING.secret", "must be given with an instance_id"
+    )
+    reply = call(sock, frame("PING", [None, None]))  # the probe: neither
+    assert reply.ok and reply.body["tracked"] is None
+
+
+# ------------------------------------------------------------------------ ownership
+
+Caches = list[torch.Tensor]
+_SEEDS = itertools.count(50_000)  # token seeds: every test stores prompts no other test stored
+
+
+def fresh_tokens() -> np.ndarray:
+    return tokens(2 * CHUNK, seed=next(_SEEDS))
+
+
+def random_caches() -> Caches:
+    caches = allocate_kv_caches(**LAYOUT)  # type: ignore[arg-type]
+    for c in caches:
+        c.copy_(torch.randn(c.shape).to(c.dtype))
+    return caches
+
+
+@pytest.fixture
+def victim(server: ServerProcess) -> Iterator[tuple[WorkerAdapter, Caches]]:
+    """A fresh server-driven worker, registered with its own (private, random) secret."""
+    caches = random_caches()
+    w = WorkerAdapter(server.endpoint, model_name="victim", request_timeout=10.0)
+    try:
+        w.register_kv_caches(caches)
+        assert w.registrations == 1
+        yield w, caches
+    finally:
+        w.close()
+        free_kv_caches(caches)
+
+
+@pytest.fixture
+def engine_victim(server: ServerProcess) -> Iterator[tuple[WorkerAdapter, Caches]]:
+    """A fresh engine-driven worker (ordinary tensors, a 2-slot pool the server owns)."""
+    caches = [torch.randn(2, 64, 16, 2, 8).to(torch.bfloat16) for _ in range(4)]  # LAYOUT, unshared
+    w = WorkerAdapter(
+        server.endpoint,
+        model_name="engine-victim",
+        transfer_mode="engine_driven",
+        pool_chunks=2,
+        request_timeout=10.0,
+    )
+    try:
+        w.register_kv_caches(caches)
+        assert w.registrations == 1
+        yield w, caches
+    finally:
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> str:
+    """The server's HTTP sidecar, once it answers."""
+    url = f"http://127.0.0.1:{server.http_port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/instances", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, 30.0, what="the HTTP sidecar")
+    return url
+
+
+def instance_view(http: str, instance_id: int) -> dict[str, Any] | None:
+    """The server's HTTP view of one instance (None: not tracked)."""
+    r = httpx.get(f"{http}/instances/{instance_id}", timeout=10.0)
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 200, (r.status_code, r.text)
+    view: dict[str, Any] = r.json()
+    assert view["instance_id"] == instance_id
+    return view
+
+
+def bits(caches: Caches) -> list[torch.Tensor]:
+    return [c.view(torch.int16).clone() for c in caches]
+
+
+def assert_unchanged(caches: Caches, before: list[torch.Tensor]) -> None:
+    for c, b in zip(caches, before, strict=True):
+        assert torch.equal(c.view(torch.int16), b)
+
+
+def assert_own_round_trip(w: WorkerAdapter, caches: Caches) -> None:
+    """The instance still stores its own bytes and retrieves them, byte-equal, elsewhere."""
+    toks = fresh_tokens()
+    src, dst = [20, 21, 22, 23], [50, 51, 52, 53]
+    assert w.lookup(toks) == 0
+    assert w.store(toks, src)
+    assert w.lookup(toks) == 2 * CHUNK
+    assert not all(torch.equal(c[:, src], c[:, dst]) for c in caches)
+    assert w.retrieve(toks, dst) == 2 * CHUNK
+    for c in caches:
+        assert torch.equal(c[:, src].view(torch.int16), c[:, dst].view(torch.int16))
+
+
+def expect_not_owner(sock: Sock, msg: Message) -> None:
+    expect_error(
+        sock,
+        encode_message(next_rid(), msg),
+        "NOT_OWNER",
+        f"instance {msg.instance_id} is registered by another owner",  # type: ignore[attr-defined]
+    )
+
+
+def test_register_of_a_live_id_with_another_secret(
+    http: str, sock: Sock, victim: tuple[WorkerAdapter, Caches]
+) -> None:
+    """Neither the victim's own layout nor the attacker's memory can be registered under the
+    victim's id without its secret; the victim's context is untouched."""
+    w, caches = victim
+    attacker_caches = allocate_kv_caches(**LAYOUT)  # type: ignore[arg-type]
+    try:
+        for c in attacker_caches:
+            c.zero_()
+        same_layout = dataclasses.replace(registration(w), secret=OTHER)
+        own_memory = register_message(w.instance_id, attacker_caches, model="attacker", secret=OTHER)
+        for hijack in (same_layout, own_memory):
+            assert hijack.secret != secret_of(w)
+            expect_not_owner(sock, hijack)
+        view = instance_view(http, w.instance_id)
+        assert view is not None and view["model_name"] == "victim"
+        assert_own_round_trip(w, caches)
+        # had the registration moved, the victim's STORE would have read the attacker's memory
+        # and its RETRIEVE written there
+        for c in attacker_caches:
+            assert not c.view(torch.int16).any()
+        # the owner's repeat registration is a refresh, as before
+        reply = send(sock, registration(w))
+        assert reply.ok and reply.body["created"] is False
+    finally:
+        free_kv_caches(attacker_caches)
+
+
+def test_engine_register_of_a_live_id_with_another_secret(
+    http: str, sock: Sock, engine_victim: tuple[WorkerAdapter, Caches]
+) -> None:
+    w, caches = engine_victim
+    reg = w.registration
+    assert isinstance(reg, EngineRegister)
+    for hijack in (
+        dataclasses.replace(reg, secret=OTHER),
+        dataclasses.replace(reg, secret=OTHER, model_name="attacker", pool_chunks=4),
+    ):
+        expect_not_owner(sock, hijack)  # and no pool segment is handed out
+    view = instance_view(http, w.instance_id)
+    assert view is not None and view["model_name"] == "engine-victim"
+    assert view["transfer_mode"] == "engine_driven"
+    assert_own_round_trip(w, caches)
+    reply = send(sock, reg)  # the owner's repeat registration: a refresh, its pool kept
+    assert reply.ok and reply.body["created"] is False and reply.body["slots"] == 2
+
+
+@pytest.mark.parametrize("mtype", ["STORE", "RETRIEVE", "LOOKUP", "UNREGISTER_KV_CACHE"])
+def test_wrong_secret_is_not_owner_and_changes_nothing(
+    http: str, sock: Sock, victim: tuple[WorkerAdapter, Caches], mtype: str
+) -> None:
+    w, caches = victim
+    iid = w.instance_id
+    stored, other = fresh_tokens(), fresh_tokens()
+    assert w.store(stored, [0, 1, 2, 3])
+    assert w.lookup(other) == 0
+    make: dict[str, Callable[[bytes], Message]] = {
+        "STORE": lambda s: Store(iid, s, other, np.array([4, 5, 6, 7])),
+        "RETRIEVE": lambda s: Retrieve(iid, s, stored, np.array([8, 9, 10, 11])),
+        "LOOKUP": lambda s: Lookup(iid, s, stored),
+        "UNREGISTER_KV_CACHE": lambda s: Unregister(iid, s),
+    }
+    msg = make[mtype](OTHER)
+    before = bits(caches)
+
+    expect_not_owner(sock, msg)
+
+    assert_unchanged(caches, before)  # a RETRIEVE wrote no block
+    assert w.lookup(other) == 0  # a STORE stored nothing
+    assert w.lookup(stored) == 2 * CHUNK  # what was stored is still there
+    assert ping(sock, iid, secret_of(w)).body["tracked"] is True  # an UNREGISTER released nothing
+    assert instance_view(http, iid) is not None
+    assert_own_round_trip(w, caches)
+    # the same request with the owner's secret is served (the check above could fail)
+    reply = send(sock, make[mtype](secret_of(w)))
+    assert reply.ok, reply
+    expected = {
+        "STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0},
+        "RETRIEVE": {"retrieved_tokens": 2 * CHUNK},
+        "LOOKUP": {"hit_tokens": 2 * CHUNK},
+        "UNREGISTER_KV_CACHE": {"removed": True},
+    }[mtype]
+    assert reply.body == expected
+
+
+@pytest.mark.parametrize("mtype", ["ENGINE_STORE", "ENGINE_RETRIEVE", "LOOKUP", "UNREGISTER_KV_CACHE"])
+def test_engine_wrong_secret_is_not_owner_and_changes_nothing(
+    http: str, sock: Sock, engine_victim: tuple[WorkerAdapter, Caches], mtype: str
+) -> None:
+    w, caches = engine_victim
+    iid = w.instance_id
+    stored, other = fresh_tokens(), fresh_tokens()
+    assert w.store(stored, [0, 1, 2, 3])
+    assert w.lookup(other) == 0
+    make: dict[str, Callable[[bytes], Message]] = {
+        "ENGINE_STORE": lambda s: EngineStore(iid, s, other, 0, 2),
+        "ENGINE_RETRIEVE": lambda s: EngineRetrieve(iid, s, stored, 0, 2),
+        "LOOKUP": lambda s: Lookup(iid, s, stored),
+        "UNREGISTER_KV_CACHE": lambda s: Unregister(iid, s),
+    }
+    msg = make[mtype](OTHER)
+    before = bits(caches)
+
+    expect_not_owner(sock, msg)
+
+    assert_unchanged(caches, before)
+    assert w.lookup(other) == 0
+    assert w.lookup(stored) == 2 * CHUNK
+    assert ping(sock, iid, secret_of(w)).body["tracked"] is True
+    view = instance_view(http, iid)
+    assert view is not None and view["transfer_mode"] == "engine_driven"
+    assert_own_round_trip(w, caches)
+    reply = send(sock, make[mtype](secret_of(w)))
+    assert reply.ok, reply
+    expected = {
+        "ENGINE_STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0},
+        "ENGINE_RETRIEVE": {"chunks": 2},
+        "LOOKUP": {"hit_tokens": 2 * CHUNK},
+        "UNREGISTER_KV_CACHE": {"removed": True},
+    }[mtype]
+    assert reply.body == expected
+
+
+def test_engine_transfers_with_a_wrong_secret_leave_the_pool_alone(sock: Sock) -> None:
+    """Raw engine-driven registration, its pool mapped here: an ENGINE_RETRIEVE with a wrong
+    secret writes no byte of the pool, an ENGINE_STORE with one stores none of it."""
+    iid = 888_100
+    reply = send(sock, engine_register_message(iid, pool_chunks=2))
+    assert reply.ok and reply.body["created"] is True, reply
+    body = reply.body
+    pool = Segment.attach(body["segment"], body["slot_bytes"] * body["slots"])
+    flat = pool.as_tensor()[: body["slot_bytes"] * body["slots"]]
+    try:
+        stored, other = fresh_tokens(), fresh_tokens()
+        pattern = torch.randint(0, 256, flat.shape, dtype=torch.uint8)
+        flat.copy_(pattern)
+        r = send(sock, EngineStore(iid, SECRET, stored, 0, 2))
+        assert r.ok and r.body["stored"] == 2, r
+        flat.zero_()
+
+        expect_not_owner(sock, EngineRetrieve(iid, OTHER, stored, 0, 2))
+        assert not flat.any()  # no slot was filled
+        flat.copy_(pattern)
+        expect_not_owner(sock, EngineStore(iid, OTHER, other, 0, 2))
+        r = send(sock, Lookup(iid, SECRET, other))
+        assert r.ok and r.body == {"hit_tokens": 0}  # nothing of the pool was stored
+
+        flat.zero_()
+        r = send(sock, EngineRetrieve(iid, SECRET, stored, 0, 2))  # the owner's is served
+        assert r.ok and r.body == {"chunks": 2}, r
+        assert torch.equal(flat, pattern)
+    finally:
+        del flat
+        r = send(sock, Unregister(iid, SECRET))
+        assert r.ok and r.body == {"removed": True}
+        pool.close()
+
+
+@pytest.mark.parametrize("mode", ["server_driven", "engine_driven"])
+def test_ping_with_a_wrong_secret_is_untracked_and_touches_nothing(http: str, sock: Sock, mode: str) -> None:
+    """A PING with the right id but a wrong secret answers ``tracked: false`` and neither
+    refreshes ``last_seen`` nor latches the liveness signal (the HTTP view shows both)."""
+    iid = 888_200 if mode == "server_driven" else 888_201
+    caches = allocate_kv_caches(**LAYOUT) if mode == "server_driven" else []  # type: ignore[arg-type]
+    try:
+        reg = register_message(iid, caches) if caches else engine_register_message(iid)
+        reply = send(sock, reg)
+        assert reply.ok and reply.body["created"] is True, reply
+        view = wait_until(lambda: instance_view(http, iid), 10.0, what="the HTTP view of the instance")
+        assert view["has_liveness_signal"] is False and view["transfer_mode"] == mode
+        silent = wait_until(
+            lambda: (v := instance_view(http, iid)) is not None and v["last_seen_seconds_ago"] >= 1.0 and v,
+            10.0,
+            what="a second of silence",
+        )
+
+        for secret in (OTHER, SECRET[::-1], SECRET + b"\x00", SECRET[:-1] + b"\x00" * 2):
+            assert secret != SECRET
+            assert ping(sock, iid, secret).body["tracked"] is False
+
+        after = instance_view(http, iid)
+        assert after is not None
+        assert after["has_liveness_signal"] is False
+        assert after["last_seen_seconds_ago"] >= silent["last_seen_seconds_ago"]  # not refreshed
+        # the owner's PING, for contrast, is tracked, latches and refreshes
+        assert ping(sock, iid, SECRET).body["tracked"] is True
+        touched = instance_view(http, iid)
+        assert touched is not None and touched["has_liveness_signal"] is True
+        assert touched["last_seen_seconds_ago"] < silent["last_seen_seconds_ago"]
+    finally:
+        r = send(sock, Unregister(iid, SECRET))
+        assert r.ok and r.body == {"removed": True}, r
+        if caches:
+            free_kv_caches(caches)

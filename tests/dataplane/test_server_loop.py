@@ -33,6 +33,7 @@ from dataplane.wire.protocol import (
     unpack,
 )
 from tests.conftest import DealerFactory
+from tests.dataplane.registration import SECRET
 from tests.helpers import call, error_of, next_rid, wait_until
 
 PONG = {"pong": True}
@@ -75,7 +76,7 @@ def by_instance(p: Store) -> int:
 
 def store(instance_id: int, seq: int) -> Store:
     """A STORE whose single token id carries ``seq`` (the handlers below read it back)."""
-    return Store(instance_id, np.array([seq], dtype="<i4"), np.array([0], dtype="<i4"))
+    return Store(instance_id, SECRET, np.array([seq], dtype="<i4"), np.array([0], dtype="<i4"))
 
 
 def seq_of(p: Store) -> int:
@@ -122,7 +123,7 @@ def receive(sock: Sock, timeout: float = WAIT_S) -> Reply:
 
 
 def assert_pong(sock: Sock) -> None:
-    _, reply = request(sock, Ping(None))
+    _, reply = request(sock, Ping(None, None))
     assert reply.ok and reply.body == PONG, reply
 
 
@@ -133,7 +134,7 @@ def assert_pong(sock: Sock) -> None:
     ("kind", "msg"),
     [
         (HandlerKind.LOOP, Hello()),
-        (HandlerKind.NORMAL, Lookup(5, np.arange(4, dtype="<i4"))),
+        (HandlerKind.NORMAL, Lookup(5, SECRET, np.arange(4, dtype="<i4"))),
         (HandlerKind.TRANSFER, store(5, 0)),
     ],
     ids=["loop", "normal", "transfer"],
@@ -199,7 +200,7 @@ def test_a_request_arriving_while_draining_gets_shutting_down_and_the_inflight_o
         wait_until(lambda: server.state is Lifecycle.DRAINING, WAIT_S, what="the server to drain")
         # background work is stopped first; the modules' state is not closed while draining
         wait_until(lambda: module.calls == ["start", "stop"], WAIT_S, what="the modules to stop")
-        for msg in (Ping(None), store(2, 1), Hello()):
+        for msg in (Ping(None, None), store(2, 1), Hello()):
             _, reply = request(late, msg)
             code, message = error_of(reply)
             assert code == "SHUTTING_DOWN", (msg, reply)
@@ -228,7 +229,7 @@ def test_a_valid_request_no_module_handles_gets_unsupported(
 ) -> None:
     server = make_loop(HandMade("ping-only", {MsgType.PING: PING_HANDLER}))
     sock = make_dealer(server.bound_endpoint)
-    for msg in (Hello(), store(3, 0), Lookup(3, np.arange(2, dtype="<i4"))):
+    for msg in (Hello(), store(3, 0), Lookup(3, SECRET, np.arange(2, dtype="<i4"))):
         _, reply = request(sock, msg)
         code, message = error_of(reply)
         assert code == "UNSUPPORTED", (msg, reply)
