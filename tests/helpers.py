@@ -4,17 +4,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import secrets
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 
 from dataplane.bench.procs import free_port
@@ -198,3 +203,35 @@ class LineReader:
                 self.buf += data
         line, self.buf = self.buf.split(b"\n", 1)
         return line.decode()
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(size: str) -> Iterator[Path]:
+    """A fresh tmpfs of ``size`` on a temporary directory, unmounted after; the test is skipped
+    when this process may not mount one (not root, or no mount(8))."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = Path(tempfile.mkdtemp(prefix="kvw-tmpfs-"))
+    try:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(d)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except OSError as exc:
+        r = subprocess.CompletedProcess([], 1, "", str(exc))
+    if r.returncode:
+        d.rmdir()
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        gc.collect()  # mappings of dead tensors go first, so the unmount is not busy
+        if subprocess.run(["umount", str(d)], capture_output=True, timeout=30).returncode:
+            subprocess.run(["umount", "-l", str(d)], capture_output=True, timeout=30)
+        d.rmdir()
+
+
+def new_name() -> str:
+    return f"kvwarden-{os.getpid()}-{secrets.token_hex(8)}"

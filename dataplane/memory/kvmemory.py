@@ -246,7 +246,9 @@ def _map_shm(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) -> 
 def _attach_segments(
     layers: list[ShmLayer], item: int, layer_bytes: int, segments: dict[str, Segment]
 ) -> None:
-    """Attach every segment the layers name (into ``segments``), checking each layer's bounds."""
+    """Attach every segment the layers name (into ``segments``), checking each layer's bounds.
+    Every refusal of ``Segment.attach`` (a symbolic link, not a regular file, another uid's,
+    sparse, too small, cannot be opened or mapped) is an InvalidLayout naming the layer."""
     for i, layer in enumerate(layers):
         if layer.offset % item:
             raise InvalidLayout(f"layer {i}: offset {layer.offset} is not {item}-byte aligned")
@@ -258,6 +260,9 @@ def _attach_segments(
                 raise InvalidLayout(f"layer {i}: segment {layer.segment} does not exist") from None
             except ValueError as exc:
                 raise InvalidLayout(f"layer {i}: {exc}") from None
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                raise InvalidLayout(f"layer {i}: cannot map segment {layer.segment}: {reason}") from None
             segments[layer.segment] = seg
         if layer.offset + layer_bytes > seg.size:
             raise InvalidLayout(

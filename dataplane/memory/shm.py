@@ -11,13 +11,20 @@ without closing leaves it behind; whoever notices the owner is gone (an exclusiv
 ``flock`` succeeds) unlinks it: the server when it reaps or unregisters the instance, and every
 server start sweeps ``/dev/shm`` for such segments. An owner that is still alive keeps its
 segment, so a restarted server can map it again when the worker re-registers. A segment is
-created under a temporary name, locked, then renamed, so a sweep never sees it unlocked.
-The name (``kvwarden-<pid>-<random>``) carries the creator's pid for operators only.
+created under a temporary name, locked, then renamed, so a sweep never sees it unlocked; a
+temporary file whose creator died before the rename is swept once it is unlocked and a few
+seconds old. The name (``kvwarden-<pid>-<random>``) carries the creator's pid for operators only.
+
+Space: ``create`` reserves every byte with ``posix_fallocate``, so a segment directory without
+room refuses at create (ENOSPC) instead of the first write of a page it cannot back raising
+SIGBUS. ``attach`` maps only what a REGISTER may name: a regular file (never through a symbolic
+link), owned by this process's effective uid, fully allocated (not sparse).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -25,6 +32,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +43,19 @@ logger = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("KVWARDEN_SHM_DIR", "/dev/shm"))
 PREFIX = "kvwarden-"
 _NAME_RE = re.compile(r"^kvwarden-(\d+)-([0-9a-f]{16})$")
+CREATING_PREFIX = ".kvwarden-creating-"
+_CREATING_RE = re.compile(r"^\.kvwarden-creating-[0-9a-f]{16}$")
+# A temporary file younger than this may belong to a live creator between its O_CREAT and its
+# flock: the sweep leaves it alone even when it is unlocked.
+CREATING_GRACE_S = 10.0
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def owner_alive(name: str) -> bool:
@@ -43,7 +64,7 @@ def owner_alive(name: str) -> bool:
     Anything that is not a regular file we can open (a directory, a FIFO, another user's
     segment) counts as alive: it is not ours to remove."""
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
         return False
     except OSError:
@@ -75,13 +96,17 @@ class Segment:
 
     @classmethod
     def create(cls, size: int) -> Segment:
+        """A new segment of ``size`` bytes, every one reserved; OSError (ENOSPC when the segment
+        directory has no room) names the directory and the size."""
+        if size <= 0:
+            raise ValueError(f"a segment needs a positive size, got {size}")
         token = secrets.token_hex(8)
         name = f"{PREFIX}{os.getpid()}-{token}"
-        tmp = SHM_DIR / f".kvwarden-creating-{token}"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        tmp = SHM_DIR / f"{CREATING_PREFIX}{token}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, size)
+            _reserve(fd, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             os.rename(tmp, SHM_DIR / name)
         except BaseException:
@@ -93,14 +118,24 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str, min_size: int) -> Segment:
-        """Map an existing segment; MAP_POPULATE pre-faults it so the first copy is not slow."""
+        """Map an existing segment; MAP_POPULATE pre-faults it so the first copy is not slow.
+
+        ValueError, naming the segment and the reason, for anything that is not a fully
+        allocated regular file of this process's effective uid of at least ``min_size`` bytes;
+        FileNotFoundError when it does not exist; another OSError when it cannot be opened."""
         if not valid_segment_name(name):
             raise ValueError(f"segment name {name!r} is not a kvwarden segment")
-        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        fd, st = _open_regular(name)
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if size < min_size:
                 raise ValueError(f"segment {name} holds {size} bytes, the layout needs {min_size}")
+            allocated = st.st_blocks * 512
+            if allocated < size:
+                raise ValueError(
+                    f"segment {name} is sparse: {allocated} of {size} bytes allocated; "
+                    "create it with posix_fallocate"
+                )
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
@@ -132,6 +167,53 @@ class Segment:
             self.lock_fd = -1
 
 
+def _reserve(fd: int, size: int) -> None:
+    """Allocate every byte of the file now (it also sets the size): a directory without room
+    refuses here, not with SIGBUS at the first write of a page the filesystem cannot back."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        reason = exc.strerror or os.strerror(exc.errno or 0)
+        raise OSError(exc.errno, f"{reason}: cannot reserve {size} bytes in {SHM_DIR}") from None
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _FILE_KINDS if test(mode)), f"file type {stat.S_IFMT(mode):o}")
+
+
+def _require_regular(name: str, st: os.stat_result) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"segment {name} is a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"segment {name} is not a regular file (it is {_kind(st.st_mode)})")
+
+
+def _open_regular(name: str) -> tuple[int, os.stat_result]:
+    """Open segment ``name`` read-write, refusing (ValueError) a symbolic link, anything but a
+    regular file, a file swapped between the look and the open, and another uid's file."""
+    path = SHM_DIR / name
+    before = os.lstat(path)
+    _require_regular(name, before)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # swapped for a link after the lstat
+            raise ValueError(f"segment {name} is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        _require_regular(name, st)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise ValueError(f"segment {name} was replaced while it was being opened")
+        euid = os.geteuid()
+        if st.st_uid != euid:
+            raise ValueError(f"segment {name} is owned by uid {st.st_uid}, not uid {euid}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def unlink_segment(name: str) -> bool:
     try:
         os.unlink(SHM_DIR / name)
@@ -151,16 +233,54 @@ def unlink_if_owner_gone(name: str) -> bool:
     return removed
 
 
+def unlink_if_creator_gone(name: str, now: float | None = None) -> bool:
+    """Unlink the temporary file ``name`` of a creator that died before renaming it: a regular
+    file nobody holds a lock on (a live creator holds a shared one from right after O_CREAT)
+    and older than ``CREATING_GRACE_S`` (so never in the instant between O_CREAT and flock)."""
+    if _CREATING_RE.match(name) is None:
+        return False
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:  # gone, a symbolic link, or not ours to open
+        return False
+    try:
+        st = os.fstat(fd)
+        age = (time.time() if now is None else now) - st.st_mtime
+        if not stat.S_ISREG(st.st_mode) or age < CREATING_GRACE_S:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its creator lives
+        now_at = os.lstat(path)
+        if (now_at.st_dev, now_at.st_ino) != (st.st_dev, st.st_ino):  # renamed over meanwhile
+            return False
+        os.unlink(path)  # under our lock
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    logger.warning(
+        "shm: unlinked %s (%d bytes, %.0fs old): its creator died before naming it", name, st.st_size, age
+    )
+    return True
+
+
 def sweep_orphans() -> list[str]:
-    """Unlink every kvwarden segment whose owner process is gone; returns their names."""
-    removed: list[str] = []
+    """Unlink every kvwarden segment whose owner process is gone, and every temporary file of a
+    creator that died before naming its segment; returns their names."""
+    segments: list[str] = []
+    temporary: list[str] = []
     try:
         entries = list(SHM_DIR.iterdir())
     except FileNotFoundError:
-        return removed
+        return []
+    now = time.time()
     for path in entries:
         if path.name.startswith(PREFIX) and unlink_if_owner_gone(path.name):
-            removed.append(path.name)
-    if removed:
-        logger.warning("shm: swept %d orphaned segment(s) at start", len(removed))
-    return removed
+            segments.append(path.name)
+        elif path.name.startswith(CREATING_PREFIX) and unlink_if_creator_gone(path.name, now):
+            temporary.append(path.name)
+    if segments:
+        logger.warning("shm: swept %d orphaned segment(s) at start", len(segments))
+    if temporary:
+        logger.warning("shm: swept %d abandoned temporary file(s) at start", len(temporary))
+    return segments + temporary

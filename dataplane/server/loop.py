@@ -347,6 +347,12 @@ class Server:
             logger.debug("server: bad request: %s", exc)
             self._send(envelope, encode_error(rid, exc))
             return
+        except Exception as exc:  # a validation gap: the request is refused, the loop goes on
+            rid = peek_request_id(raw)
+            self.metrics.requests.labels(type="INVALID", outcome="error").inc()
+            logger.exception("server: a request could not be validated")
+            self._send(envelope, encode_error(rid, ProtocolError(f"invalid request ({type(exc).__name__})")))
+            return
         if self._state is not Lifecycle.RUNNING:
             self._send(envelope, encode_error(req.request_id, ShuttingDown("server is stopping")))
             return

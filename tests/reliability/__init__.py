@@ -1,0 +1,1 @@
+"""Reliability: the server under resource pressure (a small segment directory, ...)."""
