@@ -157,4 +157,4 @@ clean:
 	rm -f $(VENV)/.installed-*
 
 soak: $(DEV_STAMP) tools
-	KVWARDEN_SLOW=1 $(BIN)/python -m pytest tests/soak $(PYTEST_ARGS)
+	KVWARDEN_SLOW=1 $(BIN)/python -m pytest -m slow tests/soak tests/reliability $(PYTEST_ARGS)

@@ -8,6 +8,7 @@ parsers are derived from those, so a check is written once and never bound to a 
 from __future__ import annotations
 
 import enum
+import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -25,8 +26,18 @@ Check = Callable[[Any, str], Any]
 En = TypeVar("En", bound=enum.Enum)
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 64, 64
+
+
 def type_name(v: Any) -> str:
     return type(v).__name__
+
+
+def short_repr(v: Any) -> str:
+    """A bounded repr of an untrusted value for an error message: nesting, long strings and
+    long lists are cut (a value nested 1,000 deep must not exhaust the stack)."""
+    return _SHORT.repr(v)
 
 
 def u63(v: Any, where: str) -> int:
@@ -80,7 +91,7 @@ def boolean(v: Any, where: str) -> bool:
 def one_of(choices: Sequence[str]) -> Check:
     def check(v: Any, where: str) -> str:
         if not isinstance(v, str) or v not in choices:
-            raise ProtocolError(f"{where}: {v!r} is not one of {', '.join(choices)}")
+            raise ProtocolError(f"{where}: {short_repr(v)} is not one of {', '.join(choices)}")
         return v
 
     return check

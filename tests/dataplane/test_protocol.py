@@ -707,3 +707,16 @@ _values = st.recursive(_scalars, lambda c: st.lists(c, max_size=6), max_leaves=2
 def test_random_payloads_only_raise_protocol_errors(mtype: str, payload: Any, v: int) -> None:
     with contextlib.suppress(ProtocolError):
         roundtrip(msgpack.packb([v, 1, mtype, payload], use_bin_type=True), 1 << 20)
+
+
+@pytest.mark.parametrize("field", ["transfer_mode", "memory", "dtype"])
+def test_a_value_nested_a_thousand_deep_is_refused_naming_the_field(field: str) -> None:
+    """The error message shows a bounded repr: a deep value cannot exhaust the stack."""
+    deep: Any = None
+    for _ in range(1000):
+        deep = [deep]
+    payload = shm_register(**{field: deep})
+    with pytest.raises(
+        ProtocolError, match=rf"^REGISTER_KV_CACHE\.{field}: \[\[\[\.\.\.\]\]\] is not one of"
+    ):
+        decode("REGISTER_KV_CACHE", payload)
