@@ -5,10 +5,16 @@ so uvicorn must install none. The listening socket is bound in ``start()`` itsel
 fails the start at once, with the address in the message, instead of killing a thread.
 Lifecycle: ``start()`` returns once uvicorn serves (bounded wait); ``stop()`` asks it to exit
 (in-flight requests get a bounded grace), then joins the thread with a bound.
+
+Connections are bounded in number and in idle time, so idle clients cannot pile up descriptors
+the data plane needs: beyond ``http_max_connections`` open connections a request is answered 503
+and its connection closed (uvicorn's ``limit_concurrency``), and a connection must send a whole
+request head within ``KEEP_ALIVE_S`` of opening or of its previous response, else it is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -18,11 +24,15 @@ from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.main import create_app
 from dataplane.server.facade import DataPlaneView
 
 logger = logging.getLogger(__name__)
+
+# uvicorn's keep-alive timeout (its default); here also the deadline of a request head
+KEEP_ALIVE_S = 5
 
 
 class _ThreadServer(uvicorn.Server):
@@ -34,6 +44,30 @@ class _ThreadServer(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # uvicorn < 0.29 calls this instead
         return None
+
+
+class _HeadDeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol, with the keep-alive timer also armed when a connection opens, and
+    kept (not cancelled by the first bytes) until a whole request head has arrived. uvicorn arms
+    it only after a response, so a connection that never sends a request, or sends one a byte
+    at a time, would otherwise hold its descriptor for ever."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def data_received(self, data: bytes) -> None:
+        deadline, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
+        cycle = self.cycle
+        super().data_received(data)
+        if deadline is None:
+            return
+        if self.cycle is cycle and self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = deadline  # no new request head yet: the deadline stands
+        else:
+            deadline.cancel()
 
 
 class SidecarStartError(RuntimeError):
@@ -64,10 +98,14 @@ class Sidecar:
         port: int | None = None,
         app: FastAPI | None = None,
         graceful_timeout_s: float = 3.0,
+        max_connections: int | None = None,
     ) -> None:
         self.dp = dp
         self.host = host if host is not None else dp.settings.http_host
         self.port = port if port is not None else dp.settings.http_port  # 0: any free port
+        self.max_connections = (
+            max_connections if max_connections is not None else dp.settings.http_max_connections
+        )
         self.app = app if app is not None else create_app(dp)
         self._graceful_timeout_s = graceful_timeout_s
         self._sock: socket.socket | None = None
@@ -94,6 +132,9 @@ class Sidecar:
             log_config=None,  # keep the process's logging set-up
             access_log=False,
             timeout_graceful_shutdown=int(max(1, self._graceful_timeout_s)),
+            http=_HeadDeadlineProtocol,
+            limit_concurrency=self.max_connections,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         server = _ThreadServer(config)
         self._server = server
@@ -111,7 +152,12 @@ class Sidecar:
                 self.stop()
                 raise SidecarStartError(f"the HTTP server on {self.url} did not start in {timeout_s:g}s")
             tick.wait(0.005)
-        logger.info("sidecar: serving on %s", self.url)
+        logger.info(
+            "sidecar: serving on %s (at most %d connections, idle ones closed after %d s)",
+            self.url,
+            self.max_connections,
+            KEEP_ALIVE_S,
+        )
 
     def _run(self, server: _ThreadServer, sock: socket.socket) -> None:
         try:

@@ -129,8 +129,7 @@ class ServerProcess:
             "-m",
             "app.cli",
             "serve",
-            "--port",
-            str(self.port),
+            *([] if "--ipc-path" in args else ["--port", str(self.port)]),  # one data-plane endpoint
             "--http-port",
             str(self.http_port),
             *args,

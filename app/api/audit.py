@@ -1,8 +1,13 @@
-"""Audit of admin calls: exactly one WARNING line per call, whatever its outcome.
+"""Audit of admin calls: one WARNING line per call, whatever its outcome.
 
 A route class rather than a dependency, because the outcome is known only after the handler
 ran or raised (401/403 from auth, 422 from validation, 404, 200, or a server error):
 ``audit: admin reap_instance who=... from=host:port instance=... dry_run=... outcome=...``.
+
+Refused calls (401, 403, 422: anybody can make them, as fast as they like) go through the log
+rate limiter of `app.logs` like any other line, so a flood of them cannot flood the log: past the
+limit they are counted in one ``suppressed K similar messages`` line. Every other call (one that
+got past the token check) is marked never to be suppressed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from typing import Any
 from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+
+from app.logs import NO_RATE_LIMIT
+
+REFUSED = frozenset({401, 403, 422})
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ class AuditedRoute(APIRoute):
                     _short(request.query_params.get("dry_run", "false")),
                     status_code,
                     f" ({result})" if result else "",
+                    extra={NO_RATE_LIMIT: status_code not in REFUSED},
                 )
 
         return audited

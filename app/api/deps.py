@@ -62,7 +62,7 @@ def require_admin(
 ) -> None:
     """403 without a configured token; 401 (``WWW-Authenticate: Bearer``) on a missing or
     wrong one. The comparison is constant-time. The outcome goes to the audit line."""
-    configured = dp.settings.admin_token
+    configured = dp.settings.admin_secret()
     expected = configured.get_secret_value() if configured is not None else ""
     if not expected:
         request.state.audit_who = "refused (no admin token configured)"

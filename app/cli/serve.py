@@ -1,21 +1,33 @@
 """`kvwarden serve`: parse the settings, assemble the data plane and the sidecar, run until a
-signal. The main thread owns SIGTERM and SIGINT and turns them into an orderly stop."""
+signal. The main thread owns SIGTERM and SIGINT and turns them into an orderly stop.
+
+At start it also raises the soft limit on open files to the hard limit (logged), puts the log
+rate limiter of `app.logs` on the root logger's handlers (and reports suppressed lines while it
+runs), and warns about every bind address beyond loopback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import resource
 import signal
+import socket
 import sys
 import threading
 import types
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from app import logs
 from dataplane.server.config import Settings, format_validation_error
 
 logger = logging.getLogger("kvwarden")
+
+SECURITY_DOC = "docs/security.md"
 
 
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
@@ -56,6 +68,16 @@ def serve(ns: argparse.Namespace) -> int:
         level=settings.log_level.value.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    limiters = logs.install()
+    try:
+        return _run(settings, limiters)
+    finally:
+        logs.uninstall(limiters)  # reports what is still suppressed
+
+
+def _run(settings: Settings, limiters: list[logs.RateLimitFilter]) -> int:
+    raise_fd_limit()
+    warn_if_exposed(settings)
     # imported here, not at the top: `kvwarden status` and `reap` start without torch
     from app.server import Sidecar
     from dataplane.server.runtime import build_dataplane
@@ -77,12 +99,79 @@ def serve(ns: argparse.Namespace) -> int:
         return 1
     print(f"kvwarden serving on {dp.server.bound_endpoint}, HTTP on {sidecar.url}", flush=True)
     while not stop.wait(0.5):
+        for limiter in limiters:
+            limiter.flush_expired()
         if not dp.server.is_alive():
             logger.error("kvwarden: data-plane loop died; exiting")
             break
     sidecar.stop()
     clean = dp.stop()
     return 0 if clean and dp.server.loop_error is None else 1
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft limit on open files (RLIMIT_NOFILE) to the hard limit, and log both: every
+    worker connection, mapping and HTTP client takes a descriptor, and 1,024 (a common default
+    soft limit) is soon spent."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if target == resource.RLIM_INFINITY:  # Linux refuses an infinite NOFILE: take the kernel's cap
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = soft
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            logger.warning(
+                "open files (RLIMIT_NOFILE): cannot raise the soft limit %d to %d: %s", soft, target, exc
+            )
+            return
+        logger.info(
+            "open files (RLIMIT_NOFILE): soft limit raised from %d to %d (hard limit %s)",
+            soft,
+            target,
+            _lim(hard),
+        )
+    else:
+        logger.info("open files (RLIMIT_NOFILE): soft limit %s (hard limit %s)", _lim(soft), _lim(hard))
+
+
+def _lim(v: int) -> str:
+    return "unlimited" if v == resource.RLIM_INFINITY else str(v)
+
+
+def warn_if_exposed(settings: Settings) -> None:
+    """A WARNING for each bind address beyond loopback: neither socket authenticates its peers
+    (only the admin routes ask for a token)."""
+    binds = [("http_host", settings.http_host, "the HTTP sidecar")]
+    if settings.zmq_endpoint.startswith("tcp://"):  # an ipc:// endpoint is a file, not an address
+        binds.insert(0, ("host", settings.host, "the data plane (ZMQ)"))
+    for setting, host, what in binds:
+        if not is_loopback(host):
+            logger.warning(
+                "%s=%s binds beyond loopback: any host that can reach this address can speak to %s; see %s",
+                setting,
+                host,
+                what,
+                SECURITY_DOC,
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` names is a loopback address (a name is resolved; one
+    that does not resolve, ``*`` and an interface name count as beyond loopback)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    addrs = {str(info[4][0]).split("%")[0] for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
 
 
 def _tune_process() -> None:

@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 from dataplane.bench.procs import free_port
+from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.reaper import WorkerReaper
-from dataplane.liveness.registry import Entry, InstanceInfo, LivenessRegistry
+from dataplane.liveness.registry import LivenessRegistry
 from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.wire.messages import MemoryKind, TransferMode

@@ -12,72 +12,31 @@ never wedging the reaper. An entry held by a request (``use``) is released by it
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
+from dataplane.liveness.entry import (
+    ContextEntry,
+    Entry,
+    from_row,
+    mark_removed,
+    own,
+    owned_by,
+    public,
+    seen_over,
+)
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.target import InstanceLivenessTarget, Reaped
-from dataplane.wire.errors import NotOwner, NotRegistered
+from dataplane.wire.errors import NotRegistered
 
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 _SLICE = 1024
-
-
-@dataclass(frozen=True)
-class InstanceInfo:
-    """What a worker registered, as operators see it."""
-
-    transfer_mode: str
-    memory: str
-    model_name: str
-    world_size: int
-    worker_id: int
-    owner_pid: int
-    num_layers: int
-    dtype: str
-
-
-class ContextEntry(NamedTuple):
-    """A read-only copy of an entry's public fields (what the sidecar sees). A tuple: the
-    sidecar copies 10,000 of these per /status, and a frozen dataclass costs 4x to build."""
-
-    instance_id: int
-    transfer_mode: str
-    memory: str
-    model_name: str
-    world_size: int
-    worker_id: int
-    owner_pid: int
-    num_layers: int
-    dtype: str
-    registered_at: float
-    last_seen: float
-    has_liveness_signal: bool
-    disconnected: bool
-    conn_fd: int
-
-
-@dataclass(eq=False)
-class Entry:
-    instance_id: int
-    registered_at: float
-    last_seen: float
-    scope: bytes  # chunk-key scope of the registered layout (see dataplane.storage.keys)
-    info: InstanceInfo
-    has_liveness_signal: bool = False
-    conn_fd: int = -1
-    disconnected_at: float | None = None
-    secret: bytes = b""  # what every request of this instance carries (its registrant's)
-    users: int = 0  # requests holding the entry's resources
-    removed: bool = False  # popped; the last user releases
 
 
 E = TypeVar("E", bound=Entry)
@@ -111,11 +70,11 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             e = self._entries.get(instance_id)
             if e is None:
                 return None
-            _own(e, secret)
+            own(e, secret)
             if not same(e):
                 return None
             e.last_seen = self._clock()
-            _seen_over(e, conn_fd)
+            seen_over(e, conn_fd)
             return e
 
     def put(self, entry: E, why_replaced: str) -> None:
@@ -134,9 +93,9 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             with self._lock:
                 old = self._entries.get(entry.instance_id)
                 if old is not None:
-                    _own(old, entry.secret)
+                    own(old, entry.secret)
                 self._entries[entry.instance_id] = entry
-                idle = old is not None and _mark_removed(old)
+                idle = old is not None and mark_removed(old)
         except BaseException:
             if admitted:
                 self._forget([entry.instance_id])
@@ -151,11 +110,11 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         """Refresh and latch; False (touching nothing) for an unknown id or a wrong secret."""
         with self._lock:
             e = self._entries.get(instance_id)
-            if e is None or not _owned_by(e, secret):
+            if e is None or not owned_by(e, secret):
                 return False
             e.last_seen = self._clock()
             e.has_liveness_signal = True
-            _seen_over(e, conn_fd)
+            seen_over(e, conn_fd)
             return True
 
     def tracked_instance_count(self) -> int:
@@ -206,7 +165,7 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                 e = self._entries.pop(iid, None)
                 if e is not None:
                     held.append(iid)
-                    if _mark_removed(e):
+                    if mark_removed(e):
                         idle.append(e)
         self._forget(held)
         self._bounded_release(idle, why)
@@ -217,7 +176,7 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         with self._lock:
             e = self._entries.get(instance_id)
             if e is not None:
-                _own(e, secret)
+                own(e, secret)
 
     def close(self) -> None:
         with self._lock:
@@ -230,7 +189,7 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         with self._lock:
             e = self._get(instance_id)
             e.last_seen = self._clock()
-            return _public(e)
+            return public(e)
 
     def context_entries_snapshot(self) -> list[ContextEntry]:
         # copy plain tuples under the lock (PING waits on it); build the entries after
@@ -247,12 +206,12 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                 )
                 for e in self._entries.values()
             ]
-        return [_from_row(*r) for r in rows]
+        return [from_row(*r) for r in rows]
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         with self._lock:
             e = self._entries.get(instance_id)
-            return None if e is None else _public(e)
+            return None if e is None else public(e)
 
     def scope_of(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> bytes | None:
         """The chunk-key scope of a tracked instance (refreshing last_seen), else None."""
@@ -260,9 +219,9 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             e = self._entries.get(instance_id)
             if e is None:
                 return None
-            _own(e, secret)
+            own(e, secret)
             e.last_seen = self._clock()
-            _seen_over(e, conn_fd)
+            seen_over(e, conn_fd)
             return e.scope
 
     @contextmanager
@@ -270,10 +229,10 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         """Hold an entry for a request: refreshes last_seen; release waits for the last user."""
         with self._lock:
             e = self._get(instance_id)
-            _own(e, secret)
+            own(e, secret)
             e.users += 1
             e.last_seen = self._clock()
-            _seen_over(e, conn_fd)
+            seen_over(e, conn_fd)
         try:
             yield e
         finally:
@@ -316,7 +275,7 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                 return False
             del self._entries[e.instance_id]
             reaped.append(Reaped(e.instance_id, reason, now - e.last_seen, e.has_liveness_signal))
-            if _mark_removed(e):
+            if mark_removed(e):
                 idle.append(e)
             return True
 
@@ -360,67 +319,3 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                 self._release(e, why)
             except Exception:
                 logger.exception("registry: releasing instance %d (%s) failed", e.instance_id, why)
-
-
-def _owned_by(e: Entry, secret: bytes | None) -> bool:
-    """``secret`` None: an in-process caller that is no request (no check)."""
-    return secret is None or hmac.compare_digest(e.secret, secret)
-
-
-def _own(e: Entry, secret: bytes | None) -> None:
-    if not _owned_by(e, secret):
-        raise NotOwner(
-            f"instance {e.instance_id} is registered by another owner: its requests must carry "
-            "the secret it registered with"
-        )
-
-
-def _mark_removed(e: Entry) -> bool:
-    """Flag a popped entry; True when no request holds it (so the caller releases it now)."""
-    e.removed = True
-    return e.users == 0
-
-
-def _seen_over(e: Entry, conn_fd: int) -> None:
-    if conn_fd >= 0:
-        e.conn_fd = conn_fd
-        e.disconnected_at = None  # it spoke: its connection is (again) alive
-
-
-def _from_row(
-    iid: int,
-    i: InstanceInfo,
-    registered_at: float,
-    last_seen: float,
-    signal: bool,
-    disconnected: bool,
-    conn_fd: int,
-) -> ContextEntry:
-    return ContextEntry(
-        iid,
-        i.transfer_mode,
-        i.memory,
-        i.model_name,
-        i.world_size,
-        i.worker_id,
-        i.owner_pid,
-        i.num_layers,
-        i.dtype,
-        registered_at,
-        last_seen,
-        signal,
-        disconnected,
-        conn_fd,
-    )
-
-
-def _public(e: Entry) -> ContextEntry:
-    return _from_row(
-        e.instance_id,
-        e.info,
-        e.registered_at,
-        e.last_seen,
-        e.has_liveness_signal,
-        e.disconnected_at is not None,
-        e.conn_fd,
-    )

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
-from dataplane.liveness.registry import Clock, Entry, InstanceInfo
+from dataplane.liveness.registry import Clock
 from dataplane.memory.budget import ByteBudget
 from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter
-from dataplane.memory.shm import SHM_DIR, Segment
+from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.transfer_common import TransferModule

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
-from dataplane.liveness.registry import Clock, Entry, InstanceInfo
+from dataplane.liveness.registry import Clock
 from dataplane.memory.budget import ByteBudget
 from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter, MappedKV, map_registration, token_slots
 from dataplane.memory.shm import unlink_if_owner_gone

@@ -18,8 +18,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from dataplane.liveness.entry import Entry
 from dataplane.liveness.quota import InstanceQuota
-from dataplane.liveness.registry import Clock, Entry, LivenessRegistry
+from dataplane.liveness.registry import Clock, LivenessRegistry
 from dataplane.memory.kvmemory import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.storage.l1 import L1Store

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import stat
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dataplane.wire.protocol import (
@@ -51,8 +54,22 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", min_length=1, description="ZMQ ROUTER bind host.")
     port: Port = Field(5555, description="ZMQ ROUTER bind port.")
+    ipc_path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        description="Serve the data plane on this Unix socket (ipc://) instead of TCP host/port: "
+        "created mode 600, so only the server's user can connect (docs/security.md).",
+    )
     http_host: str = Field("127.0.0.1", min_length=1, description="HTTP sidecar bind host.")
     http_port: Port = Field(8080, description="HTTP sidecar bind port.")
+    http_max_connections: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Open HTTP connections the sidecar serves; a request beyond them gets 503 and "
+        "its connection is closed. Idle connections close after 5 s (keep-alive timeout).",
+    )
     chunk_size: int = Field(256, gt=0, le=1 << 20, description="Tokens per chunk; > 0.")
     l1_size_gb: float = Field(4.0, gt=0, le=1 << 14, description="Local CPU tier capacity (GiB); > 0.")
     max_cpu_workers: int = Field(4, ge=1, le=256, description="NORMAL pool threads (LOOKUP, control).")
@@ -93,8 +110,19 @@ class Settings(BaseSettings):
         le=1 << 20,
         description="Worker KV memory the server maps, in all (GiB); more is refused.",
     )
-    admin_token: SecretStr | None = Field(None, description="Bearer token of the admin routes.")
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token of the admin routes. As a flag it is visible to every local user "
+        "(/proc/PID/cmdline): prefer admin_token_file or KVWARDEN_ADMIN_TOKEN.",
+    )
+    admin_token_file: Path | None = Field(
+        None,
+        description="File whose first line is the admin token; a regular file the owner alone "
+        "may read (mode 600). Not together with admin_token.",
+    )
     log_level: LogLevel = Field(LogLevel.INFO, description="Logging level.")
+
+    _file_token: SecretStr | None = PrivateAttr(None)
 
     @field_validator(
         "l1_size_gb",
@@ -126,7 +154,21 @@ class Settings(BaseSettings):
             self.worker_registration_grace_seconds,
             self.worker_disconnect_grace_seconds,
         )
+        if self.ipc_path is not None and {"host", "port"} & self.model_fields_set:
+            raise ValueError("ipc_path and host/port: the data plane listens on one of them, not both")
+        if self.admin_token_file is not None:
+            if self.admin_token is not None:
+                raise ValueError("admin_token and admin_token_file: give one of them, not both")
+            try:  # read here, once: a bad file fails before anything binds
+                self._file_token = SecretStr(read_token_file(self.admin_token_file))
+            except ValueError as exc:
+                raise ValueError(f"admin_token_file: {exc}") from None
         return self
+
+    def admin_secret(self) -> SecretStr | None:
+        """The admin token, from ``admin_token`` or the file of ``admin_token_file`` (read once,
+        when the settings were validated); None when neither is set."""
+        return self._file_token if self.admin_token_file is not None else self.admin_token
 
     @property
     def l1_capacity_bytes(self) -> int:
@@ -134,6 +176,8 @@ class Settings(BaseSettings):
 
     @property
     def zmq_endpoint(self) -> str:
+        if self.ipc_path is not None:
+            return f"ipc://{self.ipc_path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port}"
 
@@ -162,6 +206,33 @@ def validate_liveness(timeout: float, grace: float, disconnect: float = 0.0) -> 
             f"worker_disconnect_grace_seconds={disconnect}: must be <= worker_reap_timeout_seconds "
             f"({timeout:g}) when reaping is on"
         )
+
+
+def read_token_file(path: Path) -> str:
+    """The first line of ``path``, stripped. ValueError (naming the rule) unless the file is a
+    regular file that neither group nor other may access (mode & 0o077 == 0) and that line is
+    not empty. The checks are made on the opened file, so a swapped path cannot slip through."""
+    where = f"{path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO cannot block
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot open it ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{where}: must be a regular file")
+        if st.st_mode & 0o077:
+            raise ValueError(
+                f"{where}: mode {stat.S_IMODE(st.st_mode):04o} lets group or other users access it; "
+                "it must be readable by its owner only (chmod 600)"
+            )
+        head = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    first = head.split(b"\n", 1)[0].decode("utf-8", "surrogateescape").strip()
+    if not first:
+        raise ValueError(f"{where}: the first line (the token) is empty")
+    return first
 
 
 def format_validation_error(err: ValidationError) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from dataplane.liveness.registry import ContextEntry
+from dataplane.liveness.entry import ContextEntry
 from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
 from dataplane.storage.l1 import L1Stats

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from prometheus_client import generate_latest
 
+from dataplane.liveness.entry import ContextEntry
 from dataplane.liveness.quota import InstanceQuota
-from dataplane.liveness.registry import ContextEntry, LivenessRegistry
+from dataplane.liveness.registry import LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget
 from dataplane.memory.budget import ByteBudget

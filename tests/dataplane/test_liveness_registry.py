@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.liveness.registry import ContextEntry
+from dataplane.liveness.entry import ContextEntry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget, Reaped
 from dataplane.metrics import DataPlaneMetrics

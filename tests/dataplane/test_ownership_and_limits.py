@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
-from dataplane.liveness.registry import Entry, InstanceInfo, LivenessRegistry
+from dataplane.liveness.registry import LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.memory import shm
 from dataplane.memory.budget import ByteBudget

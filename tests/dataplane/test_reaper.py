@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from dataplane.client import allocate_kv_caches, free_kv_caches
+from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.reaper import WorkerReaper
-from dataplane.liveness.registry import Entry, InstanceInfo, LivenessRegistry
+from dataplane.liveness.registry import LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget, Reaped
 from dataplane.metrics import DataPlaneMetrics
