@@ -11,10 +11,18 @@ Every request has a timeout; an error reply raises the typed exception of
 `dataplane.wire.errors`. Requests go over one channel (`dataplane.client.channel`); the
 heartbeat (`dataplane.client.heartbeat`), started at registration, PINGs over its own, so a long
 transfer never delays it. How the KV bytes move is the transport's business
-(`dataplane.client.transport`, one per transfer mode). While the heartbeat says the server is
-unhealthy, stores are dropped and lookups and retrieves report a miss, without waiting.
+(`dataplane.client.transport`, one per transfer mode).
+
+Nothing waits on a dead server. While the heartbeat says the server is unhealthy, stores are
+dropped and lookups and retrieves report a miss, without waiting. A transfer whose connection
+closes ends at once; one made with no connection waits for it at most ``heartbeat_interval``;
+one in flight is abandoned as soon as the heartbeat turns unhealthy. Each of those is a miss,
+not an error; when the transfer channel has lost its connection, the adapter also clears its
+health (``Heartbeat.set_health(False)``), so the next transfers answer at once and the
+heartbeat's next good PING recovers as after any outage. The first miss of an outage logs one
+WARNING, the first transfer served after it one INFO line.
 ``_reg_lock`` guards ``_registration`` and the REGISTER counters: a registration and a recovery
-never interleave.
+never interleave. ``_miss_lock`` guards ``misses`` and ``_outage``.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -40,7 +49,7 @@ from dataplane.client.transport import (
     ServerDrivenTransport,
     Transport,
 )
-from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted
+from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout
 from dataplane.wire.messages import (
     MAX_POOL_CHUNKS,
     Hello,
@@ -87,7 +96,15 @@ def _check_args(
 
 
 class WorkerAdapter:
-    """A worker's connection to the kvwarden server (see the module docstring)."""
+    """A worker's connection to the kvwarden server (see the module docstring).
+
+    Counters: ``registrations`` (REGISTERs that built a fresh server context), ``refreshes``
+    (REGISTERs answered as a no-op refresh) and ``misses``: transfers answered with the outage
+    answer (``store`` False or zero counts, ``lookup`` and ``retrieve`` 0) instead of the
+    server's, because the server was unhealthy, did not answer in time, closed the connection
+    or no longer knew this instance. A transfer of an adapter that never registered raises
+    instead: that is a usage error, not an outage.
+    """
 
     def __init__(
         self,
@@ -126,8 +143,9 @@ class WorkerAdapter:
             world_size,
         )
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._chan = Channel(self._ctx, endpoint)
-        self._hb_chan = Channel(self._ctx, endpoint)
+        # once connected, no request waits longer than a heartbeat for a lost connection
+        self._chan = Channel(self._ctx, endpoint, reconnect_wait_s=heartbeat_interval)
+        self._hb_chan = Channel(self._ctx, endpoint, reconnect_wait_s=heartbeat_interval)
         self._heartbeat = Heartbeat(
             self._ping,
             self._recover,
@@ -140,6 +158,9 @@ class WorkerAdapter:
         self.chunk_size: int | None = None
         self.registrations = 0  # REGISTERs that built a fresh server context
         self.refreshes = 0  # REGISTERs the server answered as a no-op refresh (created: false)
+        self._miss_lock = threading.Lock()  # guards misses and _outage
+        self.misses = 0  # transfers answered with the outage answer (class docstring)
+        self._outage: tuple[float, int] | None = None  # (start, misses before it) while missing
         self._closed = False
 
     # ------------------------------------------------------------------ state
@@ -257,16 +278,48 @@ class WorkerAdapter:
 
     def _unless_outage(self, fn: Callable[[], T], miss: T) -> T:
         """``fn()``, or ``miss`` without waiting while the server is unhealthy, when a transfer
-        is abandoned, or when the server no longer knew us (then we re-register at once)."""
+        is abandoned or times out, or when the server no longer knew us (then we re-register
+        at once). Misses are counted; an outage is logged once."""
         if not self.is_healthy:
-            return miss
+            return self._missed(miss, "the server is unhealthy")
         try:
-            return fn()
+            value = fn()
         except NotRegistered:
             self._reregister_now()
-        except RequestAborted:
-            pass
+            return self._missed(miss, "the server no longer knew this instance")
+        except (RequestAborted, RequestTimeout) as exc:
+            # (read without _reg_lock: a recovery may hold it for a whole REGISTER, and a
+            # failed transfer must not wait on that; reading one reference is atomic)
+            if self._registration is None:
+                raise  # never registered (or closed): a usage error, not an outage
+            if not self._chan.connected and self._heartbeat.running:
+                self._heartbeat.set_health(False)  # no connection: the next ones answer at once
+            return self._missed(miss, str(exc))
+        self._served()
+        return value
+
+    def _missed(self, miss: T, why: str) -> T:
+        """Count a miss; the first of an outage logs one WARNING."""
+        with self._miss_lock:
+            first = self._outage is None
+            if first:
+                self._outage = (time.monotonic(), self.misses)
+            self.misses += 1
+        if first:
+            logger.warning("kvwarden client: transfers answer as misses until the server is back (%s)", why)
         return miss
+
+    def _served(self) -> None:
+        """A transfer the server answered: the end of an outage, if there was one."""
+        with self._miss_lock:
+            outage, self._outage = self._outage, None
+            missed = self.misses - outage[1] if outage is not None else 0
+        if outage is not None:
+            logger.info(
+                "kvwarden client: transfers served again after %d misses in %.1fs",
+                missed,
+                time.monotonic() - outage[0],
+            )
 
     def _reregister_now(self) -> None:
         """The server dropped us (reaped while paused, or by an operator) and our next PING

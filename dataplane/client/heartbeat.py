@@ -7,8 +7,11 @@ restarted) or ``tracked: false`` (the server reaped us) triggers ``recover`` at 
 unhealthy worker calls it on its next good PING: ``recover`` re-registers (a no-op refresh when
 the server still holds the entry) and returns whether it worked; it must never raise. Health is
 set only after it succeeded. Once ``stop()`` was called, nothing is recovered any more: no
-late beat can rebuild a ghost registration. ``_lock`` guards ``_boot_token`` and
-``_unhealthy_since``.
+late beat can rebuild a ghost registration. Health may also be cleared from outside
+(``set_health(False)``: the adapter does when its transfer channel lost its connection, while
+the thread is ``running``); recovery stays here, on the next good PING. ``set_health`` may be
+called from several threads: each change is logged and reported once. ``_lock`` guards
+``_boot_token``, ``_unhealthy_since`` and the changes of ``healthy``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ class Heartbeat:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def running(self) -> bool:
+        """The thread runs and was not told to stop: a health lost now, it will try to win back."""
+        t = self._thread
+        return t is not None and t.is_alive() and not self._stop.is_set()
+
     # -------------------------------------------------------------------- step
     def beat(self) -> None:
         """One PING and its consequences (public so tests can drive it without the thread)."""
@@ -100,16 +109,16 @@ class Heartbeat:
         return ok
 
     def set_health(self, healthy: bool) -> None:
-        was = self.healthy.is_set()
         now = self._clock()
         with self._lock:
+            was = self.healthy.is_set()
             since, self._unhealthy_since = self._unhealthy_since, None if healthy else now
             if not healthy and since is not None:
                 self._unhealthy_since = since  # still the first failure
-        if healthy:
-            self.healthy.set()
-        else:
-            self.healthy.clear()
+            if healthy:
+                self.healthy.set()
+            else:
+                self.healthy.clear()
         if was != healthy:
             if healthy and since is not None:
                 logger.info("kvwarden client: healthy again after %.1fs", now - since)
