@@ -135,6 +135,9 @@ class Sidecar:
             http=_HeadDeadlineProtocol,
             limit_concurrency=self.max_connections,
             timeout_keep_alive=KEEP_ALIVE_S,
+            # asyncio tries this many accepts per wake-up; out of descriptors, each failure logs
+            # and schedules a retry: a small number keeps that storm small
+            backlog=64,
         )
         server = _ThreadServer(config)
         self._server = server

@@ -77,6 +77,7 @@ def serve(ns: argparse.Namespace) -> int:
 
 def _run(settings: Settings, limiters: list[logs.RateLimitFilter]) -> int:
     raise_fd_limit()
+    warn_if_descriptors_short(settings.max_instances)
     warn_if_exposed(settings)
     # imported here, not at the top: `kvwarden status` and `reap` start without torch
     from app.server import Sidecar
@@ -136,6 +137,19 @@ def raise_fd_limit() -> None:
         )
     else:
         logger.info("open files (RLIMIT_NOFILE): soft limit %s (hard limit %s)", _lim(soft), _lim(hard))
+
+
+def warn_if_descriptors_short(max_instances: int) -> None:
+    """Each tracked instance holds one or two descriptors (a mapping, a pool): say so at start
+    when the limit cannot hold ``max_instances`` (registrations past it are refused, not fatal)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    need = 2 * max_instances + 256
+    if soft != resource.RLIM_INFINITY and soft < need:
+        logger.warning(
+            "open files (RLIMIT_NOFILE): the limit %d is below the %d that max_instances %d may "
+            "need; registrations are refused (LIMIT_EXCEEDED) while fewer than 128 are free",
+            soft, need, max_instances,
+        )  # fmt: skip
 
 
 def _lim(v: int) -> str:

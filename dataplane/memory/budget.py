@@ -1,8 +1,10 @@
-"""A byte budget: how much of a resource (server-owned pool segments, worker memory the server
-maps) may be in use at once. ``_lock`` is a leaf lock guarding ``used``."""
+"""Budgets of what registrations take: bytes (server-owned pool segments, worker memory the
+server maps; ``ByteBudget._lock`` is a leaf lock guarding ``used``) and file descriptors."""
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 
 from dataplane.wire.errors import LimitExceeded
@@ -34,3 +36,27 @@ class ByteBudget:
     def used(self) -> int:
         with self._lock:
             return self._used
+
+
+class DescriptorReserve:
+    """Registrations are refused while fewer than ``reserve`` file descriptors are free (each
+    mapping holds one, a server-owned pool two), so the server always keeps room to accept
+    connections and serve its sidecar. Read from ``/proc/self/fd`` at each check: no state."""
+
+    def __init__(self, reserve: int = 128) -> None:
+        self.reserve = reserve
+
+    def check(self, what: str) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return
+        try:
+            used = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return  # no /proc: the kernel's EMFILE is the only bound
+        if soft - used < self.reserve:
+            raise LimitExceeded(
+                f"{what}: the server holds {used} of its {soft} file descriptors and keeps "
+                f"{self.reserve} free for connections; raise its limit (ulimit -n) or lower "
+                "--max-instances"
+            )

@@ -11,6 +11,7 @@ A chunk is stored token-major: ``[layers, 2, chunk_tokens, heads * head_dim]``.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from dataplane.memory.shm import Segment
-from dataplane.wire.errors import InvalidLayout
+from dataplane.wire.errors import InvalidLayout, LimitExceeded
 from dataplane.wire.messages import CudaLayer, MemoryKind, Register, ShmLayer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# errors that say the server ran out of something (descriptors, memory, address space)
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 # Above this many runs per chunk a single index op beats one copy per run.
 _MAX_RUNS = 32
 
@@ -262,6 +265,8 @@ def _attach_segments(
                 raise InvalidLayout(f"layer {i}: {exc}") from None
             except OSError as exc:
                 reason = exc.strerror or str(exc)
+                if exc.errno in _OUT_OF_RESOURCES:  # the server's limit, not the layout's fault
+                    raise LimitExceeded(f"cannot map segment {layer.segment}: {reason}") from None
                 raise InvalidLayout(f"layer {i}: cannot map segment {layer.segment}: {reason}") from None
             segments[layer.segment] = seg
         if layer.offset + layer_bytes > seg.size:

@@ -22,7 +22,7 @@ import torch
 from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
-from dataplane.memory.budget import ByteBudget
+from dataplane.memory.budget import ByteBudget, DescriptorReserve
 from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter
 from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
@@ -94,9 +94,10 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         max_pool_bytes: int = 4 << 30,
         splitter: CopySplitter | None = None,
         quota: InstanceQuota | None = None,
+        descriptors: DescriptorReserve | None = None,
         pool_budget: ByteBudget | None = None,
     ) -> None:
-        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter, quota)
+        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter, quota, descriptors)
         self.max_pool_bytes = max_pool_bytes  # one instance's pool
         self.pool_budget = pool_budget  # every pool of this server
 
@@ -134,6 +135,8 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 f"pool_chunks: {reg.pool_chunks} chunks of {chunk_bytes} bytes exceed the pool "
                 f"limit of {self.max_pool_bytes} bytes"
             )
+        if self.descriptors is not None:
+            self.descriptors.check(f"the chunk pool of instance {reg.instance_id}")
         if self.pool_budget is not None:
             self.pool_budget.take(pool_bytes, f"the chunk pool of instance {reg.instance_id}")
         strat: PoolStrategy | None = None

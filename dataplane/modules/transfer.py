@@ -24,7 +24,7 @@ import torch
 from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
-from dataplane.memory.budget import ByteBudget
+from dataplane.memory.budget import ByteBudget, DescriptorReserve
 from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter, MappedKV, map_registration, token_slots
 from dataplane.memory.shm import unlink_if_owner_gone
 from dataplane.metrics import DataPlaneMetrics
@@ -59,9 +59,10 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         release_timeout_s: float = 10.0,
         splitter: CopySplitter | None = None,
         quota: InstanceQuota | None = None,
+        descriptors: DescriptorReserve | None = None,
         mapped_budget: ByteBudget | None = None,
     ) -> None:
-        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter, quota)
+        super().__init__(l1, chunk_size, metrics, clock, release_timeout_s, splitter, quota, descriptors)
         self.mapped_budget = mapped_budget  # worker memory mapped, every instance of this server
 
     def handlers(self) -> dict[MsgType, Handler]:
@@ -92,6 +93,8 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         if self.registry.refresh_if(reg.instance_id, lambda c: c.layout == layout, rctx.conn_fd, reg.secret):
             return {"created": False, "chunk_size": self.chunk_size}  # a repeat: refreshed
         nbytes = _registered_bytes(reg)
+        if self.descriptors is not None:
+            self.descriptors.check(f"the KV cache of instance {reg.instance_id}")
         if self.mapped_budget is not None:
             self.mapped_budget.take(nbytes, f"the KV cache of instance {reg.instance_id}")
         kv: MappedKV | None = None

@@ -21,6 +21,7 @@ import torch
 from dataplane.liveness.entry import Entry
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock, LivenessRegistry
+from dataplane.memory.budget import DescriptorReserve
 from dataplane.memory.kvmemory import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.storage.l1 import L1Store
@@ -42,11 +43,13 @@ class TransferModule(Generic[E]):
         release_timeout_s: float = 10.0,
         splitter: CopySplitter | None = None,
         quota: InstanceQuota | None = None,
+        descriptors: DescriptorReserve | None = None,
     ) -> None:
         self.registry: LivenessRegistry[E] = LivenessRegistry(
             self.name, self._release, clock, release_timeout_s, quota
         )
         self._clock = clock
+        self.descriptors = descriptors  # registrations keep descriptors free for connections
         self.l1 = l1
         self.chunk_size = chunk_size
         self.metrics = metrics

@@ -23,7 +23,7 @@ from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget
-from dataplane.memory.budget import ByteBudget
+from dataplane.memory.budget import ByteBudget, DescriptorReserve
 from dataplane.memory.kvmemory import CopySplitter
 from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
@@ -153,11 +153,12 @@ def build_dataplane(
     quota = InstanceQuota(settings.max_instances, settings.max_instances_per_connection)
     mapped = ByteBudget("worker memory mapped", int(settings.max_mapped_gb * (1 << 30)), "max_mapped_gb")
     pools = ByteBudget("the chunk pools", int(settings.max_pool_gb * (1 << 30)), "max_pool_gb")
+    fds = DescriptorReserve()
     transfer = ServerDrivenTransferModule(
-        l1, cs, metrics, clock, splitter=splitter, quota=quota, mapped_budget=mapped
+        l1, cs, metrics, clock, splitter=splitter, quota=quota, mapped_budget=mapped, descriptors=fds
     )
     engine = EngineDrivenTransferModule(
-        l1, cs, metrics, clock, splitter=splitter, quota=quota, pool_budget=pools
+        l1, cs, metrics, clock, splitter=splitter, quota=quota, pool_budget=pools, descriptors=fds
     )
     releaser = InstanceReleaser([transfer.registry, engine.registry, *extra_targets], metrics)
     management = ManagementModule(
