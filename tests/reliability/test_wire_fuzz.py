@@ -769,8 +769,10 @@ def _run(server: ServerProcess, caches: list[torch.Tensor], target: int) -> None
     reached = {OK, "BAD_REQUEST", "FRAME_TOO_LARGE", "VERSION_MISMATCH", "NOT_REGISTERED", "NOT_OWNER"}
     reached |= {"INVALID_LAYOUT", "REQUEST_REFUSED"}
     assert reached <= set(fuzzer.codes), f"codes never seen: {reached - set(fuzzer.codes)}"
-    # ... and the copy paths: every transfer type copied something
-    assert all(fuzzer.moved[t] > 0 for t in MOVED), fuzzer.moved
+    # ... and the copy paths, both ways (which of the two modes copied in a direction depends on
+    # what was generated: a chunk stored once is present, not copied, the next time)
+    assert fuzzer.moved["STORE"] + fuzzer.moved["ENGINE_STORE"] > 0, fuzzer.moved
+    assert fuzzer.moved["RETRIEVE"] + fuzzer.moved["ENGINE_RETRIEVE"] > 0, fuzzer.moved
     assert server.proc.poll() is None, f"the server exited with {server.proc.returncode}"
     ctx: zmq.Context[Any] = zmq.Context()
     sock = dealer(ctx, server.endpoint)
