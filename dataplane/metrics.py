@@ -31,6 +31,11 @@ DURATION_BUCKETS = (
     5.0,
 )
 REAP_REASONS = ("timeout", "grace", "disconnect", "admin")
+# what a LIMIT_EXCEEDED refusal met (dataplane.wire.errors.LimitExceeded.limit)
+LIMITS = (
+    "max_instances", "max_instances_per_connection", "max_pool_gb", "max_mapped_gb",
+    "descriptors", "segment_space", "other",
+)  # fmt: skip
 
 
 class DataPlaneMetrics:
@@ -67,6 +72,17 @@ class DataPlaneMetrics:
             "Chunks a STORE could not write (L1 full).",
             registry=r,
         )
+        self.limits_exceeded = Counter(
+            "kvwarden_limits_exceeded",
+            "Requests refused with LIMIT_EXCEEDED, by the limit they met.",
+            ["limit"],
+            registry=r,
+        )
+        self.not_owner = Counter(
+            "kvwarden_not_owner_refusals", "Requests refused with NOT_OWNER (a wrong secret).", registry=r
+        )
+        for limit in LIMITS:
+            self.limits_exceeded.labels(limit=limit)
         for reason in REAP_REASONS:
             self.reaped.labels(reason=reason)
         for d in ("store", "retrieve"):

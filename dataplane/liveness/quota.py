@@ -54,12 +54,14 @@ class InstanceQuota:
             if len(self._by_id) >= self.max_instances:
                 raise LimitExceeded(
                     f"the server tracks {len(self._by_id)} instances, its limit (max_instances "
-                    f"{self.max_instances}): unregister some, or raise --max-instances"
+                    f"{self.max_instances}): unregister some, or raise --max-instances",
+                    "max_instances",
                 )
             if conn_fd >= 0 and self._per_conn[conn_fd] >= self.max_per_connection:
                 raise LimitExceeded(
                     f"{self._per_conn[conn_fd]} instances were registered over this connection, "
-                    f"its limit (max_instances_per_connection {self.max_per_connection})"
+                    f"its limit (max_instances_per_connection {self.max_per_connection})",
+                    "max_instances_per_connection",
                 )
             self._by_id[instance_id] = _Held(conn_fd, secret, 1)
             if conn_fd >= 0:

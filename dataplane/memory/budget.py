@@ -24,7 +24,8 @@ class ByteBudget:
             if self._used + nbytes > self.capacity:
                 raise LimitExceeded(
                     f"{what}: {nbytes} bytes would take {self.name} past its budget of "
-                    f"{self.capacity} bytes ({self._used} in use; --{self.setting.replace('_', '-')})"
+                    f"{self.capacity} bytes ({self._used} in use; --{self.setting.replace('_', '-')})",
+                    self.setting,
                 )
             self._used += nbytes
 
@@ -58,5 +59,6 @@ class DescriptorReserve:
             raise LimitExceeded(
                 f"{what}: the server holds {used} of its {soft} file descriptors and keeps "
                 f"{self.reserve} free for connections; raise its limit (ulimit -n) or lower "
-                "--max-instances"
+                "--max-instances",
+                "descriptors",
             )

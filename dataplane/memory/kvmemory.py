@@ -266,7 +266,9 @@ def _attach_segments(
             except OSError as exc:
                 reason = exc.strerror or str(exc)
                 if exc.errno in _OUT_OF_RESOURCES:  # the server's limit, not the layout's fault
-                    raise LimitExceeded(f"cannot map segment {layer.segment}: {reason}") from None
+                    raise LimitExceeded(
+                        f"cannot map segment {layer.segment}: {reason}", "descriptors"
+                    ) from None
                 raise InvalidLayout(f"layer {i}: cannot map segment {layer.segment}: {reason}") from None
             segments[layer.segment] = seg
         if layer.offset + layer_bytes > seg.size:

@@ -67,7 +67,7 @@ def _new_pool(chunk_bytes: int, chunks: int) -> PoolStrategy:
     try:
         seg = Segment.create(chunk_bytes * chunks)
     except OSError as exc:
-        raise LimitExceeded(f"cannot create a chunk pool: {exc}") from None
+        raise LimitExceeded(f"cannot create a chunk pool: {exc}", "segment_space") from None
     flat = seg.as_tensor()
     return PoolStrategy(seg, [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(chunks)])
 

@@ -36,6 +36,8 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
 from dataplane.wire.errors import (
     KVWardenError,
+    LimitExceeded,
+    NotOwner,
     ProtocolError,
     ServerError,
     ShuttingDown,
@@ -386,6 +388,10 @@ class Server:
         except KVWardenError as exc:
             data = encode_error(rctx.request_id, exc)
             outcome = "error"
+            if isinstance(exc, LimitExceeded):
+                self.metrics.limits_exceeded.labels(limit=exc.limit).inc()
+            elif isinstance(exc, NotOwner):
+                self.metrics.not_owner.inc()
         except Exception as exc:
             logger.exception("server: %s handler failed", rctx.type)
             data = encode_error(rctx.request_id, ServerError(f"{rctx.type} failed: {exc}"))

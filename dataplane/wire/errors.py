@@ -61,9 +61,14 @@ class NotOwner(RequestError):
 
 
 class LimitExceeded(RequestError):
-    """A request that would take the server past one of its limits (named in the message)."""
+    """A request that would take the server past one of its limits (named in the message;
+    ``limit`` names it for metrics: a setting, or ``descriptors`` / ``segment_space``)."""
 
     code = "LIMIT_EXCEEDED"
+
+    def __init__(self, message: str, limit: str = "other") -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class InvalidLayout(RequestError):

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 
 import httpx
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.server.runtime import DataPlane
+from dataplane.wire.errors import LimitExceeded
+from dataplane.wire.protocol import encode_message
 from tests.app.conftest import (
     AUTH,
     CHUNK,
@@ -19,6 +23,8 @@ from tests.app.conftest import (
     DataPlaneFactory,
     WorkerFactory,
 )
+from tests.conftest import DealerFactory
+from tests.helpers import call, error_of, next_rid
 
 CONTRACT = {
     # gauges
@@ -108,6 +114,33 @@ def test_l1_evictions_are_counted(make_dp: DataPlaneFactory, serve_app: AppFacto
         _, s = scrape(c)
     assert s["kvwarden_l1_evictions_total"][()] == 5
     assert 0 < s["kvwarden_l1_used_bytes"][()] <= 3 * chunk_bytes
+
+
+def test_limit_and_owner_refusals_are_counted(
+    make_dp: DataPlaneFactory, serve_app: AppFactory, make_dealer: DealerFactory
+) -> None:
+    dp = make_dp(max_instances=1)
+    c = serve_app(dp)
+    _, s = scrape(c)
+    assert s["kvwarden_limits_exceeded_total"][(("limit", "max_instances"),)] == 0  # from the start
+    caches = allocate_kv_caches(*LAYOUT, dtype=torch.bfloat16)
+    with WorkerAdapter(dp.server.bound_endpoint, model_name="m", request_timeout=10) as w:
+        w.register_kv_caches(caches)
+        for _ in range(2):  # a second instance does not fit: refused twice, counted twice
+            with (
+                pytest.raises(LimitExceeded, match="max_instances"),
+                WorkerAdapter(dp.server.bound_endpoint, model_name="m", request_timeout=10) as other,
+            ):
+                other.register_kv_caches(allocate_kv_caches(*LAYOUT, dtype=torch.bfloat16))
+        reg = w.registration
+        assert reg is not None
+        stranger = dataclasses.replace(reg, secret=bytes(16))  # the live id, another secret
+        reply = call(make_dealer(dp.server.bound_endpoint), encode_message(next_rid(), stranger))
+        assert error_of(reply)[0] == "NOT_OWNER"
+        _, s = scrape(c)
+    assert s["kvwarden_limits_exceeded_total"][(("limit", "max_instances"),)] == 2
+    assert s["kvwarden_limits_exceeded_total"][(("limit", "max_mapped_gb"),)] == 0
+    assert s["kvwarden_not_owner_refusals_total"][()] == 1
 
 
 def test_metrics_pass_promtool(client: httpx.Client, make_worker: WorkerFactory) -> None:
