@@ -24,7 +24,6 @@ import secrets
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +33,7 @@ import zmq
 from dataplane import __version__
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
+from dataplane.server.ordered import KeyedSerialExecutor
 from dataplane.wire.errors import (
     KVWardenError,
     LimitExceeded,
@@ -64,34 +64,6 @@ class Lifecycle(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
-
-
-class KeyedSerialExecutor:
-    """Runs tasks on a pool so that tasks with the same key run one at a time, in order."""
-
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self._pool = pool
-        self._lock = threading.Lock()  # guards _queues: key -> tasks waiting behind a running one
-        self._queues: dict[int, deque[Callable[[], None]]] = {}
-
-    def submit(self, key: int, task: Callable[[], None]) -> None:
-        with self._lock:
-            waiting = self._queues.get(key)
-            if waiting is not None:
-                waiting.append(task)
-                return
-            self._queues[key] = deque()
-        self._pool.submit(self._drain, key, task)
-
-    def _drain(self, key: int, task: Callable[[], None]) -> None:
-        while True:
-            task()
-            with self._lock:
-                waiting = self._queues[key]
-                if not waiting:
-                    del self._queues[key]
-                    return
-                task = waiting.popleft()
 
 
 def _bind(sock: zmq.Socket[Any], endpoint: str) -> None:
