@@ -113,13 +113,11 @@ def from_row(
     )
 
 
+def row(e: Entry) -> tuple[int, InstanceInfo, float, float, bool, bool, int]:
+    """The public fields of an entry as a plain tuple (cheap to copy under the lock)."""
+    return (e.instance_id, e.info, e.registered_at, e.last_seen, e.has_liveness_signal,
+            e.disconnected_at is not None, e.conn_fd)  # fmt: skip
+
+
 def public(e: Entry) -> ContextEntry:
-    return from_row(
-        e.instance_id,
-        e.info,
-        e.registered_at,
-        e.last_seen,
-        e.has_liveness_signal,
-        e.disconnected_at is not None,
-        e.conn_fd,
-    )
+    return from_row(*row(e))

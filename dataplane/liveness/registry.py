@@ -27,6 +27,7 @@ from dataplane.liveness.entry import (
     own,
     owned_by,
     public,
+    row,
     seen_over,
 )
 from dataplane.liveness.quota import InstanceQuota
@@ -194,18 +195,7 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
     def context_entries_snapshot(self) -> list[ContextEntry]:
         # copy plain tuples under the lock (PING waits on it); build the entries after
         with self._lock:
-            rows = [
-                (
-                    e.instance_id,
-                    e.info,
-                    e.registered_at,
-                    e.last_seen,
-                    e.has_liveness_signal,
-                    e.disconnected_at is not None,
-                    e.conn_fd,
-                )
-                for e in self._entries.values()
-            ]
+            rows = [row(e) for e in self._entries.values()]
         return [from_row(*r) for r in rows]
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
