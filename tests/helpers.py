@@ -132,6 +132,8 @@ class ServerProcess:
             *([] if "--ipc-path" in args else ["--port", str(self.port)]),  # one data-plane endpoint
             "--http-port",
             str(self.http_port),
+            # a small L1 unless a test sizes it: its arena is reserved and faulted in at start
+            *([] if "--l1-size-gb" in args else ["--l1-size-gb", "0.25"]),
             *args,
         ]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -81,6 +82,16 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(s), int(slots[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
+def spawn_all(pool: ThreadPoolExecutor, workers: int) -> None:
+    """Start every thread of ``pool`` now. A pool spawns lazily, at a request; creating a thread
+    maps its stack, which waits for the address-space lock while the L1 arena is being faulted
+    in: the first transfer of a fresh server waited 200 ms for it."""
+    barrier = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        pool.submit(barrier.wait, 10.0)
+    barrier.wait(10.0)
+
+
 class CopySplitter:
     """Splits one big copy across ``ways`` threads by ranges of an outer dimension (layers).
 
@@ -96,6 +107,7 @@ class CopySplitter:
     def start(self) -> None:
         if self.ways > 1 and self._pool is None:
             self._pool = ThreadPoolExecutor(self.ways - 1, thread_name_prefix="kvwarden-copy")
+            spawn_all(self._pool, self.ways - 1)
 
     def stop(self) -> None:
         """Stop and join the helper threads (copies already submitted finish first)."""

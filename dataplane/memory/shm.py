@@ -95,9 +95,11 @@ class Segment:
     lock_fd: int = -1  # the owner's flock, held until close
 
     @classmethod
-    def create(cls, size: int) -> Segment:
+    def create(cls, size: int, reserve: bool = True) -> Segment:
         """A new segment of ``size`` bytes, every one reserved; OSError (ENOSPC when the segment
-        directory has no room) names the directory and the size."""
+        directory has no room) names the directory and the size. ``reserve`` False: sized but
+        neither reserved nor pre-faulted (the owner reserves it with ``posix_fallocate`` on
+        ``lock_fd`` before any byte of it is used: the L1 arena does, slice by slice)."""
         if size <= 0:
             raise ValueError(f"a segment needs a positive size, got {size}")
         token = secrets.token_hex(8)
@@ -106,8 +108,12 @@ class Segment:
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            _reserve(fd, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            if reserve:
+                _reserve(fd, size)
+            else:
+                os.ftruncate(fd, size)
+            populate = getattr(mmap, "MAP_POPULATE", 0) if reserve else 0
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
             os.rename(tmp, SHM_DIR / name)
         except BaseException:
             os.close(fd)

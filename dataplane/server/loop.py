@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from dataplane import __version__
+from dataplane.memory.kvmemory import spawn_all
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
 from dataplane.server.ordered import KeyedSerialExecutor
@@ -118,6 +119,7 @@ class Server:
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
         )
+        self._pool_sizes = (max_cpu_workers, max_transfer_workers)
         self._normal = ThreadPoolExecutor(max_cpu_workers, thread_name_prefix="kvwarden-normal")
         self._transfer_pool = ThreadPoolExecutor(max_transfer_workers, thread_name_prefix="kvwarden-transfer")
         self._transfer = KeyedSerialExecutor(self._transfer_pool)
@@ -175,6 +177,8 @@ class Server:
             if self._state is not Lifecycle.CREATED:
                 raise RuntimeError(f"server is {self._state.value}")
             self._state = Lifecycle.RUNNING
+        spawn_all(self._normal, self._pool_sizes[0])
+        spawn_all(self._transfer_pool, self._pool_sizes[1])
         for m in self._modules:
             m.start()
         self._thread = threading.Thread(target=self._run, name="kvwarden-loop", daemon=True)

@@ -35,6 +35,7 @@ from dataplane.modules.transfer import ServerDrivenTransferModule
 from dataplane.server.config import Settings
 from dataplane.server.facade import ComponentState, LivenessStatus
 from dataplane.server.loop import Server
+from dataplane.storage.arena import Arena
 from dataplane.storage.l1 import L1Stats, L1Store
 from dataplane.wire.messages import TransferMode
 
@@ -56,12 +57,14 @@ class DataPlane:
     clock: Callable[[], float] = time.monotonic
 
     def start(self) -> None:
+        self.l1.arena.start()  # faults L1 in while the server already answers
         self.splitter.start()
         self.server.start()
 
     def stop(self, timeout_s: float | None = None) -> bool:
         clean = self.server.stop(timeout_s)
         self.splitter.stop()  # after the server: no transfer is left to use it
+        self.l1.close()  # last: the modules released every view of it
         return clean
 
     @property
@@ -137,9 +140,9 @@ def build_dataplane(
             "only; the remote tier is not used"
         )
     metrics = DataPlaneMetrics()
-    l1 = L1Store(
-        settings.l1_capacity_bytes, hot_cache=settings.local_cpu, pin_memory=torch.cuda.is_available()
-    )
+    arena = Arena(settings.l1_capacity_bytes, pin_memory=torch.cuda.is_available())
+    logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
+    l1 = L1Store(settings.l1_capacity_bytes, hot_cache=settings.local_cpu, arena=arena)
     server = Server(
         settings.zmq_endpoint,
         max_cpu_workers=settings.max_cpu_workers,

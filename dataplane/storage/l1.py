@@ -1,28 +1,34 @@
-"""L1: a byte-bounded local CPU chunk store with LRU eviction.
+"""L1: a byte-bounded local CPU chunk store with LRU eviction, its buffers carved from one arena.
 
 Writes are two-phase: ``reserve`` hands out a buffer (evicting least-recently-used chunks that
 no reader holds), the caller copies into it outside any lock, then ``commit`` publishes it (or
 ``abort`` returns it). Readers ``acquire`` a prefix of chunks, which pins them against eviction,
-copy out, then ``release``. Evicted buffers of the same size are recycled: a fresh allocation
-costs a page fault per 4 KiB on its first write, which halves copy throughput.
+copy out, then ``release``. Every buffer is a view of the arena (`dataplane.storage.arena`):
+memory reserved and faulted in at start, so no copy pays a page fault per page.
 
-Accounting is exact: ``used_bytes`` is committed plus reserved chunk bytes; recycled buffers
-waiting for reuse are ``pooled_bytes``; ``used + pooled <= capacity`` always holds.
-On CUDA hosts buffers are pinned so device copies run at full speed.
+Accounting is exact: ``used_bytes`` is committed plus reserved chunk bytes, at most
+``capacity_bytes``. While a shared arena is still reserving its space (the first seconds of a
+big one), a reserve that does not fit in what is ready waits for it, within a bound.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from dataplane.storage.arena import Arena, ArenaStats, Extents
+
+_WAIT_FOR_ARENA_S = 10.0  # longest a reserve waits for the arena to grow
+_HEADROOM = 256 << 20  # the arena's fault-in steps aside for copies while this much is ready
 
 
 @dataclass
 class _Entry:
     buf: torch.Tensor
+    offset: int  # in the arena
     readers: int = 0
 
 
@@ -30,32 +36,34 @@ class _Entry:
 class L1Stats:
     used_bytes: int
     capacity_bytes: int
-    pooled_bytes: int
     chunks: int
     hot_cache: bool
     evictions: int
     rejected: int
+    arena: ArenaStats | None = None
+    fragmentation: float = 0.0  # of the free space: 1 - largest free extent / free bytes
 
 
-@dataclass
 class L1Store:
-    capacity_bytes: int
-    hot_cache: bool = True
-    pin_memory: bool = False
-    # _lock guards every field below it; it is a leaf lock: no copy or allocation runs under it
-    # except the (cheap, lazy) torch.empty of a new buffer.
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _entries: OrderedDict[bytes, _Entry] = field(default_factory=OrderedDict, repr=False)
-    _pool: dict[int, list[torch.Tensor]] = field(default_factory=dict, repr=False)
-    _used: int = 0
-    _pooled: int = 0
-    _pinned: int = 0  # bytes of chunks some reader holds
-    _evictions: int = 0
-    _rejected: int = 0
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
+    def __init__(self, capacity_bytes: int, hot_cache: bool = True, arena: Arena | None = None) -> None:
+        if capacity_bytes <= 0:
             raise ValueError("L1 capacity must be > 0")
+        self.capacity_bytes = capacity_bytes
+        self.hot_cache = hot_cache
+        # without one given: a private arena faulted on first use (tests, small stores)
+        self.arena = arena if arena is not None else Arena(capacity_bytes, shared=False, prefault=False)
+        # _lock guards every field below and the allocator; it is a leaf lock: no copy, no
+        # allocation and no call into the arena (which has its own lock) runs under it
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._free = Extents()
+        self._known_usable = 0  # arena bytes handed to _free so far
+        self._used = 0
+        self._pinned = 0  # bytes of chunks some reader holds
+        self._evictions = 0
+        self._rejected = 0
+        self._writing = 0  # buffers reserved and not yet committed or aborted
+        self.arena.yield_to = self._copying_with_room
 
     # ---------------------------------------------------------------- reads
     def prefix_hits(self, keys: list[bytes]) -> int:
@@ -110,57 +118,53 @@ class L1Store:
     # --------------------------------------------------------------- writes
     def reserve(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of ``nbytes`` counted as used, or None when L1 cannot take it now."""
-        with self._lock:
-            if nbytes > self.capacity_bytes - self._pinned:
-                self._rejected += 1  # could never fit: evict nothing
-                return None
-            pooled = self._pool.get(nbytes)
-            if pooled:
-                buf = pooled.pop()
-                self._pooled -= nbytes
-                self._used += nbytes
-                return buf
-            while self._used + self._pooled + nbytes > self.capacity_bytes:
-                if self._drop_other_pooled(nbytes):
-                    continue
-                victim = self._evict_one()
-                if victim is None:
+        while True:
+            usable, grown = self.arena.growth()
+            with self._lock:
+                if nbytes > self.capacity_bytes - self._pinned:
+                    self._rejected += 1  # could never fit: evict nothing
+                    return None
+                self._grow(usable)
+                # while the arena still grows, wait for it rather than evict chunks to make room
+                off = self._alloc(nbytes, may_evict=grown)
+                if off is not None:
+                    self._used += nbytes
+                    self._writing += 1
+                    return self.arena.view(off, nbytes)
+                if grown:
                     self._rejected += 1
                     return None
-                if victim.numel() == nbytes:  # reuse the evicted buffer directly
-                    self._used += nbytes
-                    return victim
-                self._pool.setdefault(victim.numel(), []).append(victim)
-                self._pooled += victim.numel()
-            self._used += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            if not self.arena.wait_usable(usable, _WAIT_FOR_ARENA_S):  # still being reserved
+                with self._lock:
+                    self._rejected += 1
+                return None
 
     def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False) -> bool:
-        """Publish a reserved buffer; False (buffer recycled) when the key was already present.
+        """Publish a reserved buffer; False (buffer returned) when the key was already present.
         With ``pin`` the chunk stays pinned (whichever copy won) until ``release``."""
         with self._lock:
+            self._writing -= 1
             e = self._entries.get(key)
             written = e is None
             if e is None:
-                e = self._entries[key] = _Entry(buf)
+                e = self._entries[key] = _Entry(buf, self.arena.offset_of(buf))
             else:
-                self._recycle(buf)
+                self._give_back(buf)
             if pin:
                 self._pin(e)
             return written
 
     def abort(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._recycle(buf)
+            self._writing -= 1
+            self._give_back(buf)
 
     def clear(self) -> int:
         """Drop every chunk no reader holds; returns how many were dropped."""
         with self._lock:
             victims = [k for k, e in self._entries.items() if e.readers == 0]
             for k in victims:
-                self._used -= self._entries.pop(k).buf.numel()
-            self._pool.clear()
-            self._pooled = 0
+                self._drop(self._entries.pop(k))
             return len(victims)
 
     def set_hot_cache(self, on: bool) -> None:
@@ -168,16 +172,21 @@ class L1Store:
             self.hot_cache = on
 
     def stats(self) -> L1Stats:
+        arena = self.arena.stats()
         with self._lock:
-            return L1Stats(
-                self._used,
-                self.capacity_bytes,
-                self._pooled,
-                len(self._entries),
-                self.hot_cache,
-                self._evictions,
-                self._rejected,
-            )
+            return L1Stats(self._used, self.capacity_bytes, len(self._entries), self.hot_cache,
+                           self._evictions, self._rejected, arena, self._free.fragmentation())  # fmt: skip
+
+    def close(self) -> None:
+        """Drop every chunk and the arena (no reader may hold a buffer any more)."""
+        with self._lock:
+            self._entries.clear()
+        self.arena.close()
+
+    def _copying_with_room(self, usable: int) -> bool:
+        """Whether copies run now and the usable part of the arena has room to spare for them
+        (the arena's fault-in steps aside then). Read without the lock: a hint, not a fact."""
+        return (self._writing > 0 or self._pinned > 0) and usable - self._used > _HEADROOM
 
     # ------------------------------------------------------- lock held below
     def _pin(self, e: _Entry) -> None:
@@ -185,25 +194,34 @@ class L1Store:
             self._pinned += e.buf.numel()
         e.readers += 1
 
-    def _recycle(self, buf: torch.Tensor) -> None:
-        n = buf.numel()
-        self._used -= n
-        self._pool.setdefault(n, []).append(buf)
-        self._pooled += n
+    def _grow(self, usable: int) -> None:
+        if usable > self._known_usable:
+            self._free.free(self._known_usable, usable - self._known_usable)
+            self._known_usable = usable
 
-    def _drop_other_pooled(self, keep_size: int) -> bool:
-        for size, bufs in self._pool.items():
-            if size != keep_size and bufs:
-                bufs.pop()
-                self._pooled -= size
-                return True
-        return False
+    def _alloc(self, nbytes: int, may_evict: bool) -> int | None:
+        """An arena offset for ``nbytes``, evicting least-recently-used chunks until one fits."""
+        while True:
+            if self._used + nbytes <= self.capacity_bytes:
+                off = self._free.alloc(nbytes)
+                if off is not None:
+                    return off
+            if not may_evict or not self._evict_one():
+                return None
 
-    def _evict_one(self) -> torch.Tensor | None:
+    def _give_back(self, buf: torch.Tensor) -> None:
+        self._used -= buf.numel()
+        self._free.free(self.arena.offset_of(buf), buf.numel())
+
+    def _drop(self, e: _Entry) -> None:
+        self._used -= e.buf.numel()
+        self._free.free(e.offset, e.buf.numel())
+
+    def _evict_one(self) -> bool:
         for k, e in self._entries.items():  # oldest first
             if e.readers == 0:
                 del self._entries[k]
-                self._used -= e.buf.numel()
+                self._drop(e)
                 self._evictions += 1
-                return e.buf
-        return None
+                return True
+        return False

@@ -39,6 +39,7 @@ def make_dp() -> Iterator[DataPlaneFactory]:
             "port": free_port(),
             "http_port": free_port(),
             "chunk_size": CHUNK,
+            "l1_size_gb": 0.125,  # the arena is reserved and faulted in at start: keep it small
             "admin_token": SecretStr(TOKEN),
         }
         fields.update(overrides)

@@ -88,7 +88,6 @@ class FakeDataPlane:
         self.l1 = L1Stats(
             used_bytes=3_145_728,
             capacity_bytes=8_388_608,
-            pooled_bytes=1_048_576,
             chunks=12,
             hot_cache=False,
             evictions=5,

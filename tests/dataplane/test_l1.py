@@ -39,8 +39,7 @@ def present(l1: L1Store, *ids: int) -> list[bool]:
 
 def check_accounting(l1: L1Store) -> None:
     s = l1.stats()
-    assert s.used_bytes >= 0 and s.pooled_bytes >= 0
-    assert s.used_bytes + s.pooled_bytes <= s.capacity_bytes
+    assert 0 <= s.used_bytes <= s.capacity_bytes
 
 
 def test_rejects_non_positive_capacity() -> None:
@@ -159,7 +158,7 @@ def test_reserved_but_uncommitted_bytes_count() -> None:
     assert l1.reserve(N) is None  # nothing committed, nothing evictable
     l1.abort(a)
     s = l1.stats()
-    assert (s.used_bytes, s.pooled_bytes) == (N, N)
+    assert s.used_bytes == N
     c = l1.reserve(N)
     assert c is not None and c.data_ptr() == a.data_ptr()
     check_accounting(l1)
@@ -174,7 +173,7 @@ def test_commit_of_duplicate_key_returns_false_and_recycles() -> None:
     assert l1.stats().used_bytes == 2 * N
     assert l1.commit(key(1), dup) is False
     s = l1.stats()
-    assert (s.used_bytes, s.pooled_bytes, s.chunks) == (N, N, 1)
+    assert (s.used_bytes, s.chunks) == (N, 1)
     got = l1.acquire_prefix([key(1)])
     assert got[0].data_ptr() == first.data_ptr()  # the first copy stays
     assert int(got[0][0]) == 1
@@ -190,10 +189,10 @@ def test_different_sizes_share_capacity() -> None:
     put(l1, 2, N)
     put(l1, 3, 2 * N)
     assert l1.stats().used_bytes == 4 * N
-    put(l1, 4, 2 * N)  # evicts 1 and 2 (pooling them), then drops the pool to make room
+    put(l1, 4, 2 * N)  # evicts 1 and 2: their neighbouring extents coalesce into one
     assert present(l1, 1, 2, 3, 4) == [False, False, True, True]
     s = l1.stats()
-    assert s.used_bytes == 4 * N and s.pooled_bytes == 0
+    assert s.used_bytes == 4 * N and s.fragmentation == 0.0
     check_accounting(l1)
 
 
@@ -203,12 +202,12 @@ def test_clear() -> None:
         put(l1, i)
     dup = l1.reserve(N)
     assert dup is not None
-    l1.abort(dup)  # one pooled buffer
-    assert l1.stats().pooled_bytes == N
+    l1.abort(dup)  # its bytes go back to the arena
+    assert l1.stats().used_bytes == 3 * N
     l1.acquire_prefix([key(2)])
     assert l1.clear() == 2
     s = l1.stats()
-    assert (s.chunks, s.used_bytes, s.pooled_bytes) == (1, N, 0)
+    assert (s.chunks, s.used_bytes) == (1, N)
     assert present(l1, 1, 2, 3) == [False, True, False]
     l1.release([key(2)])
     assert l1.clear() == 1
@@ -273,5 +272,5 @@ def test_accounting_holds_under_random_operations() -> None:
             assert not missing(l1, [k]), f"step {step}: a pinned chunk was dropped"
         s = l1.stats()
         assert s.used_bytes == sum(committed.values()) + sum(b.numel() for b in pending), step
-        assert s.used_bytes + s.pooled_bytes <= cap, step
+        assert s.used_bytes <= cap, step
         assert s.chunks == len(committed), step
