@@ -80,11 +80,22 @@ class InstancePublic(BaseModel):
     disconnected: bool
 
 
+class ArenaPublic(BaseModel):
+    backing: Literal["shm", "private"] = Field(
+        description="shm: a server-owned segment (shareable with workers); private: process memory"
+    )
+    faulted_bytes: int = Field(description="bytes of the arena faulted in at start so far")
+    ready: bool = Field(description="the whole arena is reserved and faulted in")
+    huge_page_bytes: int = Field(description="bytes in transparent huge pages (the process's)")
+    fragmentation: float = Field(description="1 - largest free extent / free bytes (0: one piece)")
+
+
 class L1Public(BaseModel):
     used_bytes: int
     capacity_bytes: int
     chunks: int
     hot_cache: bool
+    arena: ArenaPublic | None = Field(None, description="the region L1's buffers are carved from")
 
 
 class RemotePublic(BaseModel):

@@ -19,7 +19,7 @@ from pydantic_core import to_json
 from app.core.health import HealthChecker, HealthReport
 
 if TYPE_CHECKING:
-    from dataplane.server.facade import ContextEntry, DataPlaneView
+    from dataplane.server.facade import ContextEntry, DataPlaneView, L1Stats
 
 # encode the instance list in slices: one encoder call holds the GIL throughout, and the
 # data-plane loop shares this process; slices give it a chance to run between them
@@ -88,12 +88,21 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> tuple[dict[str, 
                 "capacity_bytes": l1.capacity_bytes,
                 "chunks": l1.chunks,
                 "hot_cache": l1.hot_cache,
+                "arena": arena_view(l1),
             },
             "remote": None,
         },
         "health": health_summary(dp, report),
     }
     return doc, instances
+
+
+def arena_view(l1: L1Stats) -> dict[str, Any] | None:
+    a = l1.arena
+    if a is None:
+        return None
+    return {"backing": a.backing, "faulted_bytes": a.faulted_bytes, "ready": a.ready,
+            "huge_page_bytes": a.huge_page_bytes, "fragmentation": l1.fragmentation}  # fmt: skip
 
 
 def encode_instances(instances: list[dict[str, Any]]) -> bytes:

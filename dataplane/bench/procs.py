@@ -1,13 +1,19 @@
-"""Process helpers the benchmarks share: free ports, a server process, stopping it."""
+"""Process helpers the benchmarks share: free ports, a server process (its ZMQ endpoint and its
+sidecar's URL), readiness polled with a deadline, the sidecar's JSON, a process's memory."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -23,13 +29,47 @@ def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "app.cli", "serve", *args]
 
 
-def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """A ``kvwarden serve`` process on free ports; its ZMQ endpoint. Its standard output (the
-    "serving on" line) is dropped, so a benchmark's own output stays clean (``--json``); its
+def bench_env() -> dict[str, str]:
+    """This environment without an admin token: a benchmark's server needs none."""
+    return {k: v for k, v in os.environ.items() if k != "KVWARDEN_ADMIN_TOKEN"}
+
+
+@dataclass
+class Server:
+    """A ``kvwarden serve`` process on free ports."""
+
+    proc: subprocess.Popen[bytes]
+    endpoint: str  # the data plane, tcp://127.0.0.1:PORT
+    url: str  # the HTTP sidecar, http://127.0.0.1:PORT
+    started: float  # time.perf_counter() just before the process was started
+
+    def get(self, path: str, timeout_s: float = 30.0) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
+            body: bytes = r.read()
+        return body
+
+    def json(self, path: str, timeout_s: float = 30.0) -> Any:
+        return json.loads(self.get(path, timeout_s))
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def launch(*args: str, env: dict[str, str] | None = None) -> Server:
+    """Start ``kvwarden serve`` with ``args`` on free ports (not waiting for it). Its standard
+    output (the "serving on" line) is dropped, so a benchmark's own output stays clean; its
     warnings and errors still reach standard error."""
     port, http_port = free_port(), free_port()
     cmd = serve_command("--port", str(port), "--http-port", str(http_port), "--log-level", "warning", *args)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL), f"tcp://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=bench_env() if env is None else env, stdout=subprocess.DEVNULL)
+    return Server(proc, f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", t0)
+
+
+def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``kvwarden serve`` process on free ports; its ZMQ endpoint (see `launch`)."""
+    s = launch(*args, env=env)
+    return s.proc, s.endpoint
 
 
 def wait_ready(probe: Callable[[], Any], proc: subprocess.Popen[Any], timeout_s: float) -> None:
@@ -44,7 +84,7 @@ def wait_ready(probe: Callable[[], Any], proc: subprocess.Popen[Any], timeout_s:
             probe()
             return
         except Exception:
-            pause.wait(0.05)
+            pause.wait(0.02)
     raise RuntimeError("server did not answer in time")
 
 
@@ -62,6 +102,28 @@ def wait_server(proc: subprocess.Popen[Any], endpoint: str, timeout_s: float = 6
     wait_ready(hello, proc, timeout_s)
 
 
+def wait_http(server: Server, path: str = "/livez", timeout_s: float = 60.0) -> None:
+    """Until the sidecar answers ``path``."""
+    wait_ready(lambda: server.get(path, 2.0), server.proc, timeout_s)
+
+
+def wait_arena_ready(server: Server, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Until `/status` says L1's arena is reserved and faulted in; the arena's view then."""
+
+    def ready() -> None:
+        if not arena_view(server).get("ready"):
+            raise RuntimeError("arena not ready yet")
+
+    wait_ready(ready, server.proc, timeout_s)
+    return arena_view(server)
+
+
+def arena_view(server: Server) -> dict[str, Any]:
+    """`/status`'s ``storage.l1.arena`` (empty when the server shows none)."""
+    a = server.json("/status")["storage"]["l1"].get("arena")
+    return dict(a) if a else {}
+
+
 def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 15.0) -> None:
     """SIGTERM (the server drains and exits), SIGKILL if it has not within ``timeout_s``."""
     proc.terminate()
@@ -70,3 +132,24 @@ def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def memory_of(pid: int) -> dict[str, int]:
+    """Resident memory of ``pid`` in bytes (``VmRSS`` and its anonymous, file and shared-memory
+    parts) and the bytes its segments occupy in the shared-memory directory."""
+    from dataplane.memory.shm import PREFIX, SHM_DIR
+
+    out: dict[str, int] = {}
+    keys = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem"}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in keys:
+            out[keys[key] + "_bytes"] = int(value.split()[0]) * 1024
+    used = 0
+    for entry in SHM_DIR.glob(f"{PREFIX}{pid}-*"):
+        try:
+            used += entry.stat().st_blocks * 512
+        except OSError:  # unlinked meanwhile
+            continue
+    out["shm_bytes"] = used
+    return out

@@ -1,303 +1,199 @@
 """`kvwarden bench transfer`: full-stack STORE / RETRIEVE throughput beside same-run baselines.
 
-A server process is started on free ports; this process is the worker. Each round takes one
-sample of every figure in turn (memcpy, STORE, RETRIEVE, raw ZMQ, Redis SET/GET), so machine
-noise hits them alike; the report gives medians and their ratios.
+For every transfer mode, chunk size and number of chunks per request a fresh server is started
+on free ports; this process is the worker. Two phases follow on that server:
 
-Unit of work: a chunk of 256 tokens of a Llama-3-8B-shaped KV cache (32 layers x K,V x 8 heads
-x 128 head dim x bf16 = 32 MiB). Blocks are assigned at random, as a paged allocator would.
-The figures are steady state: L1 is filled once before the rounds, so its buffers recycle.
+- **cold**: measuring starts as soon as the server answers HELLO (and the worker registered):
+  the first requests a deployment sees, while L1's arena may still be faulted in by its
+  background thread. Each round: memcpy, STORE of a new prompt, RETRIEVE of the previous one.
+  Only memcpy is interleaved here: a slow baseline between stores would give the fault-in
+  thread the time a real burst of stores does not give it.
+- **warm**: the arena faulted in, L1 filled once, so buffers recycle (steady state). Each
+  round: memcpy, STORE of a new prompt, RETRIEVE of a resident one, the chunk over ZMQ, Redis
+  SET and GET of it.
+
+Samples of all figures alternate within each round, so machine noise hits them alike; the
+report gives medians and, first, their ratios. Unit of work: a chunk of a Llama-3-8B-shaped KV
+cache (32 layers x K,V x 8 heads x 128 head dim x bf16 = 128 KiB per token: 64 tokens are 8 MiB,
+256 are 32 MiB, 1,024 are 128 MiB). Blocks are assigned at random, as a paged allocator would.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
+import math
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import zmq
-
-from dataplane.bench.procs import free_port, start_server, stop_process, wait_server
+from dataplane.bench import report
+from dataplane.bench.movers import Baselines, Mover, Shape, start_redis
+from dataplane.bench.procs import Server, arena_view, launch, wait_arena_ready, wait_server
+from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.wire.messages import SUPPORTED_DTYPES
 
-Figure = Callable[[], float]  # one sample, in bytes per second
+MODES = ("server_driven", "engine_driven")
+PHASES = ("cold", "warm")
 
 
 def add_args(sub: Any) -> None:
-    t = sub.add_parser("transfer", help="STORE/RETRIEVE GB/s vs memcpy, raw ZMQ and Redis")
-    t.add_argument("--rounds", type=int, default=15, help="samples of each figure")
+    t = sub.add_parser("transfer", help="STORE/RETRIEVE GB/s vs memcpy, raw ZMQ and Redis, cold and warm")
+    t.add_argument("--rounds", type=int, default=None, help="samples of each figure per phase (15; quick 5)")
     t.add_argument(
         "--chunks-per-request",
-        default="1,4",
-        help="comma-separated: one report per value (1 = a 256-token request, 4 = a 1K-token prompt)",
+        default=None,
+        help="comma-separated: one report per value (1 = one chunk per request, 4 = four); default 1,4",
     )
-    t.add_argument("--layers", type=int, default=32)
-    t.add_argument("--heads", type=int, default=8)
-    t.add_argument("--head-dim", type=int, default=128)
+    t.add_argument("--chunk-sizes", default=None, help="tokens per chunk, comma-separated (64,256,1024)")
+    t.add_argument("--chunk-size", type=int, default=None, help="one chunk size (as --chunk-sizes N)")
+    t.add_argument("--modes", default=",".join(MODES), help="transfer modes, comma-separated")
+    t.add_argument("--phases", default=",".join(PHASES), help="cold, warm or both")
+    t.add_argument("--layers", type=int, default=None, help="default 32")
+    t.add_argument("--heads", type=int, default=None, help="KV heads, default 8")
+    t.add_argument("--head-dim", type=int, default=None, help="default 128")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--chunk-size", type=int, default=256)
+    t.add_argument("--l1-size-gb", type=float, default=None, help="the server's L1 (4, its default; quick 1)")
     t.add_argument("--dtype", default="bfloat16", choices=sorted(SUPPORTED_DTYPES))
     t.add_argument("--device", default="cpu", help="cpu or cuda (worker KV memory)")
     t.add_argument("--no-redis", action="store_true", help="skip the Redis baselines")
-    t.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_output_args(t)
     t.set_defaults(func=run_transfer)
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return float(time.perf_counter() - t0)
-
-
-class _ZmqSink:
-    """A ROUTER thread that acknowledges every frame: the naive data plane."""
-
-    def __init__(self, ctx: zmq.Context[Any]) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-zmq-sink")
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            ident, data = self.sock.recv_multipart(copy=False)
-            if len(data) == 0:
-                self.sock.send_multipart([ident, b"bye"])
-                return
-            self.sock.send_multipart([ident, b"ok"])
-
-
-def _start_redis() -> tuple[subprocess.Popen[bytes], Any] | None:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None
-    import redis
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--proto-max-bulk-len",
-            "1gb",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+def _plan(ns: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[str]]:
+    """(modes, chunk sizes, chunks per request, phases); ValueError naming a bad flag."""
+    resolve(
+        ns,
+        rounds=(15, 5, 2),
+        chunks_per_request=("1,4", "1,4", "1,2"),
+        chunk_sizes=("64,256,1024", "64,256,1024", "16,32"),
+        layers=(32, 32, 2),
+        heads=(8, 8, 2),
+        head_dim=(128, 128, 16),
+        l1_size_gb=(4.0, 1.0, 1 / 16),
     )
-    r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
-    deadline = time.monotonic() + 10
-    pause = threading.Event()
-    while time.monotonic() < deadline:
-        try:
-            r.ping()
-            return proc, r
-        except redis.ConnectionError:
-            pause.wait(0.02)
-    proc.kill()
-    proc.wait()
-    return None
+    sizes = [ns.chunk_size] if ns.chunk_size is not None else int_list(ns.chunk_sizes, "--chunk-sizes")
+    cprs = int_list(ns.chunks_per_request, "--chunks-per-request")
+    modes = [m.strip() for m in str(ns.modes).split(",") if m.strip()]
+    phases = [p.strip() for p in str(ns.phases).split(",") if p.strip()]
+    if not modes or not set(modes) <= set(MODES):
+        raise ValueError(f"--modes takes {' and/or '.join(MODES)}, got {ns.modes!r}")
+    if not phases or not set(phases) <= set(PHASES):
+        raise ValueError(f"--phases takes cold and/or warm, got {ns.phases!r}")
+    if ns.rounds < 1:
+        raise ValueError("--rounds must be at least 1")
+    if any(s < 1 or s % ns.block_size for s in sizes):
+        raise ValueError("every chunk size must be a positive multiple of --block-size")
+    return modes, sizes, cprs, phases
 
 
 def run_transfer(ns: argparse.Namespace) -> int:
     try:
-        values = [int(v) for v in str(ns.chunks_per_request).split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        print("bench: --chunks-per-request takes positive integers, e.g. 1,4", file=sys.stderr)
+        modes, sizes, cprs, phases = _plan(ns)
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
         return 2
-    if ns.chunk_size % ns.block_size:
-        print("bench: --chunk-size must be a multiple of --block-size", file=sys.stderr)
-        return 2
-    reports = [_run_once(ns, cpr) for cpr in values]
-    if ns.json:
-        print(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
-    else:
-        for report in reports:
-            _print(report)
+    base = Baselines(None if ns.no_redis else start_redis())
+    rows: list[dict[str, Any]] = []
+    try:
+        for mode in modes:
+            for size in sizes:
+                for cpr in cprs:
+                    rows += _run_config(ns, base, mode, Shape.of(ns, size, cpr), phases)
+    finally:
+        base.close()
+    params = {
+        k: getattr(ns, k)
+        for k in ("rounds", "layers", "heads", "head_dim", "block_size", "dtype", "device", "l1_size_gb")
+    }
+    params["redis"] = base.redis_pair is not None
+    out = finish(ns, "transfer", {"params": params, "rows": rows})
+    report.print_transfer(out)
     return 0
 
 
-@dataclass
-class _Shape:
-    """What one run moves: chunk bytes, tokens and blocks of one request."""
-
-    chunk_bytes: int
-    chunks_per_request: int
-    tokens: int
-    blocks: int  # blocks one request's tokens fill
-
-    @classmethod
-    def of(cls, ns: argparse.Namespace, cpr: int) -> _Shape:
-        import torch
-
-        from dataplane.memory.kvmemory import TORCH_DTYPES
-
-        item = torch.empty((), dtype=TORCH_DTYPES[ns.dtype]).element_size()
-        chunk_bytes = ns.layers * 2 * ns.chunk_size * ns.heads * ns.head_dim * item
-        return cls(chunk_bytes, cpr, cpr * ns.chunk_size, cpr * ns.chunk_size // ns.block_size)
-
-
-def _run_once(ns: argparse.Namespace, cpr: int) -> dict[str, Any]:
-    shape = _Shape.of(ns, cpr)
-    l1_chunks = max(4 * cpr, 8)
-    env = {k: v for k, v in os.environ.items() if k != "KVWARDEN_ADMIN_TOKEN"}
-    l1_gb = l1_chunks * shape.chunk_bytes / (1 << 30)
-    proc, endpoint = start_server("--chunk-size", str(ns.chunk_size), "--l1-size-gb", str(l1_gb), env=env)
-    zctx: zmq.Context[Any] = zmq.Context()
-    redis_pair = None if ns.no_redis else _start_redis()
-    w = None
+def _run_config(
+    ns: argparse.Namespace, base: Baselines, mode: str, shape: Shape, phases: list[str]
+) -> list[dict[str, Any]]:
+    """One fresh server, its cold phase, then its warm phase."""
+    l1_bytes = int(ns.l1_size_gb * (1 << 30))
+    if shape.request_bytes > l1_bytes:
+        raise RuntimeError(f"a request of {shape.request_bytes} bytes does not fit an L1 of {l1_bytes}")
+    base.resize(shape.chunk_bytes)
+    server = launch("--chunk-size", str(shape.chunk_tokens), "--l1-size-gb", str(ns.l1_size_gb))
+    mover = None
     try:
-        wait_server(proc, endpoint)
-        w = _registered_worker(ns, endpoint, shape)
-        fixed = np.random.default_rng(1).integers(0, 1 << 30, shape.tokens)
-        fns, done = _figures(w, shape, fixed, zctx, redis_pair)
-        # warm-up: fill L1 so its buffers recycle (steady state), fault everything in once
-        for _ in range(max(2, l1_chunks // cpr)):
-            for name, fn in fns.items():
-                if name != "retrieve":
-                    fn()
-            _keep_resident(w, fixed, shape)
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(ns.rounds):
-            _keep_resident(w, fixed, shape)  # the retrieved prefix stays in L1
-            for name, fn in fns.items():
-                samples[name].append(fn())
-        done()
-        return _report(shape, ns.rounds, samples)
+        wait_server(server.proc, server.endpoint)
+        mover = Mover(ns, shape, mode, server.endpoint)
+        rows = []
+        if "cold" in phases:
+            rounds = min(ns.rounds, max(1, l1_bytes // shape.request_bytes))  # the first fill only
+            samples = _cold(mover, base, rounds)
+            rows.append(_row(mode, "cold", shape, rounds, samples, arena=arena_view(server)))
+        if "warm" in phases:
+            rows.append(_row(mode, "warm", shape, ns.rounds, _warm(server, mover, base, l1_bytes, ns.rounds)))
+        return rows
     finally:
-        if w is not None:
-            w.close()
-        zctx.destroy(linger=0)
-        if redis_pair is not None:
-            redis_pair[0].kill()
-            redis_pair[0].wait()
-        stop_process(proc)
+        if mover is not None:
+            mover.close()
+        server.stop()
 
 
-def _registered_worker(ns: argparse.Namespace, endpoint: str, shape: _Shape) -> Any:
-    import torch
-
-    from dataplane.client import WorkerAdapter, allocate_kv_caches
-    from dataplane.memory.kvmemory import TORCH_DTYPES
-
-    num_blocks = 2 * shape.blocks  # one half stores, the other receives
-    caches = allocate_kv_caches(
-        ns.layers, num_blocks, ns.block_size, ns.heads, ns.head_dim, TORCH_DTYPES[ns.dtype], ns.device
-    )
-    for c in caches:
-        c.view(torch.uint8).random_()
-    w = WorkerAdapter(endpoint, "bench", heartbeat_interval=5.0, request_timeout=120)
-    w.register_kv_caches(caches)
-    return w
+def _cold(mover: Mover, base: Baselines, rounds: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {"memcpy": [], "store": [], "retrieve": []}
+    prev = None
+    for _ in range(rounds):
+        samples["memcpy"].append(base.memcpy())
+        prompt = mover.prompt()
+        samples["store"].append(mover.store(prompt))
+        samples["retrieve"].append(mover.retrieve(prompt if prev is None else prev))
+        prev = prompt
+    return samples
 
 
-def _keep_resident(w: Any, fixed: np.ndarray, shape: _Shape) -> None:
-    if not w.store(fixed, np.arange(shape.blocks)):
-        raise RuntimeError("STORE of the retrieved prefix was rejected")
-
-
-def _figures(
-    w: Any, shape: _Shape, fixed: np.ndarray, zctx: zmq.Context[Any], redis_pair: tuple[Any, Any] | None
-) -> tuple[dict[str, Figure], Callable[[], None]]:
-    """Every figure's sampler, and what ends the raw ZMQ baseline's sink."""
-    import torch
-
-    rng = np.random.default_rng(0)
-    n, payload = shape.chunk_bytes, shape.chunks_per_request * shape.chunk_bytes
-    src = torch.empty(n, dtype=torch.uint8).random_()
-    dst = torch.zeros(n, dtype=torch.uint8)
-    blob = src.numpy().tobytes()
-    sink = _ZmqSink(zctx)
-    dealer = zctx.socket(zmq.DEALER)
-    dealer.connect(sink.endpoint)
-
-    def done() -> None:
-        dealer.send(b"")  # the sink answers and its thread ends
-        dealer.recv()
-        sink.thread.join(5)
-        dealer.close(linger=0)
-
-    def memcpy() -> float:
-        prev = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return n / _timed(lambda: dst.copy_(src))
-        finally:
-            torch.set_num_threads(prev)
-
-    def store() -> float:
-        toks, blocks = rng.integers(0, 1 << 30, shape.tokens), rng.permutation(shape.blocks)
-        t0 = time.perf_counter()
-        if not w.store(toks, blocks):
-            raise RuntimeError("STORE rejected")
-        return payload / (time.perf_counter() - t0)
-
-    def retrieve() -> float:
-        blocks = shape.blocks + rng.permutation(shape.blocks)
-        t0 = time.perf_counter()
-        got = w.retrieve(fixed, blocks)
-        took = time.perf_counter() - t0
-        if got != shape.tokens:
-            raise RuntimeError(f"RETRIEVE got {got} of {shape.tokens} tokens")
-        return payload / took
-
-    def zmq_send() -> float:
-        return n / _timed(lambda: (dealer.send(blob, copy=False), dealer.recv()))
-
-    fns: dict[str, Figure] = {"memcpy": memcpy, "store": store, "retrieve": retrieve, "zmq": zmq_send}
-    if redis_pair is not None:
-        r = redis_pair[1]
-        fns["redis_set"] = lambda: n / _timed(lambda: r.set("bench", blob))
-        fns["redis_get"] = lambda: n / _timed(lambda: r.get("bench"))
-    return fns, done
-
-
-def _report(shape: _Shape, rounds: int, samples: dict[str, list[float]]) -> dict[str, Any]:
-    med = {k: statistics.median(v) / 1e9 for k, v in samples.items()}
-    ratios = {
-        "store_vs_memcpy": med["store"] / med["memcpy"],
-        "retrieve_vs_memcpy": med["retrieve"] / med["memcpy"],
-        "store_vs_zmq": med["store"] / med["zmq"],
-        "retrieve_vs_zmq": med["retrieve"] / med["zmq"],
+def _warm(server: Server, mover: Mover, base: Baselines, l1_bytes: int, rounds: int) -> dict[str, list[float]]:
+    wait_arena_ready(server)
+    for _ in range(math.ceil(l1_bytes / mover.shape.request_bytes) + 1):  # L1 full: buffers recycle
+        mover.store(mover.prompt())
+    others = base.others()
+    for fn in others.values():  # connections up, buffers touched
+        fn()
+    resident = mover.prompt()
+    fns: dict[str, Callable[[], float]] = {
+        "memcpy": base.memcpy,
+        "store": lambda: mover.store(mover.prompt()),
+        "retrieve": lambda: mover.retrieve(resident),
+        **others,
     }
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        mover.store(resident)  # present: keeps the retrieved prompt the newest in L1
+        for name, fn in fns.items():
+            samples[name].append(fn())
+    return samples
+
+
+def _row(
+    mode: str, phase: str, shape: Shape, rounds: int, samples: dict[str, list[float]], **extra: Any
+) -> dict[str, Any]:
+    med = {k: statistics.median(v) / 1e9 for k, v in samples.items()}
+    ratios = {"store_vs_memcpy": med["store"] / med["memcpy"], "retrieve_vs_memcpy": med["retrieve"] / med["memcpy"]}
+    if "zmq" in med:
+        ratios["store_vs_zmq"] = med["store"] / med["zmq"]
+        ratios["retrieve_vs_zmq"] = med["retrieve"] / med["zmq"]
     if "redis_set" in med:
         ratios["store_vs_redis_set"] = med["store"] / med["redis_set"]
         ratios["retrieve_vs_redis_get"] = med["retrieve"] / med["redis_get"]
     return {
+        "mode": mode,
+        "phase": phase,
+        "chunk_tokens": shape.chunk_tokens,
         "chunk_bytes": shape.chunk_bytes,
         "chunks_per_request": shape.chunks_per_request,
         "rounds": rounds,
-        "gbps": med,
         "ratios": ratios,
+        "gbps": med,
+        "spread_gbps": {k: [min(v) / 1e9, max(v) / 1e9] for k, v in samples.items()},
+        **extra,
     }
-
-
-def _print(report: dict[str, Any]) -> None:
-    mib = report["chunk_bytes"] / (1 << 20)
-    print(
-        f"kvwarden bench transfer: {mib:.0f} MiB chunks, {report['chunks_per_request']} per "
-        f"request, median of {report['rounds']} rounds (steady state: L1 warmed first)"
-    )
-    for name, v in report["gbps"].items():
-        print(f"  {name:<10} {v:8.2f} GB/s")
-    for name, v in report["ratios"].items():
-        print(f"  {name:<24} {v:6.2f}x")

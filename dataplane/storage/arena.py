@@ -131,10 +131,11 @@ class Arena:
         self._addr = self.region.data_ptr()
         if pin_memory and torch.cuda.is_available():
             torch.cuda.cudart().cudaHostRegister(self._addr, self.capacity, 0)  # type: ignore[no-untyped-call]
-        self._lock = threading.Lock()  # guards _usable, _faulted and _grown
+        self._lock = threading.Lock()  # guards _usable, _faulted, _grown and _huge
         # bytes that may be handed out: shm space is reserved ahead of use; private is all usable
         self._usable = 0 if shared else self.capacity
         self._grown = not shared  # no more will become usable (all of it, or reserving failed)
+        self._huge = 0  # bytes in huge pages, read once the fault-in ends (reading is not free)
         self._faulted = 0
         self._grew = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -189,8 +190,10 @@ class Arena:
         try:
             self._fault_in()
         finally:
+            huge = _huge_page_bytes() if self.segment is None else 0  # shmem here gets none
             with self._grew:
                 self._grown = True
+                self._huge = huge
                 self._grew.notify_all()
 
     def _fault_in(self) -> None:
@@ -226,9 +229,9 @@ class Arena:
 
     def stats(self) -> ArenaStats:
         with self._lock:
-            usable, faulted, grown = self._usable, self._faulted, self._grown
+            usable, faulted, grown, huge = self._usable, self._faulted, self._grown, self._huge
         ready = grown and usable >= self.capacity and (faulted >= self.capacity or not self._prefault)
-        return ArenaStats(self.capacity, self.backing, faulted, ready, _huge_page_bytes())
+        return ArenaStats(self.capacity, self.backing, faulted, ready, huge)
 
     def close(self) -> None:
         """Drop the mapping (and unlink the segment); callers hold no views any more. Idempotent."""

@@ -301,7 +301,13 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
             },
         ],
         "storage": {
-            "l1": {"used_bytes": 3_145_728, "capacity_bytes": 8_388_608, "chunks": 12, "hot_cache": False},
+            "l1": {
+                "used_bytes": 3_145_728,
+                "capacity_bytes": 8_388_608,
+                "chunks": 12,
+                "hot_cache": False,
+                "arena": None,
+            },
             "remote": None,
         },
         "health": {

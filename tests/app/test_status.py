@@ -6,6 +6,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
 from tests.app.bulk import register_many
 from tests.app.conftest import CHUNK, TOKEN, DataPlaneFactory, WorkerFactory
-from tests.helpers import FakeClock, free_port
+from tests.helpers import FakeClock, free_port, wait_until
 
 
 def status(client: httpx.Client) -> StatusPublic:
@@ -211,3 +212,19 @@ def test_responses_are_not_held_back_by_delayed_acks(client: httpx.Client) -> No
     finally:
         for c in connections:
             c.close()
+
+
+def test_status_shows_the_l1_arena(client: httpx.Client, dp: DataPlane) -> None:
+    """The arena L1 is carved from: reserved at start and faulted in by a background thread."""
+
+    def arena() -> dict[str, Any]:
+        a: dict[str, Any] = client.get("/status").json()["storage"]["l1"]["arena"]
+        return a
+
+    wait_until(lambda: arena()["ready"], 30, what="the arena faulted in")
+    a = arena()
+    assert a["backing"] in ("shm", "private")
+    cap = client.get("/status").json()["storage"]["l1"]["capacity_bytes"]
+    assert a["faulted_bytes"] >= cap  # the region is whole pages: at least the capacity
+    assert a["fragmentation"] == 0.0  # nothing stored yet: the free space is one piece
+    assert a["huge_page_bytes"] >= 0

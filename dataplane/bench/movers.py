@@ -1,0 +1,206 @@
+"""The samplers of `kvwarden bench transfer`: each call takes one sample, in bytes per second.
+
+`Mover` is the worker side of one configuration (its KV caches and an adapter registered in
+one transfer mode): full-stack STORE and RETRIEVE, timed as the caller sees them. `Baselines`
+are what the same bytes cost otherwise: single-thread memcpy of one chunk, sending it over a
+ZMQ socket, Redis SET and GET of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from dataplane.bench.procs import free_port
+from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.memory.kvmemory import TORCH_DTYPES
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return float(time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one request moves: chunk tokens and bytes, chunks, tokens and blocks."""
+
+    chunk_tokens: int
+    chunk_bytes: int
+    chunks_per_request: int
+    tokens: int
+    blocks: int  # blocks one request's tokens fill
+
+    @classmethod
+    def of(cls, ns: argparse.Namespace, chunk_tokens: int, cpr: int) -> Shape:
+        item = torch.empty((), dtype=TORCH_DTYPES[ns.dtype]).element_size()
+        chunk_bytes = ns.layers * 2 * chunk_tokens * ns.heads * ns.head_dim * item
+        tokens = cpr * chunk_tokens
+        return cls(chunk_tokens, chunk_bytes, cpr, tokens, tokens // ns.block_size)
+
+    @property
+    def request_bytes(self) -> int:
+        return self.chunks_per_request * self.chunk_bytes
+
+
+class Mover:
+    """A worker registered in ``mode``: half its blocks are stored from, half receive."""
+
+    def __init__(self, ns: argparse.Namespace, shape: Shape, mode: str, endpoint: str) -> None:
+        self.shape = shape
+        self.rng = np.random.default_rng(0)
+        dtype, nb = TORCH_DTYPES[ns.dtype], 2 * shape.blocks
+        geometry = (ns.layers, nb, ns.block_size, ns.heads, ns.head_dim)
+        if mode == "engine_driven":  # the engine's own tensors: the server cannot map them
+            full = torch.empty((ns.layers, 2, *geometry[1:]), dtype=dtype, device=ns.device)
+            caches = list(full.unbind(0))
+        else:
+            caches = allocate_kv_caches(*geometry, dtype, ns.device)
+        for c in caches:
+            c.view(torch.uint8).random_()
+        self.w = WorkerAdapter(
+            endpoint,
+            "bench",
+            heartbeat_interval=5.0,
+            request_timeout=300,
+            transfer_mode=mode,
+            pool_chunks=max(4, shape.chunks_per_request),
+        )
+        self.w.register_kv_caches(caches)
+
+    def prompt(self) -> np.ndarray:
+        """Token ids of a prompt never stored before."""
+        return self.rng.integers(0, 1 << 30, self.shape.tokens)
+
+    def store(self, tokens: np.ndarray) -> float:
+        blocks = self.rng.permutation(self.shape.blocks)
+        t0 = time.perf_counter()
+        r = self.w.store_detail(tokens, blocks)
+        took = time.perf_counter() - t0
+        if r["rejected"] or r["stored"] + r["present"] != self.shape.chunks_per_request:
+            raise RuntimeError(f"STORE did not keep every chunk: {r}")
+        return self.shape.request_bytes / took
+
+    def retrieve(self, tokens: np.ndarray) -> float:
+        blocks = self.shape.blocks + self.rng.permutation(self.shape.blocks)
+        t0 = time.perf_counter()
+        got = self.w.retrieve(tokens, blocks)
+        took = time.perf_counter() - t0
+        if got != self.shape.tokens:
+            raise RuntimeError(f"RETRIEVE got {got} of {self.shape.tokens} tokens")
+        return self.shape.request_bytes / took
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class _ZmqSink:
+    """A ROUTER thread that acknowledges every frame: the naive data plane."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-zmq-sink")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            ident, data = self.sock.recv_multipart(copy=False)
+            if len(data) == 0:
+                self.sock.send_multipart([ident, b"bye"])
+                self.sock.close(linger=0)
+                return
+            self.sock.send_multipart([ident, b"ok"])
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], Any] | None:
+    """A throwaway ``redis-server`` on a free port (no persistence) and a client; None when
+    ``redis-server`` is not installed."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    import redis
+
+    port = free_port()
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(
+        [exe, *args, "--proto-max-bulk-len", "2gb"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+    deadline = time.monotonic() + 10
+    pause = threading.Event()
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            r.ping()
+            return proc, r
+        except redis.ConnectionError:
+            pause.wait(0.02)
+    proc.kill()
+    proc.wait()
+    return None
+
+
+class Baselines:
+    """memcpy, ZMQ and Redis samplers for chunks of ``n`` bytes (`resize` changes ``n``)."""
+
+    def __init__(self, redis_pair: tuple[subprocess.Popen[bytes], Any] | None) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sink = _ZmqSink(self.ctx)
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.connect(self.sink.endpoint)
+        self.redis_pair = redis_pair
+        self.n = 0
+        self.src = self.dst = torch.empty(0, dtype=torch.uint8)
+        self.blob = b""
+
+    def resize(self, n: int) -> None:
+        """Buffers of ``n`` bytes, written once (no page faults left for the samples)."""
+        if n != self.n:
+            self.n = n
+            self.src = torch.empty(n, dtype=torch.uint8).random_()
+            self.dst = torch.zeros(n, dtype=torch.uint8)
+            self.blob = self.src.numpy().tobytes()
+            self.memcpy()
+
+    def memcpy(self) -> float:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self.n / _timed(lambda: self.dst.copy_(self.src))
+        finally:
+            torch.set_num_threads(prev)
+
+    def zmq(self) -> float:
+        return self.n / _timed(lambda: (self.dealer.send(self.blob, copy=False), self.dealer.recv()))
+
+    def others(self) -> dict[str, Callable[[], float]]:
+        """The samplers besides memcpy: ZMQ, and Redis SET / GET when Redis runs."""
+        out: dict[str, Callable[[], float]] = {"zmq": self.zmq}
+        if self.redis_pair is not None:
+            r = self.redis_pair[1]
+            out["redis_set"] = lambda: self.n / _timed(lambda: r.set("bench", self.blob))
+            out["redis_get"] = lambda: self.n / _timed(lambda: r.get("bench"))
+        return out
+
+    def close(self) -> None:
+        self.dealer.send(b"")  # the sink answers and its thread ends
+        self.dealer.recv()
+        self.sink.thread.join(5)
+        self.dealer.close(linger=0)
+        self.ctx.destroy(linger=0)
+        if self.redis_pair is not None:
+            self.redis_pair[1].close()
+            self.redis_pair[0].kill()
+            self.redis_pair[0].wait()

@@ -1,0 +1,123 @@
+"""What every benchmark shares: the ``--quick`` / ``--tiny`` / ``--json`` flags, sizes chosen by
+tier, percentiles, a description of the machine, and writing a report under ``bench/results``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS_DIR = Path("bench/results")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer samples and smaller sets (every figure still reported): the whole suite in under "
+        "two minutes on a 2-core machine; explicit flags win",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a plumbing check (the smoke test): the smallest sizes that still report every figure; "
+        "the numbers mean nothing",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="also write the report to RESULTS_DIR/<benchmark>-<timestamp>.json and print its path",
+    )
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help=f"default {RESULTS_DIR}")
+
+
+def tier(ns: argparse.Namespace) -> str:
+    return "tiny" if ns.tiny else "quick" if ns.quick else "full"
+
+
+def resolve(ns: argparse.Namespace, **values: tuple[Any, Any, Any]) -> None:
+    """Each flag left unset (None) takes its (full, quick, tiny) value for ``ns``'s tier."""
+    i = {"full": 0, "quick": 1, "tiny": 2}[tier(ns)]
+    for name, by_tier in values.items():
+        if getattr(ns, name, None) is None:
+            setattr(ns, name, by_tier[i])
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """``"1,4"`` -> [1, 4]; ValueError naming ``what`` unless every item is a positive integer."""
+    try:
+        out = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"{what} takes positive integers separated by commas, got {text!r}")
+    return out
+
+
+def latency(xs: Sequence[float]) -> dict[str, float]:
+    """p50 and p99 of round trips given in seconds, in microseconds; and how many."""
+    a = np.asarray(xs, dtype=float) * 1e6
+    return {"n": len(xs), "p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99))}
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: cores, CPU model, memory, kernel, Python and torch versions."""
+    import torch
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kib = 0
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "cpu": model,
+        "memory_gib": round(mem_kib / (1 << 20), 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def finish(ns: argparse.Namespace, name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """Stamp ``report`` (benchmark, tier, date, machine) and, with ``--json``, write it to
+    ``<results-dir>/<name>-<timestamp>.json`` and print the path."""
+    stamped = {
+        "benchmark": name,
+        "tier": tier(ns),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        **report,
+    }
+    if ns.json:
+        print(f"results: {write(ns.results_dir, name, stamped)}")
+    return stamped
+
+
+def write(directory: Path, name: str, report: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = directory / f"{name}-{stamp}.json"
+    n = 1
+    while path.exists():
+        path = directory / f"{name}-{stamp}-{n}.json"
+        n += 1
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def newest(directory: Path, name: str) -> Path | None:
+    """The newest ``<name>-*.json`` under ``directory`` (by the timestamp in its name)."""
+    found = sorted(directory.glob(f"{name}-*.json"), key=lambda p: (p.stem[len(name) + 1 :], p.stat().st_mtime))
+    return found[-1] if found else None

@@ -1,0 +1,673 @@
+"""The L1 arena: first-fit extents with coalescing, the shared segment reserved slice by slice by
+the fault-in thread (which steps aside when asked), the private fallback, and L1 on top of it
+(a reserve waits for the arena's growth instead of evicting, within a bound).
+
+Every shared arena lives in a private directory on the shm tmpfs (as tests/dataplane/test_shm.py
+does); the cases about a directory without room mount a small tmpfs of their own (root only).
+The fault-in thread is steered through ``yield_to`` (a `Gate`), so every intermediate state is
+observed at a point where the thread is parked, never by timing.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import shutil
+import stat
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataplane.memory import shm
+from dataplane.memory.shm import valid_segment_name
+from dataplane.storage import arena as arena_mod
+from dataplane.storage import l1 as l1_mod
+from dataplane.storage.arena import ALIGN, PAGE, Arena, Extents
+from dataplane.storage.l1 import L1Store
+from tests.helpers import mounted_tmpfs, wait_until
+
+MiB = 1 << 20
+SLICE = arena_mod._SLICE  # what the fault-in thread reserves per step
+CAP = 4 * SLICE  # a shared arena of four slices
+CHUNK = 4 * MiB  # four chunks fill one slice
+U = ALIGN  # one allocation unit of Extents
+
+
+# ---------------------------------------------------------------------------- helpers
+class Gate:
+    """A ``yield_to`` for the fault-in thread: it steps aside at every offset from ``upto`` on,
+    and counts how often it was asked at each offset."""
+
+    def __init__(self, upto: int = 0) -> None:
+        self.upto = upto
+        self._asked: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, off: int) -> bool:
+        with self._lock:
+            self._asked[off] = self._asked.get(off, 0) + 1
+        return off >= self.upto
+
+    def asked(self, off: int) -> int:
+        with self._lock:
+            return self._asked.get(off, 0)
+
+    def parked_at(self, off: int, times: int = 2) -> bool:
+        """The thread has stepped aside at ``off`` (asked again after being told to wait)."""
+        return self.asked(off) >= times
+
+
+def allocated(path: Path) -> int:
+    """Bytes of the file the filesystem has allocated (not its size)."""
+    return os.stat(path).st_blocks * 512
+
+
+def blocked_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is now inside ``function`` (somewhere on its stack)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Call:
+    """``fn`` on a thread of its own; ``result`` once it returned."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.result: object = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # reported by join, not lost on the thread
+            self.error = exc
+
+    def join(self, timeout: float) -> object:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the call did not return within {timeout:g}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def put(l1: L1Store, i: int, nbytes: int = CHUNK) -> torch.Tensor:
+    buf = l1.reserve(nbytes)
+    assert buf is not None, f"reserve for chunk {i} refused"
+    buf.fill_(i % 251)
+    assert l1.commit(key(i), buf)
+    return buf
+
+
+def present(l1: L1Store, *ids: int) -> list[bool]:
+    absent, held = l1.pin_present([key(i) for i in ids])
+    l1.release(held)
+    return [n not in absent for n in range(len(ids))]
+
+
+def inside(a: Arena, buf: torch.Tensor) -> bool:
+    base = a.region.data_ptr()
+    return base <= buf.data_ptr() and buf.data_ptr() + buf.numel() <= base + a.capacity
+
+
+def use_dir(monkeypatch: pytest.MonkeyPatch, d: Path) -> None:
+    """Make ``d`` the segment directory (the arena keeps its own reference to it)."""
+    monkeypatch.setattr(shm, "SHM_DIR", d)
+    monkeypatch.setattr(arena_mod, "SHM_DIR", d)
+
+
+@pytest.fixture
+def shm_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private directory on the shm tmpfs, the segment directory of this test."""
+    d = Path(tempfile.mkdtemp(prefix="kvw-arena-", dir="/dev/shm"))
+    use_dir(monkeypatch, d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def arenas() -> Iterator[list[Arena]]:
+    """Arenas a test made: every one closed at teardown, whatever happened."""
+    made: list[Arena] = []
+    yield made
+    for a in made:
+        a.close()
+
+
+# ----------------------------------------------------------------------------- Extents
+def test_sizes_round_up_to_64_bytes() -> None:
+    e = Extents(16 * U)
+    assert e.alloc(1) == 0
+    assert e.alloc(1) == U  # the first took a whole unit
+    assert e.free_bytes == 14 * U
+    assert e.alloc(U + 1) == 2 * U  # two units
+    assert e.alloc(U) == 4 * U  # exactly one unit stays one unit
+    assert e.free_bytes == 11 * U
+    e.free(U, 1)  # freeing rounds the same way: the whole unit comes back
+    assert e.free_bytes == 12 * U
+    assert e.alloc(U) == U
+    assert Extents().alloc(1) is None  # no region, nothing to hand out
+
+
+def test_first_fit_takes_the_lowest_extent_that_fits() -> None:
+    e = Extents(10 * U)
+    offs = [e.alloc(n * U) for n in (1, 1, 1, 2, 1, 3, 1)]
+    assert offs == [0, U, 2 * U, 3 * U, 5 * U, 6 * U, 9 * U]
+    for off, n in ((U, U), (3 * U, 2 * U), (6 * U, 3 * U)):
+        e.free(off, n)  # free extents: 1 unit at U, 2 at 3U, 3 at 6U (none adjacent)
+    assert (e.free_bytes, e.largest()) == (6 * U, 3 * U)
+    assert e.alloc(2 * U) == 3 * U  # skips the 1-unit extent, not the best fit but the first
+    assert e.alloc(U) == U
+    assert e.alloc(2 * U) == 6 * U  # the 3-unit extent, split: one unit stays at 8U
+    assert e.alloc(2 * U) is None
+    assert e.alloc(U) == 8 * U
+    assert e.free_bytes == 0 and e.largest() == 0
+
+
+def test_first_fit_is_not_best_fit() -> None:
+    e = Extents(8 * U)
+    assert [e.alloc(n * U) for n in (1, 2, 2, 1, 2)] == [0, U, 3 * U, 5 * U, 6 * U]
+    e.free(U, 2 * U)  # two units at U
+    e.free(5 * U, U)  # one unit at 5U: a best fit for one unit
+    assert e.alloc(1) == U  # first fit splits the lower, bigger extent
+    assert e.alloc(1) == 2 * U
+    assert e.alloc(1) == 5 * U
+
+
+def full(units: int) -> Extents:
+    e = Extents(units * U)
+    assert [e.alloc(U) for _ in range(units)] == [i * U for i in range(units)]
+    assert e.free_bytes == 0
+    return e
+
+
+def test_free_coalesces_with_the_next_extent() -> None:
+    e = full(4)
+    e.free(2 * U, U)
+    e.free(U, U)  # [U, 2U) joins [2U, 3U) after it
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (2 * U, 2 * U, 0.0)
+    assert e.alloc(2 * U) == U  # one extent
+
+
+def test_free_coalesces_with_the_previous_extent() -> None:
+    e = full(4)
+    e.free(U, U)
+    e.free(2 * U, U)  # [2U, 3U) joins [U, 2U) before it
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (2 * U, 2 * U, 0.0)
+    assert e.alloc(2 * U) == U
+
+
+def test_free_coalesces_with_both_neighbours_at_once() -> None:
+    e = full(5)
+    e.free(U, U)
+    e.free(3 * U, U)
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (2 * U, U, 0.5)
+    e.free(2 * U, U)  # bridges the two: one extent [U, 4U)
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (3 * U, 3 * U, 0.0)
+    e.free(0, U)
+    e.free(4 * U, U)  # the ends join it too: the whole region again
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (5 * U, 5 * U, 0.0)
+    assert e.alloc(5 * U) == 0
+
+
+def test_accounting_after_a_scripted_sequence() -> None:
+    e = Extents(1024)
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (1024, 1024, 0.0)
+    assert [e.alloc(n) for n in (100, 200, 64, 300)] == [0, 128, 384, 448]  # 128+256+64+320 bytes
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (256, 256, 0.0)
+    e.free(128, 200)  # extents: 256 at 128, 256 at 768
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (512, 256, 0.5)
+    e.free(448, 300)  # joins the one at 768: 576 at 448
+    assert (e.free_bytes, e.largest()) == (832, 576)
+    assert e.fragmentation() == pytest.approx(1 - 576 / 832)
+    assert e.alloc(500) == 448  # 512 bytes: too big for the extent at 128
+    assert (e.free_bytes, e.largest()) == (320, 256)  # 256 at 128, 64 at 960
+    assert e.fragmentation() == pytest.approx(0.2)
+    assert e.alloc(257) is None
+    e.free(0, 100)
+    e.free(384, 64)  # 0..448 is one extent now
+    assert (e.free_bytes, e.largest()) == (512, 448)
+    assert e.fragmentation() == pytest.approx(1 - 448 / 512)
+    e.free(448, 500)
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (1024, 1024, 0.0)
+
+
+def free_runs(bitmap: bytearray) -> list[tuple[int, int]]:
+    """Maximal runs of free units, as (first unit, length), lowest first."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, used in enumerate([*bitmap, 1]):
+        if not used and start is None:
+            start = i
+        elif used and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    units=st.integers(1, 48),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 50 * U), st.integers(0, 1 << 16)), max_size=60),
+    rnd=st.randoms(use_true_random=False),
+)
+def test_extents_against_a_bitmap_model(
+    units: int, ops: list[tuple[bool, int, int]], rnd: random.Random
+) -> None:
+    size = units * U
+    e = Extents(size)
+    bitmap = bytearray(units)  # one byte per 64-byte unit: 1 while a live allocation holds it
+    live: list[tuple[int, int]] = []  # (offset, bytes asked for)
+    for do_alloc, n, pick in ops:
+        if do_alloc or not live:
+            need = -(-n // U)
+            fits = [start for start, length in free_runs(bitmap) if length >= need]
+            off = e.alloc(n)
+            assert off == (fits[0] * U if fits else None), (n, bitmap)  # first fit, exactly
+            if off is None:
+                continue
+            assert off % U == 0 and off >= 0 and off + need * U <= size  # inside the region
+            assert not any(bitmap[off // U : off // U + need])  # overlaps no live allocation
+            bitmap[off // U : off // U + need] = b"\x01" * need
+            live.append((off, n))
+        else:
+            off, n = live.pop(pick % len(live))
+            e.free(off, n)
+            need = -(-n // U)
+            bitmap[off // U : off // U + need] = bytes(need)
+        runs = free_runs(bitmap)
+        assert e.free_bytes == bitmap.count(0) * U
+        largest = max((length for _, length in runs), default=0) * U
+        assert e.largest() == largest
+        assert e.fragmentation() == (1 - largest / e.free_bytes if e.free_bytes else 0.0)
+    rnd.shuffle(live)
+    for off, n in live:
+        e.free(off, n)
+    assert (e.free_bytes, e.largest(), e.fragmentation()) == (size, size, 0.0)  # one extent
+    assert e.alloc(size) == 0
+
+
+# ------------------------------------------------------------------------ Arena, shared
+def test_shared_arena_is_a_private_segment_reserved_as_it_grows(shm_dir: Path, arenas: list[Arena]) -> None:
+    a = Arena(CAP, shared=True)
+    arenas.append(a)
+    assert a.backing == "shm" and a.segment is not None
+    path = shm_dir / a.segment.name
+    assert valid_segment_name(a.segment.name) and f"-{os.getpid()}-" in a.segment.name
+    assert [p.name for p in shm_dir.iterdir()] == [a.segment.name]  # no temporary name left
+    st_ = os.lstat(path)
+    assert stat.S_ISREG(st_.st_mode)
+    assert st_.st_uid == os.geteuid()
+    assert stat.S_IMODE(st_.st_mode) == 0o600
+    assert st_.st_size == CAP
+    # nothing reserved, nothing usable before start
+    assert allocated(path) == 0
+    assert a.growth() == (0, False)
+    s = a.stats()
+    assert (s.capacity_bytes, s.backing, s.faulted_bytes, s.ready) == (CAP, "shm", 0, False)
+    assert a.wait_usable(0, 0.01) is False
+
+    a.start()
+    wait_until(lambda: a.growth() == (CAP, True), 10, what="the arena to grow")
+    s = a.stats()
+    assert s.ready and s.faulted_bytes == CAP
+    assert allocated(path) == CAP
+    assert a.wait_usable(CAP - 1, 0) is True
+    assert a.join(5)
+
+    a.close()
+    assert not path.exists()
+    assert list(shm_dir.iterdir()) == []
+    a.close()  # idempotent
+
+
+def test_segment_space_is_reserved_slice_by_slice_ahead_of_use(shm_dir: Path, arenas: list[Arena]) -> None:
+    a = Arena(CAP, shared=True)
+    arenas.append(a)
+    assert a.segment is not None
+    path = shm_dir / a.segment.name
+    gate = Gate(upto=0)
+    a.yield_to = gate
+    a.start()
+    for k in range(4):
+        wait_until(lambda k=k: gate.parked_at(k * SLICE), 10, what=f"the thread to park at slice {k}")
+        # parked before reserving slice k: exactly k slices reserved, usable and faulted
+        assert a.growth() == (k * SLICE, False)
+        assert allocated(path) == k * SLICE
+        assert a.stats().faulted_bytes == k * SLICE and not a.stats().ready
+        assert a.wait_usable(k * SLICE, 0.01) is False  # no more yet
+        if k:
+            assert a.wait_usable(k * SLICE - 1, 0) is True
+            a.view(k * SLICE - PAGE, PAGE).fill_(7)  # handed-out bytes are backed: no SIGBUS
+        gate.upto = (k + 1) * SLICE
+    wait_until(lambda: a.growth() == (CAP, True), 10, what="the arena to grow")
+    assert allocated(path) == CAP and a.stats().ready
+    assert gate.asked(CAP - SLICE) >= 1 and gate.asked(CAP) == 0  # asked before each slice only
+
+
+def test_shared_arena_without_prefault_reserves_everything_at_once(
+    shm_dir: Path, arenas: list[Arena]
+) -> None:
+    a = Arena(SLICE + 1, shared=True, prefault=False)
+    arenas.append(a)
+    assert a.capacity == SLICE + PAGE  # whole pages
+    assert a.segment is not None
+    assert allocated(shm_dir / a.segment.name) == a.capacity
+    assert a.growth() == (a.capacity, True) and a.stats().ready
+    a.start()  # no thread to start
+    assert a.join(0)
+
+
+def test_close_unlinks_even_while_the_thread_steps_aside(shm_dir: Path) -> None:
+    a = Arena(CAP, shared=True)
+    gate = Gate(upto=SLICE)
+    a.yield_to = gate
+    a.start()
+    wait_until(lambda: gate.parked_at(SLICE), 10, what="the thread to park")
+    a.close()  # stops and joins the thread first
+    assert a.join(0)  # the thread has ended
+    assert list(shm_dir.iterdir()) == []
+    a.close()
+
+
+# ----------------------------------------------------------------------- Arena, private
+def test_private_arena_is_usable_at_once_and_faulted_in_by_the_thread(arenas: list[Arena]) -> None:
+    a = Arena(CAP + 1, shared=False)
+    arenas.append(a)
+    assert a.capacity == CAP + PAGE
+    assert (a.backing, a.segment) == ("private", None)
+    assert a.growth() == (a.capacity, True)  # private memory needs no reservation
+    assert a.stats().ready is False and a.stats().faulted_bytes == 0
+    a.start()
+    wait_until(lambda: a.stats().ready, 10, what="the private arena to be faulted in")
+    assert a.stats().faulted_bytes == a.capacity
+    a.view(a.capacity - 64, 64).fill_(1)
+    assert int(a.region[-1]) == 1
+    a.close()
+    a.close()
+
+
+def test_private_arena_without_prefault_is_ready_at_once(arenas: list[Arena]) -> None:
+    a = Arena(PAGE, shared=False, prefault=False)
+    arenas.append(a)
+    assert a.stats().ready and a.growth() == (PAGE, True)
+    a.start()  # nothing to fault in: no thread
+    assert a.join(0) and a.stats().faulted_bytes == 0
+
+
+def test_backing_is_private_where_the_directory_has_no_room(
+    monkeypatch: pytest.MonkeyPatch, arenas: list[Arena]
+) -> None:
+    with mounted_tmpfs("72m") as d:
+        use_dir(monkeypatch, d)
+        st_ = os.statvfs(d)
+        room = st_.f_bavail * st_.f_frsize
+        fits = room - (64 << 20)  # the arena plus 64 MiB to spare: exactly the room there is
+        assert fits > 0 and fits % PAGE == 0
+
+        a = Arena(fits + PAGE)  # a page too big: private memory, nothing in the directory
+        arenas.append(a)
+        assert (a.backing, a.segment) == ("private", None)
+        assert a.growth() == (a.capacity, True)
+        assert list(d.iterdir()) == []
+        a.start()
+        wait_until(lambda: a.stats().ready, 10, what="the private arena to be faulted in")
+        a.close()
+
+        b = Arena(fits)  # fits exactly: a segment in the directory
+        arenas.append(b)
+        assert b.backing == "shm" and b.segment is not None
+        assert [p.name for p in d.iterdir()] == [b.segment.name]
+        assert b.growth() == (0, False)
+        b.start()
+        wait_until(lambda: b.growth() == (fits, True), 10, what="the shared arena to grow")
+        assert allocated(d / b.segment.name) == fits
+        b.close()
+        assert list(d.iterdir()) == []
+
+
+# -------------------------------------------------------------------- fault-in steps aside
+def test_fault_in_makes_no_progress_while_told_to_step_aside(shm_dir: Path, arenas: list[Arena]) -> None:
+    a = Arena(CAP, shared=True)
+    arenas.append(a)
+    assert a.segment is not None
+    gate = Gate(upto=0)
+    a.yield_to = gate
+    a.start()
+    wait_until(lambda: gate.asked(0) >= 25, 10, what="the thread to ask 25 times")
+    assert a.growth() == (0, False)
+    assert a.stats().faulted_bytes == 0
+    assert allocated(shm_dir / a.segment.name) == 0
+    assert gate.asked(0) >= 25 and gate.asked(SLICE) == 0  # it never went past the first slice
+    gate.upto = CAP
+    wait_until(lambda: a.growth() == (CAP, True), 10, what="the arena to grow")
+    assert a.stats().ready
+
+
+def test_stop_while_stepping_aside_ends_the_thread(shm_dir: Path, arenas: list[Arena]) -> None:
+    a = Arena(CAP, shared=True)
+    arenas.append(a)
+    gate = Gate(upto=SLICE)
+    a.yield_to = gate
+    a.start()
+    wait_until(lambda: gate.parked_at(SLICE), 10, what="the thread to park")
+    a.stop()
+    assert a.join(5)
+    assert a.growth() == (SLICE, True)  # final: nothing more will come
+    assert a.stats().ready is False
+    t0 = time.monotonic()
+    assert a.wait_usable(SLICE, 5) is False  # no wait for growth that will not come
+    assert time.monotonic() - t0 < 1
+
+
+# ---------------------------------------------------------------------- L1 on the arena
+def test_reserve_waits_for_the_arena_to_start(shm_dir: Path) -> None:
+    a = Arena(CAP, shared=True)
+    l1 = L1Store(CAP, arena=a)
+    try:
+        call = Call(lambda: l1.reserve(CHUNK))
+        wait_until(lambda: blocked_in(call.thread, "wait_usable"), 5, what="the reserve to wait")
+        assert l1.stats().rejected == 0
+        a.start()
+        buf = call.join(5)
+        assert isinstance(buf, torch.Tensor) and buf.numel() == CHUNK
+        assert inside(a, buf) and a.offset_of(buf) == 0
+        s = l1.stats()
+        assert (s.used_bytes, s.rejected, s.evictions) == (CHUNK, 0, 0)
+        l1.abort(buf)
+        call.result = None  # no reference to the buffer left
+        del buf
+    finally:
+        l1.close()
+
+
+def test_reserve_waits_for_growth_instead_of_evicting(shm_dir: Path) -> None:
+    a = Arena(CAP, shared=True)
+    l1 = L1Store(CAP, arena=a)
+    gate = Gate(upto=SLICE)
+    a.yield_to = gate  # in place of L1's own
+    try:
+        a.start()
+        wait_until(lambda: gate.parked_at(SLICE), 10, what="the thread to park")
+        for i in range(SLICE // CHUNK):
+            put(l1, i)  # the usable slice is full of committed chunks
+        call = Call(lambda: l1.reserve(CHUNK))
+        wait_until(lambda: blocked_in(call.thread, "wait_usable"), 5, what="the reserve to wait")
+        assert l1.stats().evictions == 0
+        gate.upto = CAP
+        buf = call.join(5)
+        assert isinstance(buf, torch.Tensor)
+        assert a.offset_of(buf) == SLICE  # from the new slice
+        assert present(l1, 0, 1, 2, 3) == [True] * 4
+        s = l1.stats()
+        assert (s.evictions, s.rejected, s.used_bytes) == (0, 0, SLICE + CHUNK)
+        l1.abort(buf)
+        call.result = None  # no reference to the buffer left
+        del buf
+    finally:
+        l1.close()
+
+
+def test_reserve_gives_up_after_the_bound_then_evicts_once_grown(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bound = 0.3
+    monkeypatch.setattr(l1_mod, "_WAIT_FOR_ARENA_S", bound)
+    a = Arena(CAP, shared=True)
+    l1 = L1Store(CAP, arena=a)
+    gate = Gate(upto=SLICE)  # growth stalls after one slice
+    a.yield_to = gate
+    try:
+        a.start()
+        wait_until(lambda: gate.parked_at(SLICE), 10, what="the thread to park")
+        for i in range(SLICE // CHUNK):
+            put(l1, i)
+        t0 = time.monotonic()
+        assert l1.reserve(CHUNK) is None
+        waited = time.monotonic() - t0
+        assert bound * 0.9 <= waited < 5, waited  # it waited the bound, no more
+        s = l1.stats()
+        assert (s.rejected, s.evictions, s.chunks) == (1, 0, 4)
+        assert present(l1, 0, 1, 2, 3) == [True] * 4
+
+        a.stop()  # growth ends short: now L1 evicts to make room
+        assert a.join(5)
+        assert a.growth() == (SLICE, True)
+        buf = l1.reserve(CHUNK)
+        assert buf is not None and a.offset_of(buf) == 0  # chunk 0's place
+        assert present(l1, 0, 1, 2, 3) == [False, True, True, True]
+        assert l1.stats().evictions == 1
+        l1.abort(buf)
+        del buf
+    finally:
+        l1.close()
+
+
+def test_growth_stopped_by_a_full_directory(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="dataplane.storage.arena")
+    with mounted_tmpfs("16m") as d:
+        use_dir(monkeypatch, d)
+        a = Arena(CAP, shared=True)  # 64 MiB asked of a 16 MiB directory
+        assert a.segment is not None
+        path = d / a.segment.name
+        l1 = L1Store(CAP, arena=a)
+        gate = Gate(upto=SLICE)
+        a.yield_to = gate
+        try:
+            a.start()
+            wait_until(lambda: gate.parked_at(SLICE), 10, what="the thread to park")
+            assert allocated(path) == SLICE
+            for i in range(SLICE // CHUNK):
+                put(l1, i)
+            call = Call(lambda: l1.reserve(CHUNK))
+            wait_until(lambda: blocked_in(call.thread, "wait_usable"), 5, what="the reserve to wait")
+            gate.upto = CAP  # the next slice does not fit in the directory
+            got = call.join(l1_mod._WAIT_FOR_ARENA_S / 2)  # woken when growth ends, not at the bound
+            assert a.join(5)
+            assert a.growth() == (SLICE, True)
+            assert allocated(path) == SLICE  # the failed reservation left nothing behind
+            assert not a.stats().ready
+            errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(errors) == 1, caplog.text
+            msg = errors[0].getMessage()
+            assert f"cannot reserve {SLICE} more bytes of L1 in {d}" in msg
+            assert f"L1 stays at {SLICE} bytes" in msg
+            # the waiting reserve gave up, or evicted once the growth was final
+            if got is None:
+                assert l1.stats().rejected == 1 and l1.stats().evictions == 0
+            else:
+                assert isinstance(got, torch.Tensor) and l1.stats().evictions == 1
+                l1.abort(got)
+            call.result = got = None
+            before = l1.stats().evictions
+            buf = l1.reserve(CHUNK)  # grown (short): L1 evicts what it holds
+            assert buf is not None and a.offset_of(buf) + CHUNK <= SLICE
+            assert l1.stats().evictions == before + 1
+            assert l1.stats().used_bytes <= SLICE
+            l1.abort(buf)
+            del buf
+        finally:
+            l1.close()
+            gc.collect()
+        assert list(d.iterdir()) == []
+
+
+def test_buffers_are_views_of_the_shared_arena(shm_dir: Path) -> None:
+    a = Arena(CAP, shared=True)
+    l1 = L1Store(CAP, arena=a)
+    try:
+        a.start()
+        wait_until(lambda: a.growth() == (CAP, True), 10, what="the arena to grow")
+        assert a.segment is not None
+        fd = os.open(shm_dir / a.segment.name, os.O_RDONLY)
+        try:
+            sizes = [1000, 4096, 65, MiB + 3]
+            for i, n in enumerate(sizes):
+                buf = l1.reserve(n)
+                assert buf is not None and buf.numel() == n and inside(a, buf)
+                assert a.offset_of(buf) % ALIGN == 0
+                buf.copy_((torch.arange(n) * (i + 3) % 251).to(torch.uint8))
+                assert l1.commit(key(i), buf)
+            got = l1.acquire_prefix([key(i) for i in range(len(sizes))])
+            assert len(got) == len(sizes)
+            for i, (n, buf) in enumerate(zip(sizes, got, strict=True)):
+                want = (torch.arange(n) * (i + 3) % 251).to(torch.uint8)
+                assert torch.equal(buf, want)
+                off = a.offset_of(buf)
+                assert torch.equal(a.region[off : off + n], want)  # the arena's own bytes
+                assert os.pread(fd, n, off) == want.numpy().tobytes()  # and the segment's
+            l1.release([key(i) for i in range(len(sizes))])
+            del got, buf
+        finally:
+            os.close(fd)
+    finally:
+        l1.close()
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_l1_reports_fragmentation_of_its_free_space() -> None:
+    n = 4096
+    l1 = L1Store(8 * n)  # a private arena of exactly 8 pages
+    bufs = [l1.reserve(k * n) for k in (1, 2, 1, 3, 1)]
+    assert all(b is not None for b in bufs)
+    assert l1.stats().fragmentation == 0.0  # no free space at all
+    a, b, c, d, e = bufs
+    assert a is not None and b is not None and c is not None and d is not None and e is not None
+    l1.abort(a)
+    l1.abort(c)
+    l1.abort(e)  # free: 1 page at 0, 1 at 3, 1 at 7
+    assert l1.stats().fragmentation == pytest.approx(2 / 3)
+    l1.abort(b)  # pages 0..3 are one piece, page 7 another
+    assert l1.stats().fragmentation == pytest.approx(1 - 4 / 5)
+    assert l1.commit(key(1), d)
+    put(l1, 2, 4 * n)  # fills pages 0..3
+    assert l1.stats().fragmentation == 0.0  # one free page left
+    put(l1, 3, 2 * n)  # evicts chunk 1 (pages 4..6), lands on 4..5: pages 6 and 7 free together
+    s = l1.stats()
+    assert s.evictions == 1 and s.fragmentation == 0.0
+    put(l1, 4, n)  # page 6
+    put(l1, 5, 3 * n)  # evicts 2 (pages 0..3), lands on 0..2: pages 3 and 7 free apart
+    s = l1.stats()
+    assert s.evictions == 2 and s.fragmentation == pytest.approx(0.5)
+    assert s.used_bytes == 6 * n
+    l1.close()
