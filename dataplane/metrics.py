@@ -34,7 +34,7 @@ REAP_REASONS = ("timeout", "grace", "disconnect", "admin")
 # what a LIMIT_EXCEEDED refusal met (dataplane.wire.errors.LimitExceeded.limit)
 LIMITS = (
     "max_instances", "max_instances_per_connection", "max_pool_gb", "max_mapped_gb",
-    "descriptors", "segment_space", "other",
+    "descriptors", "segment_space", "leases", "other",
 )  # fmt: skip
 
 

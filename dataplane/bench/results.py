@@ -8,7 +8,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +90,11 @@ def machine() -> dict[str, Any]:
     }
 
 
-def finish(ns: argparse.Namespace, name: str, report: dict[str, Any]) -> dict[str, Any]:
-    """Stamp ``report`` (benchmark, tier, date, machine) and, with ``--json``, write it to
-    ``<results-dir>/<name>-<timestamp>.json`` and print the path."""
+def finish(
+    ns: argparse.Namespace, name: str, report: dict[str, Any], show: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """Stamp ``report`` (benchmark, tier, date, machine), ``show`` it and, with ``--json``, write
+    it to ``<results-dir>/<name>-<timestamp>.json`` and print the path."""
     stamped = {
         "benchmark": name,
         "tier": tier(ns),
@@ -100,8 +102,9 @@ def finish(ns: argparse.Namespace, name: str, report: dict[str, Any]) -> dict[st
         "machine": machine(),
         **report,
     }
+    show(stamped)
     if ns.json:
-        print(f"results: {write(ns.results_dir, name, stamped)}")
+        print(f"results: {write(ns.results_dir, name, stamped)}", flush=True)
     return stamped
 
 
@@ -119,5 +122,7 @@ def write(directory: Path, name: str, report: dict[str, Any]) -> Path:
 
 def newest(directory: Path, name: str) -> Path | None:
     """The newest ``<name>-*.json`` under ``directory`` (by the timestamp in its name)."""
-    found = sorted(directory.glob(f"{name}-*.json"), key=lambda p: (p.stem[len(name) + 1 :], p.stat().st_mtime))
+    found = sorted(
+        directory.glob(f"{name}-*.json"), key=lambda p: (p.stem[len(name) + 1 :], p.stat().st_mtime)
+    )
     return found[-1] if found else None

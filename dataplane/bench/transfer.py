@@ -29,7 +29,7 @@ from typing import Any
 
 from dataplane.bench import report
 from dataplane.bench.movers import Baselines, Mover, Shape, start_redis
-from dataplane.bench.procs import Server, arena_view, launch, wait_arena_ready, wait_server
+from dataplane.bench.procs import Server, arena_view, launch, wait_arena_ready, wait_http, wait_server
 from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.wire.messages import SUPPORTED_DTYPES
 
@@ -67,11 +67,11 @@ def _plan(ns: argparse.Namespace) -> tuple[list[str], list[int], list[int], list
         ns,
         rounds=(15, 5, 2),
         chunks_per_request=("1,4", "1,4", "1,2"),
-        chunk_sizes=("64,256,1024", "64,256,1024", "16,32"),
+        chunk_sizes=("64,256,1024", "64,256,1024", "16,64"),
         layers=(32, 32, 2),
-        heads=(8, 8, 2),
-        head_dim=(128, 128, 16),
-        l1_size_gb=(4.0, 1.0, 1 / 16),
+        heads=(8, 8, 8),
+        head_dim=(128, 128, 128),
+        l1_size_gb=(4.0, 1.0, 1 / 64),
     )
     sizes = [ns.chunk_size] if ns.chunk_size is not None else int_list(ns.chunk_sizes, "--chunk-sizes")
     cprs = int_list(ns.chunks_per_request, "--chunks-per-request")
@@ -108,8 +108,7 @@ def run_transfer(ns: argparse.Namespace) -> int:
         for k in ("rounds", "layers", "heads", "head_dim", "block_size", "dtype", "device", "l1_size_gb")
     }
     params["redis"] = base.redis_pair is not None
-    out = finish(ns, "transfer", {"params": params, "rows": rows})
-    report.print_transfer(out)
+    finish(ns, "transfer", {"params": params, "rows": rows}, report.print_transfer)
     return 0
 
 
@@ -130,7 +129,7 @@ def _run_config(
         if "cold" in phases:
             rounds = min(ns.rounds, max(1, l1_bytes // shape.request_bytes))  # the first fill only
             samples = _cold(mover, base, rounds)
-            rows.append(_row(mode, "cold", shape, rounds, samples, arena=arena_view(server)))
+            rows.append(_row(mode, "cold", shape, rounds, samples, arena=_arena_after(server)))
         if "warm" in phases:
             rows.append(_row(mode, "warm", shape, ns.rounds, _warm(server, mover, base, l1_bytes, ns.rounds)))
         return rows
@@ -138,6 +137,12 @@ def _run_config(
         if mover is not None:
             mover.close()
         server.stop()
+
+
+def _arena_after(server: Server) -> dict[str, Any]:
+    """The arena's state now (after the cold phase): was it still being faulted in?"""
+    wait_http(server)
+    return arena_view(server)
 
 
 def _cold(mover: Mover, base: Baselines, rounds: int) -> dict[str, list[float]]:
@@ -152,7 +157,9 @@ def _cold(mover: Mover, base: Baselines, rounds: int) -> dict[str, list[float]]:
     return samples
 
 
-def _warm(server: Server, mover: Mover, base: Baselines, l1_bytes: int, rounds: int) -> dict[str, list[float]]:
+def _warm(
+    server: Server, mover: Mover, base: Baselines, l1_bytes: int, rounds: int
+) -> dict[str, list[float]]:
     wait_arena_ready(server)
     for _ in range(math.ceil(l1_bytes / mover.shape.request_bytes) + 1):  # L1 full: buffers recycle
         mover.store(mover.prompt())
@@ -178,7 +185,10 @@ def _row(
     mode: str, phase: str, shape: Shape, rounds: int, samples: dict[str, list[float]], **extra: Any
 ) -> dict[str, Any]:
     med = {k: statistics.median(v) / 1e9 for k, v in samples.items()}
-    ratios = {"store_vs_memcpy": med["store"] / med["memcpy"], "retrieve_vs_memcpy": med["retrieve"] / med["memcpy"]}
+    ratios = {
+        "store_vs_memcpy": med["store"] / med["memcpy"],
+        "retrieve_vs_memcpy": med["retrieve"] / med["memcpy"],
+    }
     if "zmq" in med:
         ratios["store_vs_zmq"] = med["store"] / med["zmq"]
         ratios["retrieve_vs_zmq"] = med["retrieve"] / med["zmq"]

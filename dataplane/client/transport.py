@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from dataplane.client.direct import ArenaCopier
 from dataplane.client.kvalloc import describe_caches
 from dataplane.memory.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors, token_slots
 from dataplane.memory.shm import Segment
@@ -111,8 +112,10 @@ class EngineDrivenTransport:
         self.pool_chunks = pool_chunks
         self.segments: list[str] = []  # the worker's tensors are its own; only the pool is shared
         self._local: MappedKV | None = None
-        self._lock = threading.Lock()  # guards _pool and the pool's slots: one transfer at a time
+        self._lock = threading.Lock()  # guards _pool, _arena and their memory: one transfer at a time
         self._pool: tuple[Segment, list[torch.Tensor]] | None = None
+        # the server's L1 arena, when it is shared memory: one-copy transfers (client/direct.py)
+        self._arena: tuple[Segment, ArenaCopier] | None = None
 
     def registration(self, caches: Sequence[torch.Tensor]) -> EngineRegister:
         who, first = self.who, caches[0]
@@ -137,8 +140,10 @@ class EngineDrivenTransport:
         )
 
     def registered(self, result: dict[str, Any]) -> None:
-        """Map the pool the server handed out (kept when it is the one already mapped)."""
+        """Map the pool the server handed out (kept when it is the one already mapped), and
+        its L1 arena when it offers it (then transfers copy once, straight into L1)."""
         name, slot_bytes, slots = str(result["segment"]), int(result["slot_bytes"]), int(result["slots"])
+        self._map_arena(result.get("arena"))
         with self._lock:
             if self._pool is not None and self._pool[0].name == name:
                 return
@@ -149,10 +154,25 @@ class EngineDrivenTransport:
         if old is not None:
             _close_pool(old)
 
+    def _map_arena(self, arena: dict[str, Any] | None) -> None:
+        with self._lock:
+            if arena is None or (self._arena is not None and self._arena[0].name == arena["segment"]):
+                return
+            # sparse: the server reserves its space as it grows and hands out only what it has
+            seg = Segment.attach(str(arena["segment"]), int(arena["bytes"]), allow_sparse=True)
+            old, self._arena = self._arena, (seg, ArenaCopier(self.who.instance_id, self.who.secret,
+                                                               seg.as_tensor()))  # fmt: skip
+        if old is not None:
+            old[1].arena = torch.empty(0, dtype=torch.uint8)
+            old[0].close()
+
     def store(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None
     ) -> dict[str, int]:
         cs, local = self._require_local(chunk_size)
+        with self._lock:
+            if self._arena is not None:
+                return self._arena[1].store(send, local, tokens, blocks, cs)
         n_full = len(tokens) // cs
         present = (
             int(send(Lookup(self.who.instance_id, self.who.secret, tokens))["hit_tokens"]) // cs
@@ -180,6 +200,9 @@ class EngineDrivenTransport:
 
     def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int:
         cs, local = self._require_local(chunk_size)
+        with self._lock:
+            if self._arena is not None:
+                return self._arena[1].retrieve(send, local, tokens, blocks, cs)
         n_full = len(tokens) // cs
         first = 0
         with self._lock:
@@ -202,8 +225,12 @@ class EngineDrivenTransport:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            arena, self._arena = self._arena, None
         if pool is not None:
             _close_pool(pool)
+        if arena is not None:
+            arena[1].arena = torch.empty(0, dtype=torch.uint8)  # the view goes before the mapping
+            arena[0].close()
 
     def _require_local(self, chunk_size: int | None) -> tuple[int, MappedKV]:
         if self._local is None or chunk_size is None:

@@ -123,7 +123,7 @@ class Segment:
         return cls(name, size, mm, owner=True, lock_fd=fd)
 
     @classmethod
-    def attach(cls, name: str, min_size: int) -> Segment:
+    def attach(cls, name: str, min_size: int, allow_sparse: bool = False) -> Segment:
         """Map an existing segment; MAP_POPULATE pre-faults it so the first copy is not slow.
 
         ValueError, naming the segment and the reason, for anything that is not a fully
@@ -137,12 +137,15 @@ class Segment:
             if size < min_size:
                 raise ValueError(f"segment {name} holds {size} bytes, the layout needs {min_size}")
             allocated = st.st_blocks * 512
-            if allocated < size:
+            if allocated < size and not allow_sparse:  # (a worker maps the server's L1 arena,
+                # which reserves its space as it grows and hands out only what it reserved)
                 raise ValueError(
                     f"segment {name} is sparse: {allocated} of {size} bytes allocated; "
                     "create it with posix_fallocate"
                 )
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            # a sparse segment is not pre-faulted: populating its holes would allocate them
+            populate = 0 if allow_sparse else getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         finally:
             os.close(fd)
         return cls(name, size, mm, owner=False)

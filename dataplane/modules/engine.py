@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter
 from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.leases import Leases
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
@@ -79,6 +80,7 @@ class EngineContext(Entry):
     reg: EngineRegister | None = None
     chunk_bytes: int = 0
     strategy: PoolStrategy | None = None
+    leases: Leases = field(default_factory=Leases)  # one-copy transfers in progress
 
 
 class EngineDrivenTransferModule(TransferModule[EngineContext]):
@@ -113,6 +115,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
 
     # ---------------------------------------------------------------- hooks
     def _release(self, c: EngineContext, why: str) -> None:
+        c.leases.abort_all(self.l1)  # nothing half-written stays, no buffer or pin is left
         if c.strategy is not None:
             c.strategy.release()
             if self.pool_budget is not None:
@@ -185,13 +188,17 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             self.splitter.run(part, 16)
 
     def _pool_info(self, s: PoolStrategy, chunk_bytes: int, created: bool) -> dict[str, Any]:
-        return {
+        info: dict[str, Any] = {
             "created": created,
             "chunk_size": self.chunk_size,
             "segment": s.segment.name,
             "slot_bytes": chunk_bytes,
             "slots": len(s.slots),
         }
+        arena = self.l1.arena.segment
+        if arena is not None:  # one-copy transfers: the worker maps L1's arena too
+            info["arena"] = {"segment": arena.name, "bytes": arena.size}
+        return info
 
     def _check(self, p: EngineTransfer, s: PoolStrategy, keys: list[bytes]) -> None:
         if p.n_chunks > len(s.slots):

@@ -28,6 +28,7 @@ from dataplane.memory.kvmemory import CopySplitter
 from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import ServerInfo
+from dataplane.modules.direct import DirectTransferModule
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
@@ -178,5 +179,6 @@ def build_dataplane(
     server.add_module(management)
     server.add_module(transfer)
     server.add_module(engine)
+    server.add_module(DirectTransferModule(engine, l1, metrics))
     server.add_module(LookupModule(l1, cs, metrics, [transfer.registry, engine.registry]))
     return DataPlane(settings, server, l1, management, transfer, engine, metrics, splitter, clock)

@@ -55,6 +55,10 @@ class MsgType(enum.StrEnum):
     ENGINE_REGISTER = "ENGINE_REGISTER"
     ENGINE_STORE = "ENGINE_STORE"
     ENGINE_RETRIEVE = "ENGINE_RETRIEVE"
+    ENGINE_RESERVE = "ENGINE_RESERVE"
+    ENGINE_COMMIT = "ENGINE_COMMIT"
+    ENGINE_ACQUIRE = "ENGINE_ACQUIRE"
+    ENGINE_RELEASE = "ENGINE_RELEASE"
 
 
 class MemoryKind(enum.StrEnum):
@@ -270,6 +274,43 @@ class EngineRetrieve(EngineTransfer):
     TYPE = MsgType.ENGINE_RETRIEVE
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineReserve(EngineTransfer):
+    """One copy, STORE: L1 buffers for the chunks ``first_chunk ..`` not yet held, handed out
+    (offsets in the L1 arena) for the worker to write, under a lease it then commits."""
+
+    TYPE = MsgType.ENGINE_RESERVE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineAcquire(EngineTransfer):
+    """One copy, RETRIEVE: the held prefix of the chunks ``first_chunk ..``, pinned under a
+    lease while the worker copies out of the arena."""
+
+    TYPE = MsgType.ENGINE_ACQUIRE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineLease(Message):
+    instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
+    lease: Annotated[int, u63]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineCommit(EngineLease):
+    """Publish the chunks written into a reserve's buffers."""
+
+    TYPE = MsgType.ENGINE_COMMIT
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRelease(EngineLease):
+    """Let go of an acquire's pins (the worker copied out)."""
+
+    TYPE = MsgType.ENGINE_RELEASE
+
+
 MESSAGES: tuple[type[Message], ...] = (
     Hello,
     GetServerInfo,
@@ -282,6 +323,10 @@ MESSAGES: tuple[type[Message], ...] = (
     EngineRegister,
     EngineStore,
     EngineRetrieve,
+    EngineReserve,
+    EngineCommit,
+    EngineAcquire,
+    EngineRelease,
 )
 BY_TYPE: dict[MsgType, type[Message]] = {m.TYPE: m for m in MESSAGES}
 assert set(BY_TYPE) == set(MsgType), "every message type has exactly one record"

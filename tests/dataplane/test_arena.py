@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,7 @@ def test_shared_arena_is_a_private_segment_reserved_as_it_grows(shm_dir: Path, a
     wait_until(lambda: a.growth() == (CAP, True), 10, what="the arena to grow")
     s = a.stats()
     assert s.ready and s.faulted_bytes == CAP
+    assert s.huge_page_bytes == 0  # shmem gets no anonymous huge pages: not counted as the arena's
     assert allocated(path) == CAP
     assert a.wait_usable(CAP - 1, 0) is True
     assert a.join(5)
@@ -348,7 +350,8 @@ def test_segment_space_is_reserved_slice_by_slice_ahead_of_use(shm_dir: Path, ar
     a.yield_to = gate
     a.start()
     for k in range(4):
-        wait_until(lambda k=k: gate.parked_at(k * SLICE), 10, what=f"the thread to park at slice {k}")
+        at = k * SLICE
+        wait_until(partial(gate.parked_at, at), 10, what=f"the thread to park at slice {k}")
         # parked before reserving slice k: exactly k slices reserved, usable and faulted
         assert a.growth() == (k * SLICE, False)
         assert allocated(path) == k * SLICE

@@ -22,7 +22,11 @@ from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import NotRegistered, RequestError
 from dataplane.wire.messages import (
     CudaLayer,
+    EngineAcquire,
+    EngineCommit,
     EngineRegister,
+    EngineRelease,
+    EngineReserve,
     EngineRetrieve,
     EngineStore,
     Lookup,
@@ -613,6 +617,10 @@ def fresh_message(mtype: str, w: WorkerAdapter) -> Message:
         "ENGINE_REGISTER": lambda: engine_register_message(FRESH),
         "ENGINE_STORE": lambda: EngineStore(FRESH, SECRET, toks, 0, 2),
         "ENGINE_RETRIEVE": lambda: EngineRetrieve(FRESH, SECRET, toks, 0, 2),
+        "ENGINE_RESERVE": lambda: EngineReserve(FRESH, SECRET, toks, 0, 2),
+        "ENGINE_COMMIT": lambda: EngineCommit(FRESH, SECRET, 1),
+        "ENGINE_ACQUIRE": lambda: EngineAcquire(FRESH, SECRET, toks, 0, 2),
+        "ENGINE_RELEASE": lambda: EngineRelease(FRESH, SECRET, 1),
     }
     msg = messages[mtype]()
     assert MsgType(mtype) is msg.TYPE
@@ -629,6 +637,10 @@ INSTANCE_TYPES = [
     "ENGINE_REGISTER",
     "ENGINE_STORE",
     "ENGINE_RETRIEVE",
+    "ENGINE_RESERVE",
+    "ENGINE_COMMIT",
+    "ENGINE_ACQUIRE",
+    "ENGINE_RELEASE",
 ]
 
 

@@ -1,0 +1,130 @@
+"""One-copy engine-driven transfers: the worker writes into, and reads out of, L1's arena.
+
+When L1's arena is a server-owned segment (`dataplane.storage.arena`), ENGINE_REGISTER also
+names it, and an engine-driven worker maps it. Then a STORE is ENGINE_RESERVE (the server pins
+the prompt's chunks already held and hands out L1 buffers, as arena offsets, for the others)
+followed by ENGINE_COMMIT (it publishes them); a RETRIEVE is ENGINE_ACQUIRE (it pins the held
+prefix and hands out its offsets) followed by ENGINE_RELEASE. The bytes are copied once, by the
+worker; no pool, no LOOKUP first. Between the two requests the buffers are the instance's
+`Lease`s: whatever releases the instance aborts them (`dataplane.modules.leases`). Instances are
+the engine-driven module's: this module keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
+from dataplane.modules.leases import Lease
+from dataplane.storage.keys import chunk_keys
+from dataplane.storage.l1 import L1Store
+from dataplane.wire.errors import RequestError
+from dataplane.wire.messages import (
+    EngineAcquire,
+    EngineCommit,
+    EngineRelease,
+    EngineReserve,
+    EngineTransfer,
+    MsgType,
+)
+
+
+class DirectTransferModule:
+    name = "engine_direct"
+
+    def __init__(self, engine: EngineDrivenTransferModule, l1: L1Store, metrics: DataPlaneMetrics) -> None:
+        self.engine = engine
+        self.l1 = l1
+        self.metrics = metrics
+
+    def handlers(self) -> dict[MsgType, Handler]:
+        key = self.engine.order_key  # in arrival order with the instance's other transfers
+        return {
+            MsgType.ENGINE_RESERVE: Handler(HandlerKind.TRANSFER, self._reserve, key),
+            MsgType.ENGINE_COMMIT: Handler(HandlerKind.TRANSFER, self._commit, key),
+            MsgType.ENGINE_ACQUIRE: Handler(HandlerKind.TRANSFER, self._acquire, key),
+            MsgType.ENGINE_RELEASE: Handler(HandlerKind.TRANSFER, self._release, key),
+        }
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    def _wanted(self, c: EngineContext, p: EngineTransfer) -> tuple[list[bytes], list[bytes]]:
+        """(the keys before ``first_chunk``, the keys of the chunks asked for)."""
+        if self.l1.arena.segment is None:
+            raise RequestError("one-copy transfers need L1's arena in shared memory; use ENGINE_STORE")
+        keys = chunk_keys(c.scope, p.token_ids, self.engine.chunk_size)
+        end = p.first_chunk + p.n_chunks
+        if end > len(keys) and p.n_chunks:
+            raise RequestError(
+                f"first_chunk + n_chunks = {end} exceeds the {len(keys)} full chunks of token_ids"
+            )
+        return keys[: p.first_chunk], keys[p.first_chunk : end]
+
+    def _offsets(self, bufs: list[Any]) -> list[int]:
+        return [self.l1.arena.offset_of(b) for b in bufs]
+
+    # ----------------------------------------------------------------- handlers
+    def _reserve(self, rctx: RequestContext, p: EngineReserve) -> dict[str, Any]:
+        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
+            before, wanted = self._wanted(c, p)
+            lease = Lease()
+            _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
+            missing, held = self.l1.pin_present(wanted)
+            lease.pinned += held
+            rejected = 0
+            for n, i in enumerate(missing):
+                buf = self.l1.reserve(c.chunk_bytes)
+                if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
+                    rejected = len(missing) - n
+                    break
+                lease.keys.append(wanted[i])
+                lease.bufs.append(buf)
+            try:
+                lid = c.leases.add(lease)
+            except BaseException:
+                lease.abort(self.l1)
+                raise
+            slots = [[missing[k], off] for k, off in enumerate(self._offsets(lease.bufs))]
+        if rejected:
+            self.metrics.rejected_chunks.inc(rejected)
+        return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": len(held),
+                "rejected": rejected, "chunks": len(wanted)}  # fmt: skip
+
+    def _commit(self, rctx: RequestContext, p: EngineCommit) -> dict[str, Any]:
+        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
+            lease = c.leases.take(p.lease)
+            stored = 0
+            for key, buf in zip(lease.keys, lease.bufs, strict=True):
+                stored += self.l1.commit(key, buf)
+            lease.bufs = []
+            self.l1.release(lease.pinned)
+        self.metrics.transfer_bytes.labels(direction="store").inc(stored * c.chunk_bytes)
+        return {"stored": stored}
+
+    def _acquire(self, rctx: RequestContext, p: EngineAcquire) -> dict[str, Any]:
+        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
+            _, wanted = self._wanted(c, p)
+            bufs = self.l1.acquire_prefix(wanted)
+            lease = Lease(pinned=wanted[: len(bufs)])
+            try:
+                lid = c.leases.add(lease)
+            except BaseException:
+                lease.abort(self.l1)
+                raise
+        self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
+        return {"lease": lid, "offsets": self._offsets(bufs), "slot_bytes": c.chunk_bytes}
+
+    def _release(self, rctx: RequestContext, p: EngineRelease) -> dict[str, Any]:
+        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
+            c.leases.take(p.lease).abort(self.l1)  # an acquire lease holds pins only
+        return {"released": True}
