@@ -1,9 +1,14 @@
 """`kvwarden bench`: the project's own benchmarks, each beside same-run baselines.
 
-`transfer` (STORE / RETRIEVE vs memcpy, raw ZMQ and Redis), `ping` (PING vs a raw ZMQ echo,
-idle and under STORE load), `reaper` (a reap cycle with 100,000 tracked instances, PING
-meanwhile); `procs` holds the process helpers they share (free ports, starting and stopping a
-server). Each starts its own processes and stops them; nothing here runs inside `kvwarden serve`.
+`transfer` (STORE / RETRIEVE vs memcpy, raw ZMQ and Redis; both transfer modes, cold and warm),
+`ping` (PING vs a raw ZMQ echo, idle and under STORE load), `reaper` (reap cycles with up to
+100,000 tracked instances, PING meanwhile), `http` (`/status` and `/metrics` with 10,000
+tracked instances, PING under `/status` load), `startup` (server start to first PING, its
+memory) and `all` (every one of them in turn). Each takes ``--quick`` (the whole suite in under
+two minutes on 2 cores), ``--tiny`` (a plumbing check) and ``--json`` (the report written under
+``bench/results``). `procs` and `bulk` hold the process helpers they share, `movers` the
+transfer samplers, `results`, `targets` and `report` the output. Each benchmark starts its own
+processes and stops them; nothing here runs inside `kvwarden serve`.
 """
 
 from __future__ import annotations
@@ -12,9 +17,9 @@ import argparse
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from dataplane.bench import ping, reaper, transfer
+    from dataplane.bench import suite
 
     sub = p.add_subparsers(dest="bench", required=True)
-    transfer.add_args(sub)
-    ping.add_args(sub)
-    reaper.add_args(sub)
+    for module in suite.modules().values():
+        module.add_args(sub)
+    suite.add_args(sub)

@@ -9,16 +9,16 @@ back to back (the transfer pool busy, the GIL contended).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
 from typing import Any
 
-import numpy as np
 import zmq
 
-from dataplane.bench.procs import start_server, stop_process, wait_server
+from dataplane.bench import report
+from dataplane.bench.procs import launch, wait_arena_ready, wait_http
+from dataplane.bench.results import add_output_args, finish, latency, resolve
 from dataplane.wire.messages import Ping
 from dataplane.wire.protocol import encode_message
 
@@ -49,9 +49,9 @@ while True:
 
 def add_args(sub: Any) -> None:
     p = sub.add_parser("ping", help="PING p50/p99 vs raw ZMQ, idle and under STORE load")
-    p.add_argument("--pings", type=int, default=4000, help="samples of each figure")
-    p.add_argument("--storers", type=int, default=4, help="worker processes storing back to back")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--pings", type=int, default=None, help="samples of each figure (4,000; quick 1,000)")
+    p.add_argument("--storers", type=int, default=None, help="worker processes storing back to back (4)")
+    add_output_args(p)
     p.set_defaults(func=run_ping)
 
 
@@ -65,28 +65,30 @@ def _round_trips(sock: zmq.Socket[Any], frame: bytes, n: int) -> list[float]:
     return out
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1e6
-    return {"p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99))}
-
-
 def run_ping(ns: argparse.Namespace) -> int:
-    server, endpoint = start_server()
+    resolve(ns, pings=(4000, 1000, 200), storers=(4, 4, 1))
+    if ns.pings < 100 or ns.storers < 0:
+        print("bench: --pings must be at least 100 and --storers not negative", file=sys.stderr)
+        return 2
+    server = launch("--l1-size-gb", "1")
     echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
     storers: list[subprocess.Popen[str]] = []
     ctx: zmq.Context[Any] = zmq.Context()
     try:
         assert echo.stdout is not None
         echo_port = int(echo.stdout.readline())
-        wait_server(server, endpoint)
+        wait_http(server)
+        wait_arena_ready(server)  # its fault-in thread is done: idle is idle
         raw = ctx.socket(zmq.DEALER)
         raw.connect(f"tcp://127.0.0.1:{echo_port}")
         srv = ctx.socket(zmq.DEALER)
-        srv.connect(endpoint)
+        srv.connect(server.endpoint)
         frame = encode_message(1, Ping(12345, bytes(16)))  # an unknown id: a PING as a worker sends it
         raw_s, ping_s = _interleaved(raw, srv, frame, ns.pings)
         storers = [
-            subprocess.Popen([sys.executable, "-c", _STORER, endpoint], stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, "-c", _STORER, server.endpoint], stdout=subprocess.PIPE, text=True
+            )
             for _ in range(ns.storers)
         ]
         for p in storers:
@@ -94,7 +96,7 @@ def run_ping(ns: argparse.Namespace) -> int:
             p.stdout.readline()
         loaded = _round_trips(srv, frame, ns.pings)
         raw.send(b"quit")
-        _report(ns, raw_s, ping_s, loaded)
+        finish(ns, "ping", _report(ns, raw_s, ping_s, loaded), report.show("ping"))
         return 0
     finally:
         for p in storers:
@@ -103,7 +105,7 @@ def run_ping(ns: argparse.Namespace) -> int:
         echo.kill()
         echo.wait()
         ctx.destroy(linger=0)
-        stop_process(server)
+        server.stop()
 
 
 def _interleaved(
@@ -122,20 +124,17 @@ def _interleaved(
     return raw_s, ping_s
 
 
-def _report(ns: argparse.Namespace, raw_s: list[float], ping_s: list[float], loaded: list[float]) -> None:
-    report = {
-        "raw_zmq": _pct(raw_s),
-        "ping_idle": _pct(ping_s),
-        f"ping_with_{ns.storers}_storers": _pct(loaded),
+def _report(
+    ns: argparse.Namespace, raw_s: list[float], ping_s: list[float], loaded: list[float]
+) -> dict[str, Any]:
+    raw, idle = latency(raw_s), latency(ping_s)
+    return {
+        "params": {"pings": ns.pings, "storers": ns.storers},
+        "raw_zmq": raw,
+        "ping_idle": idle,
+        "ping_loaded": latency(loaded),
+        "ratios": {
+            "ping_idle_p99_vs_raw_p99": idle["p99_us"] / raw["p99_us"],
+            "ping_idle_p50_vs_raw_p50": idle["p50_us"] / raw["p50_us"],
+        },
     }
-    report["ratios"] = {
-        "ping_idle_p99_vs_raw_p99": report["ping_idle"]["p99_us"] / report["raw_zmq"]["p99_us"],
-        "ping_idle_p50_vs_raw_p50": report["ping_idle"]["p50_us"] / report["raw_zmq"]["p50_us"],
-    }
-    if ns.json:
-        print(json.dumps(report, indent=2))
-        return
-    for k, v in report.items():
-        print(
-            f"  {k:<24} " + "  ".join(f"{a}={b:.1f}" if "us" in a else f"{a}={b:.2f}x" for a, b in v.items())
-        )

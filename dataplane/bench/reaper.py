@@ -1,23 +1,24 @@
-"""`kvwarden bench reaper`: a reap cycle with 100,000 tracked instances, and PING meanwhile.
+"""`kvwarden bench reaper`: reap cycles with 1,000 to 100,000 tracked instances, PING meanwhile.
 
-A real data plane runs in this process with one extra liveness target: a registry holding
-``--instances`` entries (no memory behind them). Each cycle adds 1% stale entries and runs the
-reaper's step (collect and pop in slices, the release path, the fan-out), back to back, while a
-separate process PINGs the server, whose PING takes the same registry lock. Prints each
-cycle's time and PING p50/p99, idle and during the cycles.
+For each count in ``--instances``, a real data plane runs in this process with one extra
+liveness target: a registry holding that many entries (no memory behind them). Each cycle adds
+1% stale entries and runs the reaper's step (collect and pop in slices, the release path, the
+fan-out), back to back, while a separate process PINGs the server, whose PING takes the same
+registry lock. Reports each count's cycle time and PING p50/p99, idle and during the cycles.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import subprocess
 import sys
 import time
 from typing import Any
 
+from dataplane.bench import report
 from dataplane.bench.procs import free_port
+from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.reaper import WorkerReaper
 from dataplane.liveness.registry import LivenessRegistry
@@ -36,16 +37,16 @@ end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     t0 = time.perf_counter(); d.send(frame); d.recv(); ts.append(time.perf_counter() - t0)
     time.sleep(0.0005)
-ts.sort(); print(f"{ts[len(ts) // 2] * 1e6:.0f} {ts[int(len(ts) * .99)] * 1e6:.0f}")
+ts.sort(); print(f"{ts[len(ts) // 2] * 1e6:.0f} {ts[int(len(ts) * .99)] * 1e6:.0f} {len(ts)}")
 """
 _INFO = InstanceInfo(TransferMode.SERVER_DRIVEN.value, MemoryKind.SHM.value, "m", 1, 0, 1, 32, "bfloat16")
 
 
 def add_args(sub: Any) -> None:
-    p = sub.add_parser("reaper", help="reap cycle time and PING p99 with 100,000 tracked instances")
-    p.add_argument("--instances", type=int, default=100_000)
-    p.add_argument("--seconds", type=float, default=3.0, help="length of each PING block")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("reaper", help="reap cycle time and PING p99 with up to 100,000 tracked instances")
+    p.add_argument("--instances", default=None, help="tracked instances, comma-separated (1000,10000,100000)")
+    p.add_argument("--seconds", type=float, default=None, help="length of each PING block (3; quick 1)")
+    add_output_args(p)
     p.set_defaults(func=run_reaper)
 
 
@@ -63,46 +64,46 @@ def _pinger(endpoint: str, seconds: float) -> subprocess.Popen[str]:
 
 
 def _pings(p: subprocess.Popen[str]) -> dict[str, float]:
-    p50, p99 = p.communicate()[0].split()
-    return {"p50_us": float(p50), "p99_us": float(p99)}
+    p50, p99, n = p.communicate()[0].split()
+    return {"n": int(n), "p50_us": float(p50), "p99_us": float(p99)}
 
 
 def run_reaper(ns: argparse.Namespace) -> int:
+    resolve(ns, instances=("1000,10000,100000", "1000,10000,100000", "1000,10000"), seconds=(3.0, 1.0, 0.3))
+    try:
+        counts = int_list(ns.instances, "--instances")
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
     logging.disable(logging.WARNING)  # reap warnings would measure the log handler
     sys.setswitchinterval(0.001)  # as `kvwarden serve` runs
-    synthetic: LivenessRegistry[Entry] = LivenessRegistry("synthetic", _release_nothing)
-    dp = build_dataplane(
-        Settings.model_validate({"port": free_port(), "http_port": free_port()}), extra_targets=[synthetic]
-    )
-    dp.start()
-    try:
-        report = _measure(ns, dp, synthetic)
-    finally:
-        dp.stop()
-    if ns.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(
-            f"{ns.instances} tracked; PING idle p50 {report['ping_idle']['p50_us']:.0f} us, "
-            f"p99 {report['ping_idle']['p99_us']:.0f} us"
-        )
-        c = report["cycle_ms"]
-        print(f"{c['n']} reap cycles of {c['stale']} stale: p50 {c['p50']:.0f} ms, max {c['max']:.0f} ms")
-        b = report["ping_during_cycles"]
-        print(f"PING during the cycles: p50 {b['p50_us']:.0f} us, p99 {b['p99_us']:.0f} us")
+    runs = [_one_count(ns, n) for n in counts]
+    finish(ns, "reaper", {"params": {"seconds": ns.seconds}, "runs": runs}, report.show("reaper"))
     return 0
 
 
-def _measure(ns: argparse.Namespace, dp: DataPlane, synthetic: LivenessRegistry[Entry]) -> dict[str, Any]:
-    n, stale_n = ns.instances, max(1, ns.instances // 100)
+def _one_count(ns: argparse.Namespace, n: int) -> dict[str, Any]:
+    """A fresh data plane (a small L1: no fault-in thread left running) with ``n`` tracked."""
+    synthetic: LivenessRegistry[Entry] = LivenessRegistry("synthetic", _release_nothing)
+    settings = {"port": free_port(), "http_port": free_port(), "l1_size_gb": 1 / 64}
+    dp = build_dataplane(Settings.model_validate(settings), extra_targets=[synthetic])
+    dp.start()
+    try:
+        return _measure(n, ns.seconds, dp, synthetic)
+    finally:
+        dp.stop()
+
+
+def _measure(n: int, seconds: float, dp: DataPlane, synthetic: LivenessRegistry[Entry]) -> dict[str, Any]:
+    stale_n = max(1, n // 100)
     now = time.monotonic()
     for i in range(n - stale_n):
         synthetic.put(Entry(i, now, now, b"", _INFO, has_liveness_signal=True), "bench")
     reaper = WorkerReaper(dp.management.releaser, 120.0, 3600.0, 0.0)  # its step, no thread
     endpoint = dp.server_info().endpoint
-    idle = _pings(_pinger(endpoint, ns.seconds))
+    idle = _pings(_pinger(endpoint, seconds))
     times: list[float] = []
-    busy = _pinger(endpoint, ns.seconds)
+    busy = _pinger(endpoint, seconds)
     k = 0
     while busy.poll() is None:  # reap cycles back to back for as long as the pinger runs
         t = time.monotonic() - 1000.0  # 1% of the instances went silent long ago

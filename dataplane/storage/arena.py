@@ -136,6 +136,7 @@ class Arena:
         self._usable = 0 if shared else self.capacity
         self._grown = not shared  # no more will become usable (all of it, or reserving failed)
         self._huge = 0  # bytes in huge pages, read once the fault-in ends (reading is not free)
+        self._populated = True  # False where the kernel cannot populate: pages fault on use
         self._faulted = 0
         self._grew = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -214,6 +215,7 @@ class Arena:
                 return
             if populate:
                 populate = _populate(self._addr + off, n)
+                self._populated = populate
             with self._grew:
                 self._usable = max(self._usable, off + n)
                 self._faulted = off + n if populate else self._faulted
@@ -230,7 +232,8 @@ class Arena:
     def stats(self) -> ArenaStats:
         with self._lock:
             usable, faulted, grown, huge = self._usable, self._faulted, self._grown, self._huge
-        ready = grown and usable >= self.capacity and (faulted >= self.capacity or not self._prefault)
+        faulted_all = faulted >= self.capacity or not self._prefault or not self._populated
+        ready = grown and usable >= self.capacity and faulted_all
         return ArenaStats(self.capacity, self.backing, faulted, ready, huge)
 
     def close(self) -> None:

@@ -63,6 +63,7 @@ class L1Store:
         self._evictions = 0
         self._rejected = 0
         self._writing = 0  # buffers reserved and not yet committed or aborted
+        self._waiting = 0  # reserves waiting for the arena to grow
         self.arena.yield_to = self._copying_with_room
 
     # ---------------------------------------------------------------- reads
@@ -134,10 +135,17 @@ class L1Store:
                 if grown:
                     self._rejected += 1
                     return None
-            if not self.arena.wait_usable(usable, _WAIT_FOR_ARENA_S):  # still being reserved
+            with self._lock:
+                self._waiting += 1
+            try:
+                grew = self.arena.wait_usable(usable, _WAIT_FOR_ARENA_S)  # still being reserved
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+            if not grew and not self.arena.growth()[1]:
                 with self._lock:
                     self._rejected += 1
-                return None
+                return None  # (when growth just ended short, the next turn may evict instead)
 
     def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False) -> bool:
         """Publish a reserved buffer; False (buffer returned) when the key was already present.
@@ -186,6 +194,8 @@ class L1Store:
     def _copying_with_room(self, usable: int) -> bool:
         """Whether copies run now and the usable part of the arena has room to spare for them
         (the arena's fault-in steps aside then). Read without the lock: a hint, not a fact."""
+        if self._waiting:  # a reserve needs more of the arena: never step aside then
+            return False
         return (self._writing > 0 or self._pinned > 0) and usable - self._used > _HEADROOM
 
     # ------------------------------------------------------- lock held below

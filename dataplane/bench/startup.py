@@ -1,0 +1,94 @@
+"""`kvwarden bench startup`: from starting ``kvwarden serve`` to its first PING answered.
+
+A DEALER socket connects (retrying every few milliseconds) before the server process starts and
+has a PING queued; the figure is the time from starting the process to that reply. Then the
+server's memory (resident set, and what its segments occupy in ``/dev/shm``) is read at once,
+and again when its L1 arena is reserved and faulted in. Beside each start, in the same run:
+how long this interpreter takes to start at all, and to import torch (what any start pays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from dataplane.bench import report
+from dataplane.bench.procs import launch, memory_of, wait_arena_ready, wait_http
+from dataplane.bench.results import add_output_args, finish, resolve
+from dataplane.wire.messages import Ping
+from dataplane.wire.protocol import decode_reply, encode_message
+
+
+def add_args(sub: Any) -> None:
+    p = sub.add_parser("startup", help="server start to first PING with a 4 GiB L1; its RSS and /dev/shm")
+    p.add_argument("--rounds", type=int, default=None, help="server starts (3; quick 1)")
+    p.add_argument("--l1-size-gb", type=float, default=None, help="default 4")
+    add_output_args(p)
+    p.set_defaults(func=run_startup)
+
+
+def run_startup(ns: argparse.Namespace) -> int:
+    resolve(ns, rounds=(3, 1, 1), l1_size_gb=(4.0, 4.0, 1 / 16))
+    if ns.rounds < 1:
+        print("bench: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    runs, python_s, torch_s = [], [], []
+    for _ in range(ns.rounds):
+        python_s.append(_run_python("pass"))
+        torch_s.append(_run_python("import torch"))
+        runs.append(_one_start(ns.l1_size_gb))
+    out = {
+        "params": {"rounds": ns.rounds, "l1_size_gb": ns.l1_size_gb},
+        "first_ping_s": statistics.median(r["first_ping_s"] for r in runs),
+        "arena_ready_s": statistics.median(r["arena_ready_s"] for r in runs),
+        "python_s": statistics.median(python_s),
+        "import_torch_s": statistics.median(torch_s),
+        "runs": runs,
+    }
+    finish(ns, "startup", out, report.show("startup"))
+    return 0
+
+
+def _run_python(code: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.perf_counter() - t0
+
+
+def _one_start(l1_gb: float) -> dict[str, Any]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RECONNECT_IVL, 2)  # ms: the first connect after the bind is seen at once
+    sock.setsockopt(zmq.LINGER, 0)
+    server = launch("--l1-size-gb", str(l1_gb))
+    try:
+        sock.connect(server.endpoint)
+        sock.send(encode_message(7, Ping(None, None)))  # queued until the connection is up
+        deadline = time.monotonic() + 60
+        while not sock.poll(50):
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not answer PING")
+        first_ping = time.perf_counter() - server.started
+        if not decode_reply(sock.recv()).ok:
+            raise RuntimeError("the first PING was refused")
+        at_ping = memory_of(server.proc.pid)
+        wait_http(server)
+        arena = wait_arena_ready(server)
+        ready = time.perf_counter() - server.started
+        return {
+            "first_ping_s": first_ping,
+            "arena_ready_s": ready,
+            "arena": arena,
+            "memory_at_first_ping": at_ping,
+            "memory_arena_ready": memory_of(server.proc.pid),
+        }
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        server.stop()
