@@ -197,7 +197,10 @@ TABLES: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
 def verdict_table(reports: dict[str, dict[str, Any]], miss: str = "NO") -> Table:
     rows = []
     for v in verdicts(reports):
-        measured = f"{v.measured:.2f}{v.unit}" if v.unit == "x" else f"{v.measured:.3g} {v.unit}"
+        shown = f"{v.measured:.2f}"
+        if (float(shown) >= v.bound) != (v.measured >= v.bound):  # rounding would hide the verdict
+            shown = f"{v.measured:.3f}"
+        measured = f"{shown}x" if v.unit == "x" else f"{float(shown):.3g} {v.unit}"
         rows.append([v.figure, measured, v.target, "yes" if v.ok else miss])
     return Table("Targets", ["figure", "measured", "target", "met"], rows)
 

@@ -1,5 +1,7 @@
-"""The performance targets (docs: /shared/spec/performance.md, BENCHMARKS.md) checked against
-reports of `kvwarden bench`: each a figure measured in the same run, a bound, met or not."""
+"""The performance targets (BENCHMARKS.md) checked against reports of `kvwarden bench`: each a
+figure measured in the same run, a bound, met or not. A target is checked only where the report
+measured it at the size the target names (256-token chunks, 10,000 and 1,000 tracked instances,
+100,000 for the reaper, a 4 GiB L1): a ``--quick`` run checks fewer."""
 
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def _reaper(rep: dict[str, Any]) -> list[Verdict]:
 def _http(rep: dict[str, Any]) -> list[Verdict]:
     out = []
     large = rep.get("large")
-    if large:
+    if large and large["instances"] >= 10_000:
         n = f"{large['instances']:,}"
         for route in ("status", "metrics"):
             out.append(Verdict(f"/{route} p99, {n} tracked", large[f"{route}_ms"]["p99"], 50.0, "ms", False))
@@ -117,7 +119,7 @@ def _http(rep: dict[str, Any]) -> list[Verdict]:
             )
         )
     load = rep.get("load")
-    if load:
+    if load and load["instances"] >= 1000:
         what = f"PING p99 with {load['rate']:g} /status per s / idle, {load['instances']:,} tracked"
         out.append(Verdict(what, load["ratio_p99"], 1.5, "x", False))
     return out
@@ -125,6 +127,8 @@ def _http(rep: dict[str, Any]) -> list[Verdict]:
 
 def _startup(rep: dict[str, Any]) -> list[Verdict]:
     gb = rep["params"]["l1_size_gb"]
+    if gb < 4:
+        return []
     return [
         Verdict(f"server start to first PING, {gb:g} GiB L1 (median)", rep["first_ping_s"], 1.0, "s", False)
     ]

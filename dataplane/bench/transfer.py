@@ -39,11 +39,11 @@ PHASES = ("cold", "warm")
 
 def add_args(sub: Any) -> None:
     t = sub.add_parser("transfer", help="STORE/RETRIEVE GB/s vs memcpy, raw ZMQ and Redis, cold and warm")
-    t.add_argument("--rounds", type=int, default=None, help="samples of each figure per phase (15; quick 5)")
+    t.add_argument("--rounds", type=int, default=None, help="samples of each figure per phase (15; quick 3)")
     t.add_argument(
         "--chunks-per-request",
         default=None,
-        help="comma-separated: one report per value (1 = one chunk per request, 4 = four); default 1,4",
+        help="comma-separated: one report per value (1 = one chunk per request, 4 = four); 1,4 (quick 1)",
     )
     t.add_argument("--chunk-sizes", default=None, help="tokens per chunk, comma-separated (64,256,1024)")
     t.add_argument("--chunk-size", type=int, default=None, help="one chunk size (as --chunk-sizes N)")
@@ -53,7 +53,9 @@ def add_args(sub: Any) -> None:
     t.add_argument("--heads", type=int, default=None, help="KV heads, default 8")
     t.add_argument("--head-dim", type=int, default=None, help="default 128")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--l1-size-gb", type=float, default=None, help="the server's L1 (4, its default; quick 1)")
+    t.add_argument(
+        "--l1-size-gb", type=float, default=None, help="the server's L1 (4, its default; quick 0.5)"
+    )
     t.add_argument("--dtype", default="bfloat16", choices=sorted(SUPPORTED_DTYPES))
     t.add_argument("--device", default="cpu", help="cpu or cuda (worker KV memory)")
     t.add_argument("--no-redis", action="store_true", help="skip the Redis baselines")
@@ -65,13 +67,13 @@ def _plan(ns: argparse.Namespace) -> tuple[list[str], list[int], list[int], list
     """(modes, chunk sizes, chunks per request, phases); ValueError naming a bad flag."""
     resolve(
         ns,
-        rounds=(15, 5, 2),
-        chunks_per_request=("1,4", "1,4", "1,2"),
-        chunk_sizes=("64,256,1024", "64,256,1024", "16,64"),
+        rounds=(15, 3, 2),
+        chunks_per_request=("1,4", "1", "1"),
+        chunk_sizes=("64,256,1024", "64,256,1024", "64"),
         layers=(32, 32, 2),
         heads=(8, 8, 8),
         head_dim=(128, 128, 128),
-        l1_size_gb=(4.0, 1.0, 1 / 64),
+        l1_size_gb=(4.0, 0.5, 1 / 64),
     )
     sizes = [ns.chunk_size] if ns.chunk_size is not None else int_list(ns.chunk_sizes, "--chunk-sizes")
     cprs = int_list(ns.chunks_per_request, "--chunks-per-request")

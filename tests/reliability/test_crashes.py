@@ -232,14 +232,21 @@ def run_crash_scenario(tmp: Path, shm: Path, plan: Plan, whole_kept: bool) -> st
         assert sum(hits) > 0
         assert checker.finish() == 0
         check_s = time.monotonic() - t_check
-        # nothing is left in the segment directory: no worker segment, no engine pool
-        wait_until(lambda: not list(shm.iterdir()), 10, what="an empty segment directory")
+        # nothing is left in the segment directory but the server's L1 arena: no worker
+        # segment, no engine pool
+        server_pid = crowd.server.proc.pid
+        wait_until(
+            lambda: not [p for p in shm.iterdir() if not p.name.startswith(f"kvwarden-{server_pid}-")],
+            10,
+            what="a segment directory holding only the server's arena",
+        )
 
         srv = crowd.server
         assert srv.proc.poll() is None and srv.tracebacks() == 0, srv.output()
         srv.sigterm()
         assert srv.proc.wait(30) == 0, srv.output()
         assert srv.tracebacks() == 0, srv.output()
+        assert not list(shm.iterdir())  # the server unlinked its arena on the way out
         mid = sum(k.mid_request for k in crowd.kills)
         checked = sum(e["n"] for e in retrieves)
         store_s = sorted(e["s"] for w in crowd.writers for e in w.of("store_end"))
@@ -347,7 +354,7 @@ def test_server_killed_and_restarted_on_the_same_ports(
         check_round(a, b, [0, 1, 2], fresh=True)
         check_round(b, a, [3, 4], fresh=True)  # engine-driven stores, server-driven retrieves
         first_pools = segments_of(shm_dir, {first.proc.pid})
-        assert len(first_pools) == 1  # b's pool
+        assert len(first_pools) == 2  # b's pool and the server's L1 arena
 
         # the server goes, with a STORE of a's just sent: drained (SIGTERM) or abandoned (SIGKILL)
         marks = {p.name: p.cursor() for p in (a, b)}
@@ -390,10 +397,16 @@ def test_server_killed_and_restarted_on_the_same_ports(
 
         for p in (a, b):
             assert p.finish() == 0, p.log()
-        wait_until(lambda: not list(shm_dir.iterdir()), 10, what="an empty segment directory")
+        server_pid = second.proc.pid
+        wait_until(
+            lambda: not [p for p in shm_dir.iterdir() if not p.name.startswith(f"kvwarden-{server_pid}-")],
+            10,
+            what="a segment directory holding only the server's arena",
+        )
         second.sigterm()
         assert second.proc.wait(30) == 0, second.output()
         assert second.tracebacks() == 0, second.output()
+        assert not list(shm_dir.iterdir())  # the server unlinked its arena on the way out
         print(
             f"\n{how.name}: outage calls {min(outage) * 1000:.0f}-{max(outage) * 1000:.0f} ms; unhealthy "
             f"{min(noticed):.2f}-{max(noticed):.2f}s after the stop; re-registered {min(back):.2f}-"

@@ -49,6 +49,10 @@ from dataplane.wire.messages import (
     MESSAGES,
     SUPPORTED_DTYPES,
     CudaLayer,
+    EngineAcquire,
+    EngineCommit,
+    EngineRelease,
+    EngineReserve,
     EngineRetrieve,
     EngineStore,
     GetServerInfo,
@@ -266,6 +270,7 @@ INSTANCE_IDS = st.one_of(_SET_UP, _SET_UP, st.integers(0, 2**63 - 1))
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "instance_id": INSTANCE_IDS,
     "secret": SECRETS,
+    "lease": st.one_of(st.integers(0, 40), st.integers(0, 2**63 - 1)),
     "model_name": st.one_of(st.just("fuzz"), st.text(min_size=1, max_size=12)),
     "world_size": st.integers(1, 4),
     "worker_id": st.integers(0, 3),
@@ -354,6 +359,10 @@ _OWN_ID = {
     MsgType.RETRIEVE: st.one_of(st.just(REG_ID), INSTANCE_IDS),
     MsgType.ENGINE_STORE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
     MsgType.ENGINE_RETRIEVE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
+    MsgType.ENGINE_RESERVE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
+    MsgType.ENGINE_COMMIT: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
+    MsgType.ENGINE_ACQUIRE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
+    MsgType.ENGINE_RELEASE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
     MsgType.UNREGISTER_KV_CACHE: st.one_of(st.integers(0, 2**63 - 1), INSTANCE_IDS),
 }
 
@@ -638,6 +647,10 @@ def _valid_messages(geo: Geometry) -> list[Message]:
         dataclasses.replace(engine_register_message(ENG_ID), model_name="fuzz"),
         EngineStore(ENG_ID, SECRET, tokens, 0, 2),
         EngineRetrieve(ENG_ID, SECRET, tokens, 0, 2),
+        EngineReserve(ENG_ID, SECRET, tokens, 0, 2),
+        EngineCommit(ENG_ID, SECRET, 1),
+        EngineAcquire(ENG_ID, SECRET, tokens, 0, 2),
+        EngineRelease(ENG_ID, SECRET, 2),
         Unregister(REG_ID, SECRET),
     ]
     assert {type(m) for m in msgs} == set(MESSAGES)
