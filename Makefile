@@ -144,8 +144,11 @@ typecheck: $(DEV_STAMP)
 pytest: $(DEV_STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: $(INSTALL_STAMP)
-	$(BIN)/kvwarden bench transfer $(ARGS)
+# every benchmark (BENCH=transfer, ping, reaper, http or startup for one; ARGS=--quick for a
+# two-minute run), results under bench/results; then the figure and BENCHMARKS.md's table
+bench: $(DEV_STAMP)
+	$(BIN)/kvwarden bench $(or $(BENCH),all) --json $(ARGS)
+	$(BIN)/python scripts/plot_bench.py
 
 openapi: $(INSTALL_STAMP)
 	$(BIN)/python scripts/gen_openapi.py

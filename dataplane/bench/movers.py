@@ -77,7 +77,9 @@ class Mover:
             transfer_mode=mode,
             pool_chunks=max(4, shape.chunks_per_request),
         )
+        t0 = time.perf_counter()
         self.w.register_kv_caches(caches)
+        self.register_s = time.perf_counter() - t0
 
     def prompt(self) -> np.ndarray:
         """Token ids of a prompt never stored before."""

@@ -83,9 +83,11 @@ def run_reaper(ns: argparse.Namespace) -> int:
 
 
 def _one_count(ns: argparse.Namespace, n: int) -> dict[str, Any]:
-    """A fresh data plane (a small L1: no fault-in thread left running) with ``n`` tracked."""
+    """A fresh data plane with ``n`` tracked: a small L1 (its fault-in is soon over) and no
+    reaper thread of its own (it would race the measured step for the stale entries)."""
     synthetic: LivenessRegistry[Entry] = LivenessRegistry("synthetic", _release_nothing)
     settings = {"port": free_port(), "http_port": free_port(), "l1_size_gb": 1 / 64}
+    settings |= {"worker_reap_timeout_seconds": 0, "worker_disconnect_grace_seconds": 0}
     dp = build_dataplane(Settings.model_validate(settings), extra_targets=[synthetic])
     dp.start()
     try:

@@ -131,7 +131,9 @@ def _run_config(
         if "cold" in phases:
             rounds = min(ns.rounds, max(1, l1_bytes // shape.request_bytes))  # the first fill only
             samples = _cold(mover, base, rounds)
-            rows.append(_row(mode, "cold", shape, rounds, samples, arena=_arena_after(server)))
+            first = {k: v[0] / 1e9 for k, v in samples.items()}  # the very first request's
+            extra = {"register_s": mover.register_s, "first_gbps": first, "arena": _arena_after(server)}
+            rows.append(_row(mode, "cold", shape, rounds, samples, **extra))
         if "warm" in phases:
             rows.append(_row(mode, "warm", shape, ns.rounds, _warm(server, mover, base, l1_bytes, ns.rounds)))
         return rows

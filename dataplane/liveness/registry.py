@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 from dataplane.liveness.entry import (
     ContextEntry,
     Entry,
+    Row,
     from_row,
     mark_removed,
     own,
@@ -193,9 +194,18 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             return public(e)
 
     def context_entries_snapshot(self) -> list[ContextEntry]:
-        # copy plain tuples under the lock (PING waits on it); build the entries after
+        # plain tuples are copied under the lock, a slice at a time (PING waits on it), and
+        # the entries built after: each entry is consistent, the list need not be one instant
+        rows: list[Row] = []
         with self._lock:
-            rows = [row(e) for e in self._entries.values()]
+            ids = list(self._entries)
+        for start in range(0, len(ids), _SLICE):
+            with self._lock:
+                for iid in ids[start : start + _SLICE]:
+                    e = self._entries.get(iid)
+                    if e is not None:
+                        rows.append(row(e))
+            time.sleep(0)  # as in _scan: a PING waiting on the lock goes first
         return [from_row(*r) for r in rows]
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:

@@ -118,6 +118,7 @@ def store_through(srv: ServerProcess) -> tuple[bool, int]:
 def test_idle_http_connections_neither_lock_out_livez_nor_the_data_plane(make_server: ServerFactory) -> None:
     srv = make_server("--http-max-connections", "8", "--chunk-size", CHUNK)
     url = f"http://127.0.0.1:{srv.http_port}"
+    wait_until(lambda: livez_ok(srv), 30, what="the sidecar (it starts after the data plane answers)")
     idle = [socket.create_connection(("127.0.0.1", srv.http_port)) for _ in range(IDLE)]
     idle[0].sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n")  # a request head never finished
     try:
@@ -150,6 +151,7 @@ def test_descriptor_exhaustion_does_not_flood_the_log(make_server: ServerFactory
     limiter lets a burst of them through per 10 s and reports the rest in one line."""
     t_start = time.monotonic()
     srv = make_server("--http-max-connections", "4096")
+    wait_until(lambda: livez_ok(srv), 30, what="the sidecar (it starts after the data plane answers)")
     pid = srv.proc.pid
     cap = len(os.listdir(f"/proc/{pid}/fd")) + 16
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (cap, cap))

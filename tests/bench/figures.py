@@ -1,0 +1,106 @@
+"""What a report of each benchmark must hold: every figure, checked by key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dataplane.bench.results import newest
+from dataplane.bench.transfer import MODES, PHASES
+
+LAT = {"n", "p50_us", "p99_us"}
+MS = {"n", "p50", "p99"}
+
+
+def report(directory: Path, name: str) -> dict[str, Any]:
+    path = newest(directory, name)
+    assert path is not None, (
+        f"no {name}-*.json under {directory}: {sorted(p.name for p in directory.iterdir())}"
+    )
+    rep: dict[str, Any] = json.loads(path.read_text())
+    assert rep["benchmark"] == name
+    assert {"date", "tier", "machine", "params"} <= rep.keys()
+    return rep
+
+
+def check_transfer(rep: dict[str, Any]) -> None:
+    rows = rep["rows"]
+    sizes = {r["chunk_tokens"] for r in rows}
+    cprs = {r["chunks_per_request"] for r in rows}
+    redis = shutil.which("redis-server") is not None
+    for mode in MODES:
+        for phase in PHASES:
+            for size in sizes:
+                for cpr in cprs:
+                    match = [
+                        r
+                        for r in rows
+                        if (r["mode"], r["phase"], r["chunk_tokens"], r["chunks_per_request"])
+                        == (mode, phase, size, cpr)
+                    ]
+                    assert len(match) == 1, (mode, phase, size, cpr)
+                    _check_row(match[0], phase == "warm", redis)
+
+
+def _check_row(r: dict[str, Any], warm: bool, redis: bool) -> None:
+    gbps = {"memcpy", "store", "retrieve"}
+    ratios = {"store_vs_memcpy", "retrieve_vs_memcpy"}
+    if warm:
+        gbps |= {"zmq"}
+        ratios |= {"store_vs_zmq", "retrieve_vs_zmq"}
+        if redis:
+            gbps |= {"redis_set", "redis_get"}
+            ratios |= {"store_vs_redis_set", "retrieve_vs_redis_get"}
+    else:
+        assert {"backing", "faulted_bytes", "ready"} <= r["arena"].keys()
+    assert set(r["gbps"]) == gbps, r["gbps"]
+    assert set(r["ratios"]) == ratios, r["ratios"]
+    assert all(v > 0 for v in [*r["gbps"].values(), *r["ratios"].values()])
+    assert r["rounds"] >= 1 and r["chunk_bytes"] > 0
+
+
+def check_ping(rep: dict[str, Any]) -> None:
+    for key in ("raw_zmq", "ping_idle", "ping_loaded"):
+        assert set(rep[key]) == LAT and rep[key]["n"] > 0
+    assert set(rep["ratios"]) == {"ping_idle_p99_vs_raw_p99", "ping_idle_p50_vs_raw_p50"}
+
+
+def check_reaper(rep: dict[str, Any]) -> None:
+    assert len(rep["runs"]) >= 2
+    for run in rep["runs"]:
+        assert run["instances"] > 0 and run["cycle_ms"]["n"] > 0
+        assert {"stale", "p50", "max"} <= run["cycle_ms"].keys()
+        assert set(run["ping_idle"]) == LAT and set(run["ping_during_cycles"]) == LAT
+
+
+def check_http(rep: dict[str, Any]) -> None:
+    load, large = rep["load"], rep["large"]
+    for key in ("ping_idle", "ping_with_status", "ping_idle_again"):
+        assert set(load[key]) == LAT
+    assert load["status_ms"].keys() >= MS and load["status_ms"]["n"] > 0 and load["ratio_p99"] > 0
+    for key in ("ping_idle", "ping_during_http", "ping_idle_again"):
+        assert set(large[key]) == LAT
+    for key in ("status_ms", "metrics_ms"):
+        assert set(large[key]) == MS and large[key]["n"] > 0
+    assert large["instances"] > load["instances"] > 1 and large["ratio_p99"] > 0
+
+
+def check_startup(rep: dict[str, Any]) -> None:
+    assert 0 < rep["first_ping_s"] <= rep["arena_ready_s"]
+    assert rep["python_s"] > 0 and rep["import_torch_s"] > 0
+    for run in rep["runs"]:
+        for key in ("memory_at_first_ping", "memory_arena_ready"):
+            assert {"rss_bytes", "rss_anon_bytes", "rss_shmem_bytes", "shm_bytes"} <= run[key].keys()
+        assert run["memory_arena_ready"]["shm_bytes"] > 0  # the arena's segment
+        assert run["arena"]["ready"]
+
+
+CHECKS = {
+    "transfer": check_transfer,
+    "ping": check_ping,
+    "reaper": check_reaper,
+    "http": check_http,
+    "startup": check_startup,
+}
