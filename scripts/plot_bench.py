@@ -130,6 +130,7 @@ def table(results: dict[str, tuple[Path, dict[str, Any]]]) -> str:
     for name, rep in reports.items():
         for t in report.TABLES[name](rep):
             lines += ["", report.markdown(t)]
+    lines += ["", report.markdown(report.noise_table(reports))]
     return "\n".join(lines)
 
 

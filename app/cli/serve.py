@@ -189,9 +189,9 @@ def is_loopback(host: str) -> bool:
 
 
 def _tune_process() -> None:
-    # the GIL hands over every 1 ms instead of 5: a PING on the loop never waits long behind a
-    # transfer or HTTP thread
-    sys.setswitchinterval(0.001)
+    # the GIL hands over every 0.5 ms instead of 5: a PING on the loop takes the GIL several
+    # times, and never waits long behind an HTTP thread building /status (copies release it)
+    sys.setswitchinterval(0.0005)
     import torch
 
     # copies are split across threads by the data plane's CopySplitter: one intra-op thread each

@@ -23,7 +23,11 @@ if TYPE_CHECKING:
 
 # encode the instance list in slices: one encoder call holds the GIL throughout, and the
 # data-plane loop shares this process; slices give it a chance to run between them
-_ENCODE_SLICE = 1024
+_ENCODE_SLICE = 256
+# Building the document is pure Python, and a thread waiting for the GIL gets it only after the
+# switch interval (1 ms in `serve`) unless the holder lets go: PING, answered on the loop thread,
+# takes the GIL several times. So the builder hands it over every so many instances.
+_YIELD_EVERY = 128
 
 
 def instance_view(e: ContextEntry, now: float) -> dict[str, Any]:
@@ -44,7 +48,9 @@ def instance_view(e: ContextEntry, now: float) -> dict[str, Any]:
 def iter_instances(dp: DataPlaneView) -> Iterator[dict[str, Any]]:
     entries = dp.context_entries_snapshot()  # copies, each taken under its module's lock
     now = dp.clock()
-    for e in entries:
+    for i, e in enumerate(entries):
+        if not i % _YIELD_EVERY:
+            time.sleep(0)  # hand the GIL over: the data-plane loop shares this process
         yield instance_view(e, now)
 
 
@@ -107,7 +113,10 @@ def arena_view(l1: L1Stats) -> dict[str, Any] | None:
 
 def encode_instances(instances: list[dict[str, Any]]) -> bytes:
     # pydantic-core's encoder: about 5x json.dumps on this shape (floats dominate)
-    parts = [to_json(instances[i : i + _ENCODE_SLICE])[1:-1] for i in range(0, len(instances), _ENCODE_SLICE)]
+    parts = []
+    for i in range(0, len(instances), _ENCODE_SLICE):
+        parts.append(to_json(instances[i : i + _ENCODE_SLICE])[1:-1])
+        time.sleep(0)  # the encoder holds the GIL for a whole slice: hand it over between
     return b"[" + b",".join(parts) + b"]"
 
 

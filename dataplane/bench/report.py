@@ -220,6 +220,18 @@ def verdict_table(reports: dict[str, dict[str, Any]], miss: str = "NO") -> Table
     return Table("Targets", ["figure", "measured", "target", "met"], rows)
 
 
+def noise_table(reports: dict[str, dict[str, Any]]) -> Table:
+    rows = []
+    for name, rep in reports.items():
+        n = rep.get("noise")
+        if n:
+            load = " / ".join(f"{v:.1f}" for v in n["loadavg_at_end"])
+            share = f"{100 * n['other_cpu_share']:.0f}%"
+            rows.append([name, rep["date"], f"{n['wall_s']:.0f}", share, f"{n['steal_s']:.1f}", load])
+    header = ["benchmark", "started", "wall s", "CPU used by other processes", "steal s", "load avg at end"]
+    return Table("Machine noise during each benchmark", header, rows)
+
+
 def text(t: Table) -> str:
     cells = [t.header, *t.rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(t.header))]

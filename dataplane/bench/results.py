@@ -43,7 +43,9 @@ def tier(ns: argparse.Namespace) -> str:
 
 
 def resolve(ns: argparse.Namespace, **values: tuple[Any, Any, Any]) -> None:
-    """Each flag left unset (None) takes its (full, quick, tiny) value for ``ns``'s tier."""
+    """Each flag left unset (None) takes its (full, quick, tiny) value for ``ns``'s tier. Called
+    first by every benchmark: it also notes the CPU clocks the noise figure starts from."""
+    ns.cpu_at_start = _cpu_clocks()
     i = {"full": 0, "quick": 1, "tiny": 2}[tier(ns)]
     for name, by_tier in values.items():
         if getattr(ns, name, None) is None:
@@ -90,6 +92,35 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _cpu_clocks() -> tuple[float, float, float, float]:
+    """(wall clock, CPU seconds every core was busy, stolen by the hypervisor, spent by this
+    process and its waited-for children)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    hz = os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    own = t.user + t.system + t.children_user + t.children_system
+    return time.monotonic(), (user + nice + system + irq + softirq) / hz, steal / hz, own
+
+
+def noise(ns: argparse.Namespace) -> dict[str, Any]:
+    """What else used the machine while the benchmark ran: CPU time no process of ours spent
+    (other sessions, the kernel), as a share of all cores over the run; hypervisor steal."""
+    start = getattr(ns, "cpu_at_start", None) or _cpu_clocks()
+    end = _cpu_clocks()
+    wall, busy, steal, own = (b - a for a, b in zip(start, end, strict=True))
+    other = max(0.0, busy - own)
+    cores = len(os.sched_getaffinity(0))
+    return {
+        "wall_s": wall,
+        "own_cpu_s": own,
+        "other_cpu_s": other,
+        "other_cpu_share": other / max(wall * cores, 1e-9),
+        "steal_s": steal,
+        "loadavg_at_end": list(os.getloadavg()),
+    }
+
+
 def finish(
     ns: argparse.Namespace, name: str, report: dict[str, Any], show: Callable[[dict[str, Any]], None]
 ) -> dict[str, Any]:
@@ -100,9 +131,16 @@ def finish(
         "tier": tier(ns),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
+        "noise": noise(ns),
         **report,
     }
     show(stamped)
+    n = stamped["noise"]
+    print(
+        f"{name}: {n['wall_s']:.0f} s; other processes used {100 * n['other_cpu_share']:.0f}% of the "
+        f"machine meanwhile, hypervisor steal {n['steal_s']:.1f} s",
+        flush=True,
+    )
     if ns.json:
         print(f"results: {write(ns.results_dir, name, stamped)}", flush=True)
     return stamped

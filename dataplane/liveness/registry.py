@@ -206,7 +206,11 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                     if e is not None:
                         rows.append(row(e))
             time.sleep(0)  # as in _scan: a PING waiting on the lock goes first
-        return [from_row(*r) for r in rows]
+        out: list[ContextEntry] = []
+        for start in range(0, len(rows), _SLICE // 8):
+            out += [from_row(*r) for r in rows[start : start + _SLICE // 8]]
+            time.sleep(0)  # hand the GIL over: PING is answered on the loop thread of this process
+        return out
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         with self._lock:

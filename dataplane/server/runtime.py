@@ -77,7 +77,7 @@ class DataPlane:
         return self.management.info
 
     def context_entries_snapshot(self) -> list[ContextEntry]:
-        return [e for r in self.registries for e in r.context_entries_snapshot()]
+        return [e for r in self.registries for e in r.context_entries_snapshot()]  # (sliced inside)
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         for r in self.registries:
