@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from dataplane.bench.procs import free_port
-from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
 from dataplane.memory.kvmemory import TORCH_DTYPES
 
 
@@ -55,31 +55,43 @@ class Shape:
 
 
 class Mover:
-    """A worker registered in ``mode``: half its blocks are stored from, half receive."""
+    """A worker of one transfer mode: half its blocks are stored from, half receive. Its KV
+    caches are allocated and written first; `register` connects it to a server."""
 
-    def __init__(self, ns: argparse.Namespace, shape: Shape, mode: str, endpoint: str) -> None:
-        self.shape = shape
+    def __init__(self, ns: argparse.Namespace, shape: Shape, mode: str) -> None:
+        self.shape, self.mode = shape, mode
         self.rng = np.random.default_rng(0)
         dtype, nb = TORCH_DTYPES[ns.dtype], 2 * shape.blocks
         geometry = (ns.layers, nb, ns.block_size, ns.heads, ns.head_dim)
         if mode == "engine_driven":  # the engine's own tensors: the server cannot map them
             full = torch.empty((ns.layers, 2, *geometry[1:]), dtype=dtype, device=ns.device)
-            caches = list(full.unbind(0))
+            self.caches = list(full.unbind(0))
         else:
-            caches = allocate_kv_caches(*geometry, dtype, ns.device)
-        for c in caches:
+            self.caches = allocate_kv_caches(*geometry, dtype, ns.device)
+        for c in self.caches:
             c.view(torch.uint8).random_()
-        self.w = WorkerAdapter(
+        self.w: WorkerAdapter | None = None
+        self.register_s = 0.0
+
+    def register(self, endpoint: str) -> None:
+        w = WorkerAdapter(
             endpoint,
             "bench",
             heartbeat_interval=5.0,
             request_timeout=300,
-            transfer_mode=mode,
-            pool_chunks=max(4, shape.chunks_per_request),
+            transfer_mode=self.mode,
+            pool_chunks=max(4, self.shape.chunks_per_request),
         )
+        self.w = w
         t0 = time.perf_counter()
-        self.w.register_kv_caches(caches)
+        w.register_kv_caches(self.caches)
         self.register_s = time.perf_counter() - t0
+
+    @property
+    def adapter(self) -> WorkerAdapter:
+        if self.w is None:
+            raise RuntimeError("register() first")
+        return self.w
 
     def prompt(self) -> np.ndarray:
         """Token ids of a prompt never stored before."""
@@ -88,7 +100,7 @@ class Mover:
     def store(self, tokens: np.ndarray) -> float:
         blocks = self.rng.permutation(self.shape.blocks)
         t0 = time.perf_counter()
-        r = self.w.store_detail(tokens, blocks)
+        r = self.adapter.store_detail(tokens, blocks)
         took = time.perf_counter() - t0
         if r["rejected"] or r["stored"] + r["present"] != self.shape.chunks_per_request:
             raise RuntimeError(f"STORE did not keep every chunk: {r}")
@@ -97,14 +109,17 @@ class Mover:
     def retrieve(self, tokens: np.ndarray) -> float:
         blocks = self.shape.blocks + self.rng.permutation(self.shape.blocks)
         t0 = time.perf_counter()
-        got = self.w.retrieve(tokens, blocks)
+        got = self.adapter.retrieve(tokens, blocks)
         took = time.perf_counter() - t0
         if got != self.shape.tokens:
             raise RuntimeError(f"RETRIEVE got {got} of {self.shape.tokens} tokens")
         return self.shape.request_bytes / took
 
     def close(self) -> None:
-        self.w.close()
+        if self.w is not None:
+            self.w.close()
+        else:  # never registered: its segment is still ours to unlink
+            free_kv_caches(self.caches)
 
 
 class _ZmqSink:

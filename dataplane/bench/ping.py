@@ -96,8 +96,6 @@ def run_ping(ns: argparse.Namespace) -> int:
             p.stdout.readline()
         loaded = _round_trips(srv, frame, ns.pings)
         raw.send(b"quit")
-        finish(ns, "ping", _report(ns, raw_s, ping_s, loaded), report.show("ping"))
-        return 0
     finally:
         for p in storers:
             p.kill()
@@ -106,6 +104,9 @@ def run_ping(ns: argparse.Namespace) -> int:
         echo.wait()
         ctx.destroy(linger=0)
         server.stop()
+    # after the processes above were waited for: their CPU time is ours, not noise
+    finish(ns, "ping", _report(ns, raw_s, ping_s, loaded), report.show("ping"))
+    return 0
 
 
 def _interleaved(

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,6 +93,30 @@ def machine() -> dict[str, Any]:
     }
 
 
+def source() -> dict[str, Any]:
+    """The commit the measured code is at, and whether its tree had changes (when it is a git
+    checkout); the benchmarks run the code of the working tree."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        st = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if rev.returncode or st.returncode:
+        return {}
+    return {"commit": rev.stdout.strip(), "modified_files": len(st.stdout.splitlines())}
+
+
 def _cpu_clocks() -> tuple[float, float, float, float]:
     """(wall clock, CPU seconds every core was busy, stolen by the hypervisor, spent by this
     process and its waited-for children)."""
@@ -132,6 +157,7 @@ def finish(
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
         "noise": noise(ns),
+        "source": source(),
         **report,
     }
     show(stamped)

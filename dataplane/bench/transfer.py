@@ -122,11 +122,11 @@ def _run_config(
     if shape.request_bytes > l1_bytes:
         raise RuntimeError(f"a request of {shape.request_bytes} bytes does not fit an L1 of {l1_bytes}")
     base.resize(shape.chunk_bytes)
+    mover = Mover(ns, shape, mode)  # its memory written before the server starts
     server = launch("--chunk-size", str(shape.chunk_tokens), "--l1-size-gb", str(ns.l1_size_gb))
-    mover = None
     try:
         wait_server(server.proc, server.endpoint)
-        mover = Mover(ns, shape, mode, server.endpoint)
+        mover.register(server.endpoint)
         rows = []
         if "cold" in phases:
             rounds = min(ns.rounds, max(1, l1_bytes // shape.request_bytes))  # the first fill only
@@ -138,8 +138,7 @@ def _run_config(
             rows.append(_row(mode, "warm", shape, ns.rounds, _warm(server, mover, base, l1_bytes, ns.rounds)))
         return rows
     finally:
-        if mover is not None:
-            mover.close()
+        mover.close()
         server.stop()
 
 

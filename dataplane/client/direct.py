@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dataplane.memory.kvmemory import MappedKV, token_slots
-from dataplane.wire.errors import KVWardenError
+from dataplane.wire.errors import KVWardenError, RequestAborted, RequestError
 from dataplane.wire.messages import (
     MAX_POOL_CHUNKS,
     EngineAcquire,
@@ -89,7 +89,11 @@ class ArenaCopier:
             with contextlib.suppress(KVWardenError):
                 send(EngineRelease(self.instance_id, self.secret, lease))
             raise
-        if commit:
-            done["stored"] = int(send(EngineCommit(self.instance_id, self.secret, lease))["stored"])
-        else:
-            send(EngineRelease(self.instance_id, self.secret, lease))
+        try:
+            if commit:
+                done["stored"] = int(send(EngineCommit(self.instance_id, self.secret, lease))["stored"])
+            else:
+                send(EngineRelease(self.instance_id, self.secret, lease))
+        except RequestError as exc:  # the instance was released mid-copy (reaped, re-registered)
+            # what was written is not published, and what was read may have changed under it
+            raise RequestAborted(f"lease {lease} lost mid-copy: {exc}") from None

@@ -156,7 +156,13 @@ class EngineDrivenTransport:
 
     def _map_arena(self, arena: dict[str, Any] | None) -> None:
         with self._lock:
-            if arena is None or (self._arena is not None and self._arena[0].name == arena["segment"]):
+            if arena is None:  # (a restarted server may keep L1 private: back to the pool)
+                old, self._arena = self._arena, None
+                if old is not None:
+                    old[1].arena = torch.empty(0, dtype=torch.uint8)
+                    old[0].close()
+                return
+            if self._arena is not None and self._arena[0].name == arena["segment"]:
                 return
             # sparse: the server reserves its space as it grows and hands out only what it has
             seg = Segment.attach(str(arena["segment"]), int(arena["bytes"]), allow_sparse=True)

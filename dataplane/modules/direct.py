@@ -77,6 +77,7 @@ class DirectTransferModule:
     def _reserve(self, rctx: RequestContext, p: EngineReserve) -> dict[str, Any]:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             before, wanted = self._wanted(c, p)
+            c.leases.room(self.l1)
             lease = Lease()
             _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
             missing, held = self.l1.pin_present(wanted)
@@ -114,6 +115,7 @@ class DirectTransferModule:
     def _acquire(self, rctx: RequestContext, p: EngineAcquire) -> dict[str, Any]:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             _, wanted = self._wanted(c, p)
+            c.leases.room(self.l1)
             bufs = self.l1.acquire_prefix(wanted)
             lease = Lease(pinned=wanted[: len(bufs)])
             try:

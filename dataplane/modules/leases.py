@@ -3,14 +3,23 @@
 A reserve lease holds buffers handed out for the worker to write (invisible until committed)
 and pins on the prompt's chunks already held; an acquire lease pins the chunks the worker
 copies out. Leases are per-instance state: they live in the instance's entry, and whatever
-releases the instance (UNREGISTER, a reap, the admin reap) aborts them, so a worker that dies
-in between never leaves a half-written chunk visible nor a buffer or pin behind. ``_lock`` of
+releases the instance (UNREGISTER, a reap, the admin reap) aborts them, so nothing
+half-written is ever published and no pin is left behind.
+
+The worker writes into L1's memory itself, so a buffer taken from a worker that may still be
+writing (it was reaped while stopped mid-copy, or its lease expired) is not handed out again
+at once: it is quarantined (`L1Store.quarantine`) for ``QUARANTINE_S`` before it returns to the
+allocator. A lease is open at most ``LEASE_TTL_S`` (a copy takes milliseconds: an older lease
+lost its reply or its worker); at most ``MAX_LEASES`` are open per instance. ``_lock`` of
 `Leases` guards its dict and counter only; L1 is called outside it.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +28,8 @@ from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import LimitExceeded, RequestError
 
 MAX_LEASES = 16  # open at once per instance
+_LEASE_IDS = itertools.count(1)
+LEASE_TTL_S = 60.0
 
 
 @dataclass
@@ -26,10 +37,16 @@ class Lease:
     keys: list[bytes] = field(default_factory=list)  # of the buffers, to commit under
     bufs: list[torch.Tensor] = field(default_factory=list)  # reserved, not yet committed
     pinned: list[bytes] = field(default_factory=list)  # to release
+    opened: float = 0.0
 
-    def abort(self, l1: L1Store) -> None:
+    def abort(self, l1: L1Store, worker_may_write: bool = False) -> None:
+        """Return the buffers (quarantined when the worker may still write into them) and
+        let go of the pins."""
         for buf in self.bufs:
-            l1.abort(buf)
+            if worker_may_write:
+                l1.quarantine(buf)
+            else:
+                l1.abort(buf)
         self.bufs = []
         l1.release(self.pinned)
         self.pinned = []
@@ -38,31 +55,41 @@ class Lease:
 class Leases:
     """The open leases of one instance."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards _open and _next
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _open
         self._open: dict[int, Lease] = {}
-        self._next = 1
+
+    def room(self, l1: L1Store) -> None:
+        """Before a lease is built: expire stale leases, then LimitExceeded when none more
+        may open (checked before L1 is touched, so a refusal evicts and reserves nothing)."""
+        now = self._clock()
+        with self._lock:
+            stale = [lid for lid, lease in self._open.items() if now - lease.opened > LEASE_TTL_S]
+            expired = [self._open.pop(lid) for lid in stale]
+            full = len(self._open) >= MAX_LEASES
+        for lease in expired:
+            lease.abort(l1, worker_may_write=True)
+        if full:
+            raise LimitExceeded(f"{MAX_LEASES} leases are open: commit or release them first", "leases")
 
     def add(self, lease: Lease) -> int:
+        lease.opened = self._clock()
+        lid = next(_LEASE_IDS)  # unique in the server: an old id never names a new lease
         with self._lock:
-            if len(self._open) >= MAX_LEASES:
-                raise LimitExceeded(
-                    f"{len(self._open)} leases are open: commit or release them first", "leases"
-                )
-            lid = self._next
-            self._next += 1
             self._open[lid] = lease
-            return lid
+        return lid
 
     def take(self, lid: int) -> Lease:
         with self._lock:
             lease = self._open.pop(lid, None)
         if lease is None:
-            raise RequestError(f"lease {lid} is not open (committed, released, or never given)")
+            raise RequestError(f"lease {lid} is not open (committed, released, expired, or never given)")
         return lease
 
     def abort_all(self, l1: L1Store) -> None:
+        """The instance goes: its worker may be alive and mid-copy (a reap, an admin reap)."""
         with self._lock:
             leases, self._open = list(self._open.values()), {}
         for lease in leases:
-            lease.abort(l1)
+            lease.abort(l1, worker_may_write=True)

@@ -14,7 +14,9 @@ big one), a reserve that does not fit in what is ready waits for it, within a bo
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ from dataplane.storage.arena import Arena, ArenaStats, Extents
 
 _WAIT_FOR_ARENA_S = 10.0  # longest a reserve waits for the arena to grow
 _HEADROOM = 256 << 20  # the arena's fault-in steps aside for copies while this much is ready
+QUARANTINE_S = 60.0  # how long a buffer a worker may still write into is kept out of use
 
 
 @dataclass
@@ -45,7 +48,8 @@ class L1Stats:
 
 
 class L1Store:
-    def __init__(self, capacity_bytes: int, hot_cache: bool = True, arena: Arena | None = None) -> None:
+    def __init__(self, capacity_bytes: int, hot_cache: bool = True, arena: Arena | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         if capacity_bytes <= 0:
             raise ValueError("L1 capacity must be > 0")
         self.capacity_bytes = capacity_bytes
@@ -64,6 +68,8 @@ class L1Store:
         self._rejected = 0
         self._writing = 0  # buffers reserved and not yet committed or aborted
         self._waiting = 0  # reserves waiting for the arena to grow
+        self._clock = clock
+        self._quarantined: list[tuple[float, torch.Tensor]] = []  # (until when, buffer)
         self.arena.yield_to = self._copying_with_room
 
     # ---------------------------------------------------------------- reads
@@ -126,6 +132,7 @@ class L1Store:
                     self._rejected += 1  # could never fit: evict nothing
                     return None
                 self._grow(usable)
+                self._end_quarantine()
                 # while the arena still grows, wait for it rather than evict chunks to make room
                 off = self._alloc(nbytes, may_evict=grown)
                 if off is not None:
@@ -167,6 +174,13 @@ class L1Store:
             self._writing -= 1
             self._give_back(buf)
 
+    def quarantine(self, buf: torch.Tensor) -> None:
+        """Like ``abort``, for a buffer someone may still write into (a worker reaped mid-copy):
+        its bytes stay counted and out of use for ``QUARANTINE_S``, then return."""
+        with self._lock:
+            self._writing -= 1
+            self._quarantined.append((self._clock() + QUARANTINE_S, buf))
+
     def clear(self) -> int:
         """Drop every chunk no reader holds; returns how many were dropped."""
         with self._lock:
@@ -203,6 +217,14 @@ class L1Store:
         if e.readers == 0:
             self._pinned += e.buf.numel()
         e.readers += 1
+
+    def _end_quarantine(self) -> None:
+        now = self._clock()
+        if self._quarantined and min(until for until, _ in self._quarantined) < now:
+            done = [b for until, b in self._quarantined if until < now]
+            self._quarantined = [(until, b) for until, b in self._quarantined if until >= now]
+            for buf in done:
+                self._give_back(buf)
 
     def _grow(self, usable: int) -> None:
         if usable > self._known_usable:
