@@ -3,7 +3,7 @@
 
 Reads the newest ``<benchmark>-*.json`` of each benchmark under ``--results-dir`` (written by
 ``kvwarden bench ... --json``). Writes the figure (STORE and RETRIEVE GB/s against chunk size,
-both transfer modes, cold and warm, beside memcpy, ZMQ and Redis) to ``--out``, and replaces
+both transfer modes, starting, fresh and warm, beside memcpy, ZMQ and Redis) to ``--out``, and replaces
 what lies between ``<!-- table -->`` and ``<!-- /table -->`` in ``--markdown`` with the targets
 and tables of those results (ratios first).
 
@@ -81,7 +81,7 @@ def plot(rep: dict[str, Any], out: Path) -> None:
 
 def _panel(ax: Any, rows: list[dict[str, Any]], op: str, other: str, cpr: int) -> None:
     for mode, colour in MODE_COLOURS.items():
-        for phase, style in (("warm", "-"), ("cold", "--")):
+        for phase, style in (("warm", "-"), ("fresh", "--"), ("starting", ":")):
             x, y = _series(rows, op, mode=mode, phase=phase, chunks_per_request=cpr)
             if x:
                 ax.plot(
@@ -97,9 +97,9 @@ def _panel(ax: Any, rows: list[dict[str, Any]], op: str, other: str, cpr: int) -
         if x:
             label, colour, style = BASELINES[key]
             ax.plot(x, y, style, color=colour, marker="s", label=label)
-    x, y = _series(rows, "memcpy", phase="cold", chunks_per_request=cpr)
-    if x:  # the cold rows' own denominator: memcpy sampled while the server was starting
-        ax.plot(x, y, "--", color="grey", marker="s", label="memcpy, 1 thread, cold phase")
+    x, y = _series(rows, "memcpy", phase="starting", chunks_per_request=cpr)
+    if x:  # the starting rows' own denominator: memcpy sampled while the arena faulted in
+        ax.plot(x, y, ":", color="grey", marker="s", label="memcpy, 1 thread, starting phase")
     ax.set_xscale("log", base=2)
     sizes = sorted({r["chunk_tokens"] for r in rows})
     ax.set_xticks(sizes, [str(s) for s in sizes])

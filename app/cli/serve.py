@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app import logs
-from dataplane.server.config import Settings, format_validation_error
+from dataplane.server.config import SWITCH_INTERVAL_S, Settings, format_validation_error
 
 logger = logging.getLogger("kvwarden")
 
@@ -189,9 +189,7 @@ def is_loopback(host: str) -> bool:
 
 
 def _tune_process() -> None:
-    # the GIL hands over every 0.5 ms instead of 5: a PING on the loop takes the GIL several
-    # times, and never waits long behind an HTTP thread building /status (copies release it)
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # (why: its comment in dataplane.server.config)
     import torch
 
     # copies are split across threads by the data plane's CopySplitter: one intra-op thread each

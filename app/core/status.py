@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # data-plane loop shares this process; slices give it a chance to run between them
 _ENCODE_SLICE = 256
 # Building the document is pure Python, and a thread waiting for the GIL gets it only after the
-# switch interval (1 ms in `serve`) unless the holder lets go: PING, answered on the loop thread,
+# switch interval (0.5 ms in `serve`) unless the holder lets go: PING, answered on the loop thread,
 # takes the GIL several times. So the builder hands it over every so many instances.
 _YIELD_EVERY = 128
 

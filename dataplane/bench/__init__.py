@@ -1,6 +1,6 @@
 """`kvwarden bench`: the project's own benchmarks, each beside same-run baselines.
 
-`transfer` (STORE / RETRIEVE vs memcpy, raw ZMQ and Redis; both transfer modes, cold and warm),
+`transfer` (STORE / RETRIEVE vs memcpy, raw ZMQ and Redis; both transfer modes; starting, fresh and warm),
 `ping` (PING vs a raw ZMQ echo, idle and under STORE load), `reaper` (reap cycles with up to
 100,000 tracked instances, PING meanwhile), `http` (`/status` and `/metrics` with 10,000
 tracked instances, PING under `/status` load), `startup` (server start to first PING, its

@@ -22,7 +22,7 @@ from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.reaper import WorkerReaper
 from dataplane.liveness.registry import LivenessRegistry
-from dataplane.server.config import Settings
+from dataplane.server.config import SWITCH_INTERVAL_S, Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.wire.messages import MemoryKind, TransferMode
 
@@ -76,7 +76,7 @@ def run_reaper(ns: argparse.Namespace) -> int:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     logging.disable(logging.WARNING)  # reap warnings would measure the log handler
-    sys.setswitchinterval(0.001)  # as `kvwarden serve` runs
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `kvwarden serve` runs
     runs = [_one_count(ns, n) for n in counts]
     finish(ns, "reaper", {"params": {"seconds": ns.seconds}, "runs": runs}, report.show("reaper"))
     return 0

@@ -67,7 +67,7 @@ def transfer_tables(rep: dict[str, Any]) -> list[Table]:
     )
     gb_keys = ["store", "retrieve", "memcpy", "zmq", "redis_set", "redis_get"]
     gbps = Table(
-        "Throughput, GB/s (medians; cold rows: also the very first request's)",
+        "Throughput, GB/s (medians; starting and fresh rows: also the very first request's)",
         [
             *_WHERE,
             "STORE",

@@ -10,11 +10,12 @@ from typing import Any
 
 SPEC_CHUNK_TOKENS = 256  # the spec's unit: 256 tokens, 32 MiB with the Llama-3-8B shape
 
-# transfer: (mode, phase) -> least STORE and RETRIEVE / memcpy
+# transfer: (mode, phase) -> least STORE and RETRIEVE / memcpy; the starting phase (the arena
+# still being faulted in) is reported beside them, with no target
 MEMCPY_TARGETS = {
-    ("server_driven", "cold"): 0.7,
+    ("server_driven", "fresh"): 0.7,
     ("server_driven", "warm"): 0.8,
-    ("engine_driven", "cold"): 0.6,
+    ("engine_driven", "fresh"): 0.6,
     ("engine_driven", "warm"): 0.6,
 }
 # server-driven warm rows: least ratio over the naive ways of moving the same bytes
@@ -65,8 +66,10 @@ def _transfer(rep: dict[str, Any]) -> list[Verdict]:
     out = []
     for r in (r for r in rows if r["chunk_tokens"] == SPEC_CHUNK_TOKENS):
         where = f"{r['mode'].replace('_', '-')}, {r['phase']}, {r['chunks_per_request']} chunk/req"
-        least = MEMCPY_TARGETS[(r["mode"], r["phase"])]
+        least = MEMCPY_TARGETS.get((r["mode"], r["phase"]))
         for op in ("store", "retrieve"):
+            if least is None:  # the starting phase: reported, no target
+                break
             out.append(
                 Verdict(f"{op.upper()} / memcpy ({where})", r["ratios"][f"{op}_vs_memcpy"], least, "x", True)
             )

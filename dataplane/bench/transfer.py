@@ -1,16 +1,19 @@
 """`kvwarden bench transfer`: full-stack STORE / RETRIEVE throughput beside same-run baselines.
 
 For every transfer mode, chunk size and number of chunks per request a fresh server is started
-on free ports; this process is the worker. Two phases follow on that server:
+on free ports; this process is the worker. Three phases follow on that server:
 
-- **cold**: measuring starts as soon as the server answers HELLO (and the worker registered):
-  the first requests a deployment sees, while L1's arena may still be faulted in by its
-  background thread. Each round: memcpy, STORE of a new prompt, RETRIEVE of the previous one.
-  Only memcpy is interleaved here: a slow baseline between stores would give the fault-in
-  thread the time a real burst of stores does not give it.
-- **warm**: the arena faulted in, L1 filled once, so buffers recycle (steady state). Each
-  round: memcpy, STORE of a new prompt, RETRIEVE of a resident one, the chunk over ZMQ, Redis
-  SET and GET of it.
+- **starting**: measuring starts as soon as the server answers HELLO (and the worker registered),
+  while L1's arena is still being faulted in by its background thread: a burst that reaches a
+  server in its first seconds. Each round: memcpy, STORE of a new prompt, RETRIEVE of the
+  previous one. Only memcpy is interleaved: a slow baseline between stores would give the
+  fault-in thread the time a real burst does not give it. At most half of L1 is used.
+- **fresh**: the arena faulted in (polled on `/status`), nothing stored before in the part of L1
+  this phase fills: what a server that started before its engines (which load their models for
+  longer than the arena takes to fault in) sees for its first gigabytes. No warm-up: every STORE
+  writes L1 memory no copy has written before. Rounds as in the starting phase.
+- **warm**: L1 filled once, so buffers recycle (steady state). Each round: memcpy, STORE of a
+  new prompt, RETRIEVE of a resident one, the chunk over ZMQ, Redis SET and GET of it.
 
 Samples of all figures alternate within each round, so machine noise hits them alike; the
 report gives medians and, first, their ratios. Unit of work: a chunk of a Llama-3-8B-shaped KV
@@ -34,11 +37,13 @@ from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.wire.messages import SUPPORTED_DTYPES
 
 MODES = ("server_driven", "engine_driven")
-PHASES = ("cold", "warm")
+PHASES = ("starting", "fresh", "warm")
 
 
 def add_args(sub: Any) -> None:
-    t = sub.add_parser("transfer", help="STORE/RETRIEVE GB/s vs memcpy, raw ZMQ and Redis, cold and warm")
+    t = sub.add_parser(
+        "transfer", help="STORE/RETRIEVE GB/s vs memcpy, raw ZMQ and Redis: starting, fresh and warm"
+    )
     t.add_argument("--rounds", type=int, default=None, help="samples of each figure per phase (15; quick 3)")
     t.add_argument(
         "--chunks-per-request",
@@ -48,7 +53,7 @@ def add_args(sub: Any) -> None:
     t.add_argument("--chunk-sizes", default=None, help="tokens per chunk, comma-separated (64,256,1024)")
     t.add_argument("--chunk-size", type=int, default=None, help="one chunk size (as --chunk-sizes N)")
     t.add_argument("--modes", default=",".join(MODES), help="transfer modes, comma-separated")
-    t.add_argument("--phases", default=",".join(PHASES), help="cold, warm or both")
+    t.add_argument("--phases", default=",".join(PHASES), help="starting, fresh and/or warm, comma-separated")
     t.add_argument("--layers", type=int, default=None, help="default 32")
     t.add_argument("--heads", type=int, default=None, help="KV heads, default 8")
     t.add_argument("--head-dim", type=int, default=None, help="default 128")
@@ -82,7 +87,7 @@ def _plan(ns: argparse.Namespace) -> tuple[list[str], list[int], list[int], list
     if not modes or not set(modes) <= set(MODES):
         raise ValueError(f"--modes takes {' and/or '.join(MODES)}, got {ns.modes!r}")
     if not phases or not set(phases) <= set(PHASES):
-        raise ValueError(f"--phases takes cold and/or warm, got {ns.phases!r}")
+        raise ValueError(f"--phases takes some of {','.join(PHASES)}, got {ns.phases!r}")
     if ns.rounds < 1:
         raise ValueError("--rounds must be at least 1")
     if any(s < 1 or s % ns.block_size for s in sizes):
@@ -117,10 +122,10 @@ def run_transfer(ns: argparse.Namespace) -> int:
 def _run_config(
     ns: argparse.Namespace, base: Baselines, mode: str, shape: Shape, phases: list[str]
 ) -> list[dict[str, Any]]:
-    """One fresh server, its cold phase, then its warm phase."""
+    """One fresh server: its starting phase, its fresh phase, then its warm phase."""
     l1_bytes = int(ns.l1_size_gb * (1 << 30))
-    if shape.request_bytes > l1_bytes:
-        raise RuntimeError(f"a request of {shape.request_bytes} bytes does not fit an L1 of {l1_bytes}")
+    if shape.request_bytes > l1_bytes // 2:
+        raise RuntimeError(f"a request of {shape.request_bytes} bytes does not fit half an L1 of {l1_bytes}")
     base.resize(shape.chunk_bytes)
     mover = Mover(ns, shape, mode)  # its memory written before the server starts
     server = launch("--chunk-size", str(shape.chunk_tokens), "--l1-size-gb", str(ns.l1_size_gb))
@@ -128,12 +133,16 @@ def _run_config(
         wait_server(server.proc, server.endpoint)
         mover.register(server.endpoint)
         rows = []
-        if "cold" in phases:
-            rounds = min(ns.rounds, max(1, l1_bytes // shape.request_bytes))  # the first fill only
-            samples = _cold(mover, base, rounds)
+        rounds = min(ns.rounds, max(1, l1_bytes // 2 // shape.request_bytes))  # half of L1 each
+        for phase in ("starting", "fresh"):
+            if phase not in phases:
+                continue
+            if phase == "fresh":
+                wait_arena_ready(server)
+            samples = _first_fill(mover, base, rounds)
             first = {k: v[0] / 1e9 for k, v in samples.items()}  # the very first request's
             extra = {"register_s": mover.register_s, "first_gbps": first, "arena": _arena_after(server)}
-            rows.append(_row(mode, "cold", shape, rounds, samples, **extra))
+            rows.append(_row(mode, phase, shape, rounds, samples, **extra))
         if "warm" in phases:
             rows.append(_row(mode, "warm", shape, ns.rounds, _warm(server, mover, base, l1_bytes, ns.rounds)))
         return rows
@@ -143,12 +152,12 @@ def _run_config(
 
 
 def _arena_after(server: Server) -> dict[str, Any]:
-    """The arena's state now (after the cold phase): was it still being faulted in?"""
+    """The arena's state now (after a first-fill phase): was it still being faulted in?"""
     wait_http(server)
     return arena_view(server)
 
 
-def _cold(mover: Mover, base: Baselines, rounds: int) -> dict[str, list[float]]:
+def _first_fill(mover: Mover, base: Baselines, rounds: int) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {"memcpy": [], "store": [], "retrieve": []}
     prev = None
     for _ in range(rounds):

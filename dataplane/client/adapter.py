@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 T = TypeVar("T")
 _NO_STORE = {"chunks": 0, "stored": 0, "present": 0, "rejected": 0}
+MAX_COPY_THREADS = 64
 
 
 def _id_array(x: TokenIds) -> np.ndarray:
@@ -95,6 +96,21 @@ def _check_args(
         )
 
 
+def _check_copy_threads(transfer_mode: str, copy_threads: int | None) -> int:
+    """Threads an engine-driven worker splits its copies across (1 unless given: each copy then
+    runs on torch's own threads, as many as the engine set); a server-driven worker copies
+    nothing itself, so it takes none."""
+    if copy_threads is None:
+        return 1
+    if transfer_mode != TransferMode.ENGINE_DRIVEN.value:
+        raise ValueError(
+            "copy_threads applies to engine_driven workers: the server copies for server_driven ones"
+        )
+    if not 1 <= copy_threads <= MAX_COPY_THREADS:
+        raise ValueError(f"copy_threads must be in [1, {MAX_COPY_THREADS}]")
+    return copy_threads
+
+
 class WorkerAdapter:
     """A worker's connection to the kvwarden server (see the module docstring).
 
@@ -118,8 +134,10 @@ class WorkerAdapter:
         instance_id: int | None = None,
         on_health_change: Callable[[bool], None] | None = None,
         pool_chunks: int = 4,
+        copy_threads: int | None = None,
     ) -> None:
         _check_args(transfer_mode, pool_chunks, heartbeat_interval, world_size, worker_id)
+        copy_threads = _check_copy_threads(transfer_mode, copy_threads)
         self.endpoint = endpoint
         self.model_name = model_name
         self.world_size = world_size
@@ -131,7 +149,7 @@ class WorkerAdapter:
         self._secret = secrets.token_bytes(16)  # this instance's: every request carries it
         who = Identity(self.instance_id, self._secret, model_name, world_size, worker_id, os.getpid())
         self._transport: Transport = (
-            EngineDrivenTransport(who, pool_chunks)
+            EngineDrivenTransport(who, pool_chunks, copy_threads)
             if self.transfer_mode is TransferMode.ENGINE_DRIVEN
             else ServerDrivenTransport(who)
         )

@@ -21,7 +21,8 @@ import torch
 
 from dataplane.client.direct import ArenaCopier
 from dataplane.client.kvalloc import describe_caches
-from dataplane.memory.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors, token_slots
+from dataplane.memory.copies import CopySplitter, token_slots
+from dataplane.memory.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors
 from dataplane.memory.shm import Segment
 from dataplane.wire.errors import ClientError
 from dataplane.wire.messages import (
@@ -107,9 +108,13 @@ class ServerDrivenTransport:
 
 
 class EngineDrivenTransport:
-    def __init__(self, who: Identity, pool_chunks: int) -> None:
+    def __init__(self, who: Identity, pool_chunks: int, copy_threads: int = 1) -> None:
         self.who = who
         self.pool_chunks = pool_chunks
+        # the worker copies; with copy_threads > 1 split across threads by layers (set torch's
+        # own threads to 1 then: both at once oversubscribe the cores)
+        self._splitter = CopySplitter(copy_threads)
+        self._splitter.start()
         self.segments: list[str] = []  # the worker's tensors are its own; only the pool is shared
         self._local: MappedKV | None = None
         self._lock = threading.Lock()  # guards _pool, _arena and their memory: one transfer at a time
@@ -159,17 +164,17 @@ class EngineDrivenTransport:
             if arena is None:  # (a restarted server may keep L1 private: back to the pool)
                 old, self._arena = self._arena, None
                 if old is not None:
-                    old[1].arena = torch.empty(0, dtype=torch.uint8)
+                    old[1].close()
                     old[0].close()
                 return
             if self._arena is not None and self._arena[0].name == arena["segment"]:
                 return
             # sparse: the server reserves its space as it grows and hands out only what it has
             seg = Segment.attach(str(arena["segment"]), int(arena["bytes"]), allow_sparse=True)
-            old, self._arena = self._arena, (seg, ArenaCopier(self.who.instance_id, self.who.secret,
-                                                               seg.as_tensor()))  # fmt: skip
+            copier = ArenaCopier(self.who.instance_id, self.who.secret, seg.as_tensor(), int(arena["usable"]))
+            old, self._arena = self._arena, (seg, copier)
         if old is not None:
-            old[1].arena = torch.empty(0, dtype=torch.uint8)
+            old[1].close()
             old[0].close()
 
     def store(
@@ -178,7 +183,7 @@ class EngineDrivenTransport:
         cs, local = self._require_local(chunk_size)
         with self._lock:
             if self._arena is not None:
-                return self._arena[1].store(send, local, tokens, blocks, cs)
+                return self._arena[1].store(send, local, tokens, blocks, cs, self._splitter)
         n_full = len(tokens) // cs
         present = (
             int(send(Lookup(self.who.instance_id, self.who.secret, tokens))["hit_tokens"]) // cs
@@ -192,7 +197,7 @@ class EngineDrivenTransport:
                 k = min(len(pool), n_full - first)
                 for i in range(k):
                     c = first + i
-                    local.gather(slots[c * cs : (c + 1) * cs], pool[i])
+                    local.gather(slots[c * cs : (c + 1) * cs], pool[i], self._splitter)
                 r = send(
                     EngineStore(self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k)
                 )
@@ -208,7 +213,7 @@ class EngineDrivenTransport:
         cs, local = self._require_local(chunk_size)
         with self._lock:
             if self._arena is not None:
-                return self._arena[1].retrieve(send, local, tokens, blocks, cs)
+                return self._arena[1].retrieve(send, local, tokens, blocks, cs, self._splitter)
         n_full = len(tokens) // cs
         first = 0
         with self._lock:
@@ -222,7 +227,7 @@ class EngineDrivenTransport:
                 slots = token_slots(blocks, local.block_size, local.num_blocks, (first + got) * cs)
                 for i in range(got):
                     c = first + i
-                    local.scatter(slots[c * cs : (c + 1) * cs], pool[i])
+                    local.scatter(slots[c * cs : (c + 1) * cs], pool[i], self._splitter)
                 first += got
                 if got < k:
                     break
@@ -235,8 +240,9 @@ class EngineDrivenTransport:
         if pool is not None:
             _close_pool(pool)
         if arena is not None:
-            arena[1].arena = torch.empty(0, dtype=torch.uint8)  # the view goes before the mapping
+            arena[1].close()  # the view (and the thread reading it) go before the mapping
             arena[0].close()
+        self._splitter.stop()
 
     def _require_local(self, chunk_size: int | None) -> tuple[int, MappedKV]:
         if self._local is None or chunk_size is None:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from dataplane.memory.copies import _MAX_RUNS, CopySplitter, slot_runs, whole_blocks
 from dataplane.memory.shm import Segment
 from dataplane.wire.errors import InvalidLayout, LimitExceeded
 from dataplane.wire.messages import CudaLayer, MemoryKind, Register, ShmLayer
@@ -40,8 +38,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 # errors that say the server ran out of something (descriptors, memory, address space)
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
-# Above this many runs per chunk a single index op beats one copy per run.
-_MAX_RUNS = 32
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -50,84 +46,6 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= d
     return tuple(reversed(strides))
-
-
-def token_slots(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
-    """Slot (block * block_size + offset) of each of the first ``n_tokens`` tokens, where token
-    i lives in block ``block_ids[i // block_size]``. ValueError names a bad or missing block."""
-    need = -(-n_tokens // block_size)
-    if len(block_ids) < need:
-        raise ValueError(
-            f"block_ids: {len(block_ids)} blocks cannot hold {n_tokens} tokens "
-            f"(block size {block_size} needs {need})"
-        )
-    blocks = np.asarray(block_ids[:need], dtype=np.int64)
-    bad = np.flatnonzero((blocks < 0) | (blocks >= num_blocks))
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"block_ids[{i}]: block {int(blocks[i])} is outside the registered cache [0, {num_blocks})"
-        )
-    offsets = np.tile(np.arange(block_size, dtype=np.int64), need)
-    return np.asarray((np.repeat(blocks * block_size, block_size) + offsets)[:n_tokens])
-
-
-def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """(dst_start, src_start, length) runs of consecutive source slots."""
-    if len(slots) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(slots)]))
-    return [(int(s), int(slots[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
-
-
-def spawn_all(pool: ThreadPoolExecutor, workers: int) -> None:
-    """Start every thread of ``pool`` now. A pool spawns lazily, at a request; creating a thread
-    maps its stack, which waits for the address-space lock while the L1 arena is being faulted
-    in: the first transfer of a fresh server waited 200 ms for it."""
-    barrier = threading.Barrier(workers + 1)
-    for _ in range(workers):
-        pool.submit(barrier.wait, 10.0)
-    barrier.wait(10.0)
-
-
-class CopySplitter:
-    """Splits one big copy across ``ways`` threads by ranges of an outer dimension (layers).
-
-    The calling thread takes the last range; the others run on this object's helper threads.
-    Each torch copy runs single-threaded: threads that wait on events, unlike OpenMP teams
-    spinning at a barrier, lose nothing when a core is briefly taken by another process.
-    """
-
-    def __init__(self, ways: int) -> None:
-        self.ways = max(1, ways)
-        self._pool: ThreadPoolExecutor | None = None
-
-    def start(self) -> None:
-        if self.ways > 1 and self._pool is None:
-            self._pool = ThreadPoolExecutor(self.ways - 1, thread_name_prefix="kvwarden-copy")
-            spawn_all(self._pool, self.ways - 1)
-
-    def stop(self) -> None:
-        """Stop and join the helper threads (copies already submitted finish first)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-    def run(self, fn: Callable[[int, int], None], n: int) -> None:
-        pool = self._pool
-        ways = min(self.ways, n) if pool is not None else 1
-        if ways <= 1:
-            fn(0, n)
-            return
-        bounds = [n * k // ways for k in range(ways + 1)]
-        futures = [pool.submit(fn, bounds[k], bounds[k + 1]) for k in range(ways - 1)]  # type: ignore[union-attr]
-        try:
-            fn(bounds[-2], bounds[-1])
-        finally:
-            for f in futures:
-                f.result()
 
 
 @dataclass
@@ -170,6 +88,10 @@ class MappedKV:
     def _move(
         self, slots: np.ndarray, chunk: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
     ) -> None:
+        blocks = whole_blocks(slots, self.block_size) if self.device.type == "cpu" else None
+        if blocks is not None:
+            self._move_blocks(blocks, chunk, to_chunk, splitter)
+            return
         runs = slot_runs(slots)
         idx = torch.from_numpy(slots.astype(np.int64)).to(self.device) if len(runs) > _MAX_RUNS else None
 
@@ -198,6 +120,34 @@ class MappedKV:
             splitter.run(layers, self.num_layers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _move_blocks(
+        self, blocks: np.ndarray, chunk: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
+    ) -> None:
+        """Whole blocks on the CPU, as bytes: a gather is one ``index_select`` per layer (or per
+        range of stacked layers), a scatter one numpy indexed assignment; both copy each block's
+        bytes once, with the GIL released (a copy per run of slots pays ~5 us of overhead each,
+        which halved the throughput of 16-token blocks)."""
+        bb = self.block_size * self.token_row * _itemsize(self.dtype)
+        nb = self.num_blocks
+        out = chunk.view(torch.uint8).view(self.num_layers, 2, len(blocks), bb)
+        idx = torch.from_numpy(blocks)
+
+        def layers(lo: int, hi: int) -> None:
+            if self.stacked is not None:
+                pairs = [(self.stacked[lo:hi].view(torch.uint8).view(hi - lo, 2, nb, bb), out[lo:hi])]
+            else:
+                pairs = [(self.layers[i].view(torch.uint8).view(2, nb, bb), out[i]) for i in range(lo, hi)]
+            for kv, part in pairs:
+                if to_chunk:
+                    torch.index_select(kv, kv.dim() - 2, idx, out=part)
+                else:
+                    kv.numpy()[..., blocks, :] = part.numpy()
+
+        if splitter is None:
+            layers(0, self.num_layers)
+        else:
+            splitter.run(layers, self.num_layers)
 
     def release(self) -> bool:
         """Drop every view and unmap; True when every mapping closed now."""

@@ -99,7 +99,7 @@ class DirectTransferModule:
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
         return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": len(held),
-                "rejected": rejected, "chunks": len(wanted)}  # fmt: skip
+                "rejected": rejected, "chunks": len(wanted), "usable": self.l1.arena.growth()[0]}  # fmt: skip
 
     def _commit(self, rctx: RequestContext, p: EngineCommit) -> dict[str, Any]:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
@@ -124,7 +124,8 @@ class DirectTransferModule:
                 lease.abort(self.l1)
                 raise
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
-        return {"lease": lid, "offsets": self._offsets(bufs), "slot_bytes": c.chunk_bytes}
+        return {"lease": lid, "offsets": self._offsets(bufs), "slot_bytes": c.chunk_bytes,
+                "usable": self.l1.arena.growth()[0]}  # fmt: skip
 
     def _release(self, rctx: RequestContext, p: EngineRelease) -> dict[str, Any]:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:

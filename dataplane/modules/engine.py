@@ -23,7 +23,8 @@ from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
 from dataplane.memory.budget import ByteBudget, DescriptorReserve
-from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter
+from dataplane.memory.copies import CopySplitter
+from dataplane.memory.kvmemory import TORCH_DTYPES
 from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
@@ -197,7 +198,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         }
         arena = self.l1.arena.segment
         if arena is not None:  # one-copy transfers: the worker maps L1's arena too
-            info["arena"] = {"segment": arena.name, "bytes": arena.size}
+            info["arena"] = {"segment": arena.name, "bytes": arena.size, "usable": self.l1.arena.growth()[0]}
         return info
 
     def _check(self, p: EngineTransfer, s: PoolStrategy, keys: list[bytes]) -> None:

@@ -25,7 +25,8 @@ from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
 from dataplane.memory.budget import ByteBudget, DescriptorReserve
-from dataplane.memory.kvmemory import TORCH_DTYPES, CopySplitter, MappedKV, map_registration, token_slots
+from dataplane.memory.copies import CopySplitter, token_slots
+from dataplane.memory.kvmemory import TORCH_DTYPES, MappedKV, map_registration
 from dataplane.memory.shm import unlink_if_owner_gone
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext

@@ -22,7 +22,7 @@ from dataplane.liveness.entry import Entry
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock, LivenessRegistry
 from dataplane.memory.budget import DescriptorReserve
-from dataplane.memory.kvmemory import CopySplitter
+from dataplane.memory.copies import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.storage.l1 import L1Store
 

@@ -23,10 +23,21 @@ from dataplane.wire.protocol import (
     REAP_TIMEOUT_FLOOR_S,
 )
 
+# The interpreter's switch interval in a server process: the GIL hands over every 0.5 ms instead
+# of 5, so a PING on the loop thread (which takes the GIL several times) never waits long behind
+# an HTTP thread building /status (copies release the GIL anyway).
+SWITCH_INTERVAL_S = 0.0005
+
 
 class FallbackPolicy(enum.StrEnum):
     RECOMPUTE = "recompute"
     LOCAL_CPU = "local_cpu"
+
+
+class L1Backing(enum.StrEnum):
+    AUTO = "auto"  # shared memory when the segment directory has room, else private
+    SHM = "shm"  # a server-owned segment: engine-driven workers copy once, straight into L1
+    PRIVATE = "private"  # anonymous memory no worker can map: engine-driven workers use the pool
 
 
 class LogLevel(enum.StrEnum):
@@ -72,6 +83,12 @@ class Settings(BaseSettings):
     )
     chunk_size: int = Field(256, gt=0, le=1 << 20, description="Tokens per chunk; > 0.")
     l1_size_gb: float = Field(4.0, gt=0, le=1 << 14, description="Local CPU tier capacity (GiB); > 0.")
+    l1_backing: L1Backing = Field(
+        L1Backing.AUTO,
+        description="auto|shm|private: L1's memory. shm lets engine-driven workers map all of L1 "
+        "and copy once (one trust domain); private keeps it from every worker (docs/security.md); "
+        "auto is shm when the segment directory has room.",
+    )
     max_cpu_workers: int = Field(4, ge=1, le=256, description="NORMAL pool threads (LOOKUP, control).")
     max_transfer_workers: int = Field(2, ge=1, le=256, description="STORE/RETRIEVE pool threads.")
     max_frame_bytes: int = Field(

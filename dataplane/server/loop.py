@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from dataplane import __version__
-from dataplane.memory.kvmemory import spawn_all
+from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
 from dataplane.server.ordered import KeyedSerialExecutor

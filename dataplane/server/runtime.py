@@ -24,7 +24,7 @@ from dataplane.liveness.registry import LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget
 from dataplane.memory.budget import ByteBudget, DescriptorReserve
-from dataplane.memory.kvmemory import CopySplitter
+from dataplane.memory.copies import CopySplitter
 from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import ServerInfo
@@ -33,7 +33,7 @@ from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
-from dataplane.server.config import Settings
+from dataplane.server.config import L1Backing, Settings
 from dataplane.server.facade import ComponentState, LivenessStatus
 from dataplane.server.loop import Server
 from dataplane.storage.arena import Arena
@@ -141,7 +141,8 @@ def build_dataplane(
             "only; the remote tier is not used"
         )
     metrics = DataPlaneMetrics()
-    arena = Arena(settings.l1_capacity_bytes, pin_memory=torch.cuda.is_available())
+    shared = {L1Backing.AUTO: None, L1Backing.SHM: True, L1Backing.PRIVATE: False}[settings.l1_backing]
+    arena = Arena(settings.l1_capacity_bytes, shared=shared, pin_memory=torch.cuda.is_available())
     logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
     l1 = L1Store(settings.l1_capacity_bytes, hot_cache=settings.local_cpu, arena=arena)
     server = Server(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -115,10 +116,18 @@ class ArenaStats:
 class Arena:
     def __init__(self, capacity: int, *, shared: bool | None = None, pin_memory: bool = False,
                  prefault: bool = True) -> None:  # fmt: skip
-        """``shared`` None: shared when the segment directory has room for it."""
+        """``shared`` None: shared when the segment directory has room for it; True: shared, or
+        OSError (ENOSPC) naming the directory when it has no room; False: private."""
         self.capacity = _round_up(capacity, PAGE)
+        room = _room_in(SHM_DIR)
         if shared is None:
-            shared = _room_in(SHM_DIR) >= self.capacity + (64 << 20)
+            shared = room >= self.capacity + (64 << 20)
+        elif shared and room < self.capacity:
+            raise OSError(
+                errno.ENOSPC,
+                f"l1_backing shm: {SHM_DIR} has {room} bytes free, and an L1 of {self.capacity} bytes "
+                "does not fit; make room there or use l1_backing auto or private",
+            )
         self.segment: Segment | None = None
         if shared:
             self.segment = Segment.create(self.capacity, reserve=False)

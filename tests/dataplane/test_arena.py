@@ -447,6 +447,25 @@ def test_backing_is_private_where_the_directory_has_no_room(
         assert list(d.iterdir()) == []
 
 
+def test_backing_chosen_by_the_operator(monkeypatch: pytest.MonkeyPatch, arenas: list[Arena]) -> None:
+    with mounted_tmpfs("72m") as d:
+        use_dir(monkeypatch, d)
+        room = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
+        # shm asked for and no room: refused at once, naming the directory (never a sparse L1
+        # that stops growing, or a copy that faults on a full tmpfs)
+        with pytest.raises(OSError, match=f"l1_backing shm: {d} has {room} bytes free"):
+            Arena(room + PAGE, shared=True)
+        assert list(d.iterdir()) == []
+        a = Arena(room - (64 << 20), shared=False)  # room enough, private asked for: private
+        arenas.append(a)
+        assert (a.backing, a.segment) == ("private", None) and list(d.iterdir()) == []
+        b = Arena(room, shared=True)  # all the room there is (auto would keep 64 MiB spare)
+        arenas.append(b)
+        assert b.backing == "shm"
+        a.close()
+        b.close()
+
+
 # -------------------------------------------------------------------- fault-in steps aside
 def test_fault_in_makes_no_progress_while_told_to_step_aside(shm_dir: Path, arenas: list[Arena]) -> None:
     a = Arena(CAP, shared=True)
@@ -570,7 +589,10 @@ def test_growth_stopped_by_a_full_directory(
     caplog.set_level(logging.INFO, logger="dataplane.storage.arena")
     with mounted_tmpfs("16m") as d:
         use_dir(monkeypatch, d)
-        a = Arena(CAP, shared=True)  # 64 MiB asked of a 16 MiB directory
+        # the directory had room at start and filled up since (other segments): 64 MiB asked of
+        # a 16 MiB directory, past the start-up check
+        monkeypatch.setattr(arena_mod, "_room_in", lambda _d: 1 << 40)
+        a = Arena(CAP, shared=True)
         assert a.segment is not None
         path = d / a.segment.name
         l1 = L1Store(CAP, arena=a)

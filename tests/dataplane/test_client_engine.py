@@ -44,9 +44,9 @@ def _tokens_view(caches: list[torch.Tensor], blocks: np.ndarray, n: int) -> list
 
 
 @pytest.mark.parametrize("layout", [_separate, _one_tensor], ids=["per-layer", "one-tensor"])
-@pytest.mark.parametrize("pool_chunks", [1, 3])
+@pytest.mark.parametrize(("pool_chunks", "copy_threads"), [(1, None), (3, 3)])
 def test_engine_driven_round_trip(
-    dp: DataPlane, layout: Callable[[], list[torch.Tensor]], pool_chunks: int
+    dp: DataPlane, layout: Callable[[], list[torch.Tensor]], pool_chunks: int, copy_threads: int | None
 ) -> None:
     src = layout()
     for c in src:
@@ -54,8 +54,12 @@ def test_engine_driven_round_trip(
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 50_000, 7 * CHUNK + 5)
     b_src = rng.permutation(BLOCKS)[:30]
-    a = WorkerAdapter(_endpoint(dp), "m", transfer_mode="engine_driven", pool_chunks=pool_chunks)
-    b = WorkerAdapter(_endpoint(dp), "m", transfer_mode="engine_driven", pool_chunks=2)
+    a = WorkerAdapter(
+        _endpoint(dp), "m", transfer_mode="engine_driven", pool_chunks=pool_chunks, copy_threads=copy_threads
+    )
+    b = WorkerAdapter(
+        _endpoint(dp), "m", transfer_mode="engine_driven", pool_chunks=2, copy_threads=copy_threads
+    )
     try:
         a.register_kv_caches(src)
         r = a.store_detail(tokens, b_src)
@@ -73,6 +77,14 @@ def test_engine_driven_round_trip(
         a.close()
         b.close()
     assert dp.engine.registry.tracked_instance_count() == 0
+
+
+def test_copy_threads_is_checked_and_only_for_engine_driven_workers() -> None:
+    with pytest.raises(ValueError, match="copy_threads applies to engine_driven workers"):
+        WorkerAdapter("tcp://127.0.0.1:1", "m", copy_threads=2)
+    for bad in (0, -1, 65):
+        with pytest.raises(ValueError, match=r"copy_threads must be in \[1, 64\]"):
+            WorkerAdapter("tcp://127.0.0.1:1", "m", transfer_mode="engine_driven", copy_threads=bad)
 
 
 def test_engine_and_server_driven_share_chunks(dp: DataPlane) -> None:

@@ -220,7 +220,7 @@ def test_register_names_the_arena_when_it_is_shared(direct: Direct) -> None:
     seg = direct.l1.arena.segment
     assert seg is not None
     r = direct.register(1)
-    assert r["arena"] == {"segment": seg.name, "bytes": seg.size}
+    assert r["arena"] == {"segment": seg.name, "bytes": seg.size, "usable": direct.l1.arena.growth()[0]}
     assert (shm.SHM_DIR / seg.name).exists() and seg.size >= 8 * SLOT
     assert r["segment"] != seg.name  # the pool is a segment of its own
     again = direct.register(1)  # a repeat register (a refresh) names it too
@@ -728,7 +728,7 @@ def test_a_worker_side_failure_publishes_nothing_and_leaves_no_lease(make_dp: Dp
         reg = EngineRegister(iid, secret, "m", 1, 0, "bfloat16", LAYERS, HEADS, HD, 1, os.getpid())
         arena = chan.request(reg, 10.0)["arena"]
         seg = Segment.attach(arena["segment"], arena["bytes"], allow_sparse=True)
-        copier = ArenaCopier(iid, secret, seg.as_tensor())
+        copier = ArenaCopier(iid, secret, seg.as_tensor(), int(arena["usable"]))
 
         def send(m: Message) -> Any:
             return chan.request(m, 10.0)
@@ -755,7 +755,7 @@ def test_a_worker_side_failure_publishes_nothing_and_leaves_no_lease(make_dp: Dp
             b2.close()
     finally:
         if copier is not None:
-            copier.arena = torch.empty(0, dtype=torch.uint8)
+            copier.close()
         if seg is not None:
             seg.close()
         chan.close()

@@ -1,0 +1,111 @@
+"""Where a chunk's tokens live in a worker's blocks, and the threads a big copy is split across.
+
+`token_slots` maps a chunk's tokens to slots (block * block_size + offset); a copy moves them as
+runs of consecutive slots (`slot_runs`) or, when they are whole blocks (`whole_blocks`, what a
+chunk always is when its size is a multiple of the block size), block by block.
+`CopySplitter` splits one copy across threads by layers; `spawn_all` starts a pool's threads at
+once instead of at the first request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+# Above this many runs per chunk a single index op beats one copy per run.
+_MAX_RUNS = 32
+
+
+def token_slots(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
+    """Slot (block * block_size + offset) of each of the first ``n_tokens`` tokens, where token
+    i lives in block ``block_ids[i // block_size]``. ValueError names a bad or missing block."""
+    need = -(-n_tokens // block_size)
+    if len(block_ids) < need:
+        raise ValueError(
+            f"block_ids: {len(block_ids)} blocks cannot hold {n_tokens} tokens "
+            f"(block size {block_size} needs {need})"
+        )
+    blocks = np.asarray(block_ids[:need], dtype=np.int64)
+    bad = np.flatnonzero((blocks < 0) | (blocks >= num_blocks))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"block_ids[{i}]: block {int(blocks[i])} is outside the registered cache [0, {num_blocks})"
+        )
+    offsets = np.tile(np.arange(block_size, dtype=np.int64), need)
+    return np.asarray((np.repeat(blocks * block_size, block_size) + offsets)[:n_tokens])
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """(dst_start, src_start, length) runs of consecutive source slots."""
+    if len(slots) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(slots)]))
+    return [(int(s), int(slots[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
+def whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
+    """The blocks ``slots`` covers when it is whole blocks, each block's slots in order (what a
+    chunk of whole blocks always is), else None: then a copy moves whole blocks, one indexed copy
+    per layer instead of one per run of slots."""
+    n = len(slots)
+    if n == 0 or n % block_size:
+        return None
+    rows = slots.reshape(-1, block_size)
+    first = rows[:, 0]
+    if np.any(first % block_size) or np.any(rows - first[:, None] != np.arange(block_size)):
+        return None
+    return np.asarray(first // block_size, dtype=np.int64)
+
+
+def spawn_all(pool: ThreadPoolExecutor, workers: int) -> None:
+    """Start every thread of ``pool`` now. A pool spawns lazily, at a request; creating a thread
+    maps its stack, which waits for the address-space lock while the L1 arena is being faulted
+    in: the first transfer of a fresh server waited 200 ms for it."""
+    barrier = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        pool.submit(barrier.wait, 10.0)
+    barrier.wait(10.0)
+
+
+class CopySplitter:
+    """Splits one big copy across ``ways`` threads by ranges of an outer dimension (layers).
+
+    The calling thread takes the last range; the others run on this object's helper threads.
+    Each torch copy runs single-threaded: threads that wait on events, unlike OpenMP teams
+    spinning at a barrier, lose nothing when a core is briefly taken by another process.
+    """
+
+    def __init__(self, ways: int) -> None:
+        self.ways = max(1, ways)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        if self.ways > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(self.ways - 1, thread_name_prefix="kvwarden-copy")
+            spawn_all(self._pool, self.ways - 1)
+
+    def stop(self) -> None:
+        """Stop and join the helper threads (copies already submitted finish first)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def run(self, fn: Callable[[int, int], None], n: int) -> None:
+        pool = self._pool
+        ways = min(self.ways, n) if pool is not None else 1
+        if ways <= 1:
+            fn(0, n)
+            return
+        bounds = [n * k // ways for k in range(ways + 1)]
+        futures = [pool.submit(fn, bounds[k], bounds[k + 1]) for k in range(ways - 1)]  # type: ignore[union-attr]
+        try:
+            fn(bounds[-2], bounds[-1])
+        finally:
+            for f in futures:
+                f.result()
