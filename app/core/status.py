@@ -2,15 +2,15 @@
 
 Nothing here holds a data-plane lock: each accessor takes its module's leaf lock, copies, and
 lets go; the document is assembled from those copies afterwards. The result is a plain dict of
-the `app.models.StatusPublic` shape, encoded directly (no per-instance model validation), so
-`/status` stays within its budget with 10,000 tracked instances. Builds go through a
+the `app.models.StatusPublic` shape, encoded directly (no per-instance model validation); the
+instance list is encoded by `InstanceEncoder`, which reads only what changed since an instance
+registered, so `/status` stays within its budget with 10,000 tracked instances. Builds go through a
 `app.core.coalesce.Coalescer` (one at a time, shared, bounded duty cycle).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +21,6 @@ from app.core.health import HealthChecker, HealthReport
 if TYPE_CHECKING:
     from dataplane.server.facade import ContextEntry, DataPlaneView, L1Stats
 
-# encode the instance list in slices: one encoder call holds the GIL throughout, and the
-# data-plane loop shares this process; slices give it a chance to run between them
-_ENCODE_SLICE = 256
 # Building the document is pure Python, and a thread waiting for the GIL gets it only after the
 # switch interval (0.5 ms in `serve`) unless the holder lets go: PING, answered on the loop thread,
 # takes the GIL several times. So the builder hands it over every so many instances.
@@ -45,15 +42,6 @@ def instance_view(e: ContextEntry, now: float) -> dict[str, Any]:
     }
 
 
-def iter_instances(dp: DataPlaneView) -> Iterator[dict[str, Any]]:
-    entries = dp.context_entries_snapshot()  # copies, each taken under its module's lock
-    now = dp.clock()
-    for i, e in enumerate(entries):
-        if not i % _YIELD_EVERY:
-            time.sleep(0)  # hand the GIL over: the data-plane loop shares this process
-        yield instance_view(e, now)
-
-
 def find_instance(dp: DataPlaneView, instance_id: int) -> dict[str, Any] | None:
     e = dp.context_entry(instance_id)
     return None if e is None else instance_view(e, dp.clock())
@@ -71,9 +59,8 @@ def check_view(r: Any) -> dict[str, Any]:
     return {"name": r.name, "status": r.status, "component_type": r.component_type, "output": r.output}
 
 
-def status_document(dp: DataPlaneView, report: HealthReport) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the document without its instances, the instances): see `encode_status`."""
-    instances = list(iter_instances(dp))
+def status_document(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
+    """The document without its instances: see `encode_status`."""
     info = dp.server_info()
     l1 = dp.l1_stats()
     doc: dict[str, Any] = {
@@ -100,7 +87,7 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> tuple[dict[str, 
         },
         "health": health_summary(dp, report),
     }
-    return doc, instances
+    return doc
 
 
 def arena_view(l1: L1Stats) -> dict[str, Any] | None:
@@ -111,13 +98,63 @@ def arena_view(l1: L1Stats) -> dict[str, Any] | None:
             "huge_page_bytes": a.huge_page_bytes, "fragmentation": l1.fragmentation}  # fmt: skip
 
 
-def encode_instances(instances: list[dict[str, Any]]) -> bytes:
-    # pydantic-core's encoder: about 5x json.dumps on this shape (floats dominate)
-    parts = []
-    for i in range(0, len(instances), _ENCODE_SLICE):
-        parts.append(to_json(instances[i : i + _ENCODE_SLICE])[1:-1])
-        time.sleep(0)  # the encoder holds the GIL for a whole slice: hand it over between
-    return b"[" + b",".join(parts) + b"]"
+class InstanceEncoder:
+    """Encodes the instance list of `/status` straight to JSON, one instance at a time.
+
+    What is fixed at registration (id, mode, memory, model, world size, rank) is encoded once
+    per instance, read through `context_entry` the first time the instance is seen, and kept
+    here keyed by (id, registered_at); each build then reads only what changes
+    (`liveness_rows`) and formats it. That is ~4x less work than copying full entries, building
+    a dict per instance and encoding the list (24 ms at 10,000 instances on this machine's
+    cores), so /status stays within its budget and the data-plane loop, which shares the GIL,
+    waits less. Not thread-safe: the `Coalescer` runs one build at a time.
+    """
+
+    def __init__(self) -> None:
+        self._heads: dict[int, tuple[float, bytes]] = {}  # id -> (registered_at, b'{...,')
+
+    def encode(self, dp: DataPlaneView) -> bytes:
+        rows = dp.liveness_rows()
+        now = dp.clock()
+        heads = self._heads
+        parts: list[bytes] = []
+        for i, (iid, registered_at, last_seen, signal, disconnected) in enumerate(rows):
+            if not i % _YIELD_EVERY:
+                time.sleep(0)  # hand the GIL over: the data-plane loop shares this process
+            cached = heads.get(iid)
+            if cached is None or cached[0] != registered_at:
+                e = dp.context_entry(iid)
+                if e is None or e.registered_at != registered_at:
+                    continue  # released (or replaced) since the rows were read
+                cached = heads[iid] = (registered_at, _head(e))
+            parts.append(
+                b'%s"registered_seconds_ago":%r,"last_seen_seconds_ago":%r,'
+                b'"has_liveness_signal":%s,"disconnected":%s}'
+                % (
+                    cached[1],
+                    max(0.0, now - registered_at),
+                    max(0.0, now - last_seen),
+                    _TRUE if signal else _FALSE,
+                    _TRUE if disconnected else _FALSE,
+                )
+            )
+        if len(heads) > len(rows) + _PRUNE_SLACK:  # instances gone: forget them
+            live = {r[0] for r in rows}
+            self._heads = {k: v for k, v in heads.items() if k in live}
+        return b"[" + b",".join(parts) + b"]"
+
+
+_TRUE, _FALSE = b"true", b"false"
+_PRUNE_SLACK = 1024
+
+
+def _head(e: ContextEntry) -> bytes:
+    """The fixed fields of an instance as the start of its JSON object: ``{"instance_id":...,``."""
+    fixed = {k: v for k, v in instance_view(e, e.registered_at).items() if k not in _CHANGING}
+    return to_json(fixed)[:-1] + b","
+
+
+_CHANGING = ("registered_seconds_ago", "last_seen_seconds_ago", "has_liveness_signal", "disconnected")
 
 
 def encode_status(doc: dict[str, Any], instances_json: bytes) -> bytes:
@@ -136,7 +173,7 @@ class StatusSnapshot:
     instances_json: bytes
 
 
-def build_snapshot(dp: DataPlaneView, health: HealthChecker) -> StatusSnapshot:
-    doc, instances = status_document(dp, health.run())
-    instances_json = encode_instances(instances)
+def build_snapshot(dp: DataPlaneView, health: HealthChecker, encoder: InstanceEncoder) -> StatusSnapshot:
+    instances_json = encoder.encode(dp)
+    doc = status_document(dp, health.run())
     return StatusSnapshot(encode_status(doc, instances_json), instances_json)

@@ -122,5 +122,14 @@ def row(e: Entry) -> Row:
             e.disconnected_at is not None, e.conn_fd)  # fmt: skip
 
 
+# what changes of a tracked instance while it lives: (instance_id, registered_at, last_seen,
+# has_liveness_signal, disconnected); the rest of ContextEntry is fixed at registration
+LivenessRow = tuple[int, float, float, bool, bool]
+
+
+def liveness_row(e: Entry) -> LivenessRow:
+    return (e.instance_id, e.registered_at, e.last_seen, e.has_liveness_signal, e.disconnected_at is not None)
+
+
 def public(e: Entry) -> ContextEntry:
     return from_row(*row(e))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from dataplane.liveness.entry import ContextEntry
+from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
 from dataplane.storage.l1 import L1Stats
@@ -21,6 +21,7 @@ __all__ = [
     "ContextEntry",
     "DataPlaneView",
     "L1Stats",
+    "LivenessRow",
     "LivenessStatus",
     "ServerInfo",
 ]
@@ -61,6 +62,12 @@ class DataPlaneView(Protocol):
 
     def context_entries_snapshot(self) -> list[ContextEntry]:
         """Every tracked instance of every transfer module (each read under its own lock)."""
+        ...
+
+    def liveness_rows(self) -> list[LivenessRow]:
+        """(instance_id, registered_at, last_seen, has_liveness_signal, disconnected) of every
+        tracked instance, in the order of `context_entries_snapshot`: what changes while an
+        instance lives (the rest is fixed at registration: `context_entry`)."""
         ...
 
     def context_entry(self, instance_id: int) -> ContextEntry | None: ...

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from prometheus_client import generate_latest
 
-from dataplane.liveness.entry import ContextEntry
+from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
@@ -78,6 +78,9 @@ class DataPlane:
 
     def context_entries_snapshot(self) -> list[ContextEntry]:
         return [e for r in self.registries for e in r.context_entries_snapshot()]  # (sliced inside)
+
+    def liveness_rows(self) -> list[LivenessRow]:
+        return [row for r in self.registries for row in r.liveness_rows()]  # (sliced inside)
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         for r in self.registries:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,7 @@ def test_when_requests_outpace_builds_builds_take_at_most_max_duty() -> None:
             skew[0] += 0.2
         return n
 
-    c = Coalescer(build, max_duty=0.5, clock=clock)
+    c = Coalescer(build, max_duty=0.5, clock=clock, cost=clock)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(c.get)
         wait_until(lambda: c._building, 10, what="the first build to start")
@@ -92,7 +93,7 @@ def test_a_lone_caller_is_never_held_back() -> None:
         skew[0] += 60.0  # a "minute-long" build: a gate would hold the next call 3 minutes
         return clock()
 
-    c = Coalescer(build, max_duty=0.25, clock=clock)
+    c = Coalescer(build, max_duty=0.25, clock=clock, cost=clock)
     c.get()
     t0 = time.monotonic()
     c.get()
@@ -119,3 +120,29 @@ def test_max_duty_is_validated() -> None:
     for bad in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError, match="max_duty"):
             Coalescer(lambda: 1, max_duty=bad)
+
+
+def test_time_a_build_spends_waiting_is_no_cost() -> None:
+    """A build that waits (for the GIL, here for an event) costs its CPU time only: the next
+    build is not held back three times the wait (a wall-time gate would hold it 0.9 s)."""
+    release = threading.Event()
+    n_builds = itertools.count()
+
+    def build() -> int:
+        n = next(n_builds)
+        if n == 0:
+            assert release.wait(30)
+        return n
+
+    c = Coalescer(build, max_duty=0.25)  # the default cost: the building thread's CPU time
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(c.get)
+        wait_until(lambda: c._building, 10, what="the first build to start")
+        waiter = pool.submit(c.get)
+        wait_until(lambda: c._waiting == 1, 10, what="a caller waiting")
+        time.sleep(0.3)  # the build's wait: wall time that costs no CPU (this is what is measured)
+        t0 = time.monotonic()
+        release.set()
+        assert first.result(30) == 0
+        assert waiter.result(30) == 1
+        assert time.monotonic() - t0 < 0.45  # a wall-time gate: >= 0.9 s

@@ -20,6 +20,7 @@ from dataplane.server.facade import (
     ContextEntry,
     DataPlaneView,
     L1Stats,
+    LivenessRow,
     LivenessStatus,
     ServerInfo,
 )
@@ -109,6 +110,12 @@ class FakeDataPlane:
 
     def context_entries_snapshot(self) -> list[ContextEntry]:
         return list(self.entries.values())
+
+    def liveness_rows(self) -> list[LivenessRow]:
+        return [
+            (e.instance_id, e.registered_at, e.last_seen, e.has_liveness_signal, e.disconnected)
+            for e in self.entries.values()
+        ]
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         return self.entries.get(instance_id)

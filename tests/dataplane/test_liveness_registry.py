@@ -227,6 +227,23 @@ def test_snapshot_is_a_copy(module: Recording, clock: FakeClock, make_caches: Ca
     assert all(e.last_seen == T0 and not e.has_liveness_signal for e in snap)
 
 
+def test_liveness_rows_are_what_changes_in_snapshot_order(
+    module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
+) -> None:
+    for iid in (9, 3, 7):
+        register(module, iid, make_caches())
+        clock.advance(1)
+    module.registry.touch_instance(3)
+    rows = module.registry.liveness_rows()
+    snap = module.registry.context_entries_snapshot()
+    assert rows == [
+        (e.instance_id, e.registered_at, e.last_seen, e.has_liveness_signal, e.disconnected) for e in snap
+    ]
+    assert [r[0] for r in rows] == [9, 3, 7] and rows[1][2:4] == (T0 + 3, True)
+    module.registry.touch_instance(9)  # a copy: later PINGs do not show in it
+    assert rows[0][2:4] == (T0, False)
+
+
 # ---------------------------------------------------------------------------- transfers
 
 
