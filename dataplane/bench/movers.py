@@ -25,6 +25,11 @@ from dataplane.bench.procs import free_port
 from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
 from dataplane.memory.kvmemory import TORCH_DTYPES
 
+# An engine-driven worker of the benchmark copies on threads of its own (`copy_threads`), torch's
+# intra-op threads at 1 in this process (as in the server): toggling torch's thread count around
+# each memcpy sample cost the next engine-driven copy ~1.4 ms, its OpenMP team rebuilt
+COPY_THREADS = 2
+
 
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
@@ -81,6 +86,7 @@ class Mover:
             request_timeout=300,
             transfer_mode=self.mode,
             pool_chunks=max(4, self.shape.chunks_per_request),
+            **({"copy_threads": COPY_THREADS} if self.mode == "engine_driven" else {}),
         )
         self.w = w
         t0 = time.perf_counter()
@@ -192,12 +198,8 @@ class Baselines:
             self.memcpy()
 
     def memcpy(self) -> float:
-        prev = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return self.n / _timed(lambda: self.dst.copy_(self.src))
-        finally:
-            torch.set_num_threads(prev)
+        """One thread: `kvwarden bench transfer` runs with torch's intra-op threads at 1."""
+        return self.n / _timed(lambda: self.dst.copy_(self.src))
 
     def zmq(self) -> float:
         return self.n / _timed(lambda: (self.dealer.send(self.blob, copy=False), self.dealer.recv()))

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dataplane.bench import report
 from dataplane.bench.movers import Baselines, Mover, Shape, start_redis
 from dataplane.bench.procs import Server, arena_view, launch, wait_arena_ready, wait_http, wait_server
@@ -101,6 +103,7 @@ def run_transfer(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    torch.set_num_threads(1)  # memcpy is one thread; workers copy on threads of their own
     base = Baselines(None if ns.no_redis else start_redis())
     rows: list[dict[str, Any]] = []
     try:
