@@ -86,7 +86,7 @@ class Mover:
             request_timeout=300,
             transfer_mode=self.mode,
             pool_chunks=max(4, self.shape.chunks_per_request),
-            **({"copy_threads": COPY_THREADS} if self.mode == "engine_driven" else {}),
+            copy_threads=COPY_THREADS if self.mode == "engine_driven" else None,
         )
         self.w = w
         t0 = time.perf_counter()
