@@ -37,7 +37,7 @@ help:
 	@echo "  typecheck  mypy (configured in pyproject.toml)"
 	@echo "  pytest     pytest only (PYTEST_ARGS=... adds arguments)"
 	@echo "  soak       the slow suites: workers crash and return for minutes (KVWARDEN_SOAK_SECONDS)"
-	@echo "  bench      kvwarden bench transfer (ARGS=... adds flags)"
+	@echo "  bench      kvwarden bench all: every benchmark (ARGS=... adds flags, e.g. --quick --json)"
 	@echo "  openapi    regenerate openapi/openapi.json"
 	@echo "  clean      remove caches, build outputs and install stamps (keeps $(VENV))"
 

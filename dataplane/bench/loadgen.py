@@ -2,6 +2,10 @@
 
     python -m dataplane.bench.loadgen URL paced RATE   # GET /status RATE times a second
     python -m dataplane.bench.loadgen URL closed       # GET /status, /metrics, ... back to back
+    python -m dataplane.bench.loadgen URL spin         # no requests: one core kept busy
+
+``spin`` is the yardstick for the closed loop: it keeps a core as busy as a client does, without
+a request, so PING meanwhile shows what the machine's scheduler alone costs.
 
 It prints ``ready`` once its first request was answered, runs until its standard input closes,
 then prints one JSON line: the latencies (seconds) by route, errors and requests issued.
@@ -61,6 +65,14 @@ class _Load:
                 self.one(route)
                 self.issued += 1
 
+    def spin(self) -> None:
+        """Keep one core busy (pure Python, this process's own GIL) until stopped."""
+        n = 0
+        while not self.stop.is_set():
+            for _ in range(10_000):
+                n += 1
+        self.issued = n
+
     def result(self) -> dict[str, Any]:
         with self.lock:
             return {"latency_s": self.lat, "errors": self.errors, "issued": self.issued}
@@ -69,10 +81,12 @@ class _Load:
 def main(argv: list[str]) -> int:
     url, mode = argv[0], argv[1]
     load = _Load(url)
-    load.one("/status")  # connected and answered once
-    load.lat["/status"].clear()
+    if mode != "spin":
+        load.one("/status")  # connected and answered once
+        load.lat["/status"].clear()
     print("ready", flush=True)
-    target = (lambda: load.paced(float(argv[2]))) if mode == "paced" else load.closed
+    modes = {"paced": lambda: load.paced(float(argv[2])), "closed": load.closed, "spin": load.spin}
+    target = modes[mode]
     worker = threading.Thread(target=target, daemon=True)
     worker.start()
     sys.stdin.read()  # until the benchmark closes our standard input

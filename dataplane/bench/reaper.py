@@ -10,7 +10,6 @@ registry lock. Reports each count's cycle time and PING p50/p99, idle and during
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.reaper import WorkerReaper
 from dataplane.liveness.registry import LivenessRegistry
 from dataplane.server.config import SWITCH_INTERVAL_S, Settings
+from dataplane.server.gcfreeze import CollectorFreezer
 from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.wire.messages import MemoryKind, TransferMode
 
@@ -91,14 +91,17 @@ def _one_count(ns: argparse.Namespace, n: int) -> dict[str, Any]:
     settings |= {"worker_reap_timeout_seconds": 0, "worker_disconnect_grace_seconds": 0}
     dp = build_dataplane(Settings.model_validate(settings), extra_targets=[synthetic])
     dp.start()
+    freezer = CollectorFreezer()  # as `kvwarden serve` runs one
+    freezer.start()
     try:
         return _measure(n, ns.seconds, dp, synthetic)
     finally:
+        freezer.stop()
+        freezer.join()
         dp.stop()
 
 
 def _measure(n: int, seconds: float, dp: DataPlane, synthetic: LivenessRegistry[Entry]) -> dict[str, Any]:
-    gc.freeze()  # as `kvwarden serve` does once started: what is loaded is out of the collector's sight
     stale_n = max(1, n // 100)
     now = time.monotonic()
     for i in range(n - stale_n):

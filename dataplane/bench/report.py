@@ -140,6 +140,9 @@ def http_tables(rep: dict[str, Any]) -> list[Table]:
         rows.append(["PING idle (us)", *_us(large["ping_idle"])])
         rows.append(["PING during /status+/metrics (us)", *_us(large["ping_during_http"])])
         rows.append(["PING p99 during / idle", "", _x(large["ratio_p99"])])
+        if "ping_during_spin" in large:  # the yardstick: two cores busy, no request sent
+            rows.append(["PING while 2 processes spin (us)", *_us(large["ping_during_spin"])])
+            rows.append(["PING p99 spinning / idle (machine floor)", "", _x(large["ratio_p99_spin"])])
         out.append(
             Table(
                 f"HTTP sidecar with {large['instances']:,} tracked instances (ms)",

@@ -8,7 +8,9 @@ cheaply (`dataplane.bench.bulk`). Then, in order:
   ``--rate`` times a second, idle again. The figure is the loaded p99 over the worse idle p99.
 - **large** (``--instances``, 10,000): PING idle, then PING while another process GETs
   `/status` and `/metrics` alternately back to back (their latencies are the HTTP figures),
-  then idle again. ``--instances 0`` skips it.
+  then idle again. ``--instances 0`` skips it. Last, the yardstick: PING while two processes
+  spin and send nothing (the closed loop keeps two cores busy, the client and the sidecar), so
+  the report shows how much of the loaded p99 the scheduler alone costs on this machine.
 """
 
 from __future__ import annotations
@@ -121,6 +123,18 @@ def _loaded(pinger: _Pinger, n: int, loader: subprocess.Popen[str]) -> tuple[lis
     return pings, json.loads(out.splitlines()[-1])
 
 
+def _spun(pinger: _Pinger, n: int, url: str, spinners: int) -> list[float]:
+    """``n`` PINGs while ``spinners`` processes keep a core busy each (no request sent)."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(spinners):
+            procs.append(_loader(url, "spin"))
+        return pinger.block(n)
+    finally:
+        for p in procs:
+            p.communicate(timeout=120)
+
+
 def _ms(xs: list[float]) -> dict[str, float]:
     a = np.asarray(xs or [float("nan")]) * 1e3
     return {"n": len(xs), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
@@ -166,12 +180,15 @@ def _large_phase(ns: argparse.Namespace, server: Server, reg: Registrar) -> dict
         idle = pinger.block(ns.pings)
         loaded, load = _loaded(pinger, ns.pings, _loader(server.url, "closed"))
         idle2 = pinger.block(ns.pings)
+        spun = _spun(pinger, ns.pings, server.url, 2)
     finally:
         pinger.close()
     worse_idle = max(latency(idle)["p99_us"], latency(idle2)["p99_us"])
     return {
         "instances": _tracked(server),
         "register_s": took,
+        "ping_during_spin": latency(spun),
+        "ratio_p99_spin": latency(spun)["p99_us"] / worse_idle,
         "status_ms": _ms(load["latency_s"]["/status"]),
         "metrics_ms": _ms(load["latency_s"]["/metrics"]),
         "http_errors": load["errors"],

@@ -127,9 +127,5 @@ def row(e: Entry) -> Row:
 LivenessRow = tuple[int, float, float, bool, bool]
 
 
-def liveness_row(e: Entry) -> LivenessRow:
-    return (e.instance_id, e.registered_at, e.last_seen, e.has_liveness_signal, e.disconnected_at is not None)
-
-
 def public(e: Entry) -> ContextEntry:
     return from_row(*row(e))

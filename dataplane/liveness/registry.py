@@ -25,7 +25,6 @@ from dataplane.liveness.entry import (
     LivenessRow,
     Row,
     from_row,
-    liveness_row,
     mark_removed,
     own,
     owned_by,
@@ -41,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 _SLICE = 1024
-_ROW_SLICE = 256  # liveness rows copied per hold of the lock: ~0.1 ms
+_ROW_SLICE = 2048  # liveness rows copied per hold of the lock: ~0.3 ms (and a ~55 us sleep after)
 
 
 E = TypeVar("E", bound=Entry)
@@ -224,11 +223,12 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             ids = list(self._entries)
         for start in range(0, len(ids), _ROW_SLICE):
             with self._lock:
-                get = self._entries.get
+                get, add = self._entries.get, out.append
                 for iid in ids[start : start + _ROW_SLICE]:
                     e = get(iid)
-                    if e is not None:
-                        out.append(liveness_row(e))
+                    if e is not None:  # a LivenessRow (built inline: this loop is ~25% of a build)
+                        gone = e.disconnected_at is not None
+                        add((iid, e.registered_at, e.last_seen, e.has_liveness_signal, gone))
             time.sleep(0)
         return out
 

@@ -80,11 +80,12 @@ def check_http(rep: dict[str, Any]) -> None:
     for key in ("ping_idle", "ping_with_status", "ping_idle_again"):
         assert set(load[key]) == LAT
     assert load["status_ms"].keys() >= MS and load["status_ms"]["n"] > 0 and load["ratio_p99"] > 0
-    for key in ("ping_idle", "ping_during_http", "ping_idle_again"):
+    for key in ("ping_idle", "ping_during_http", "ping_idle_again", "ping_during_spin"):
         assert set(large[key]) == LAT
     for key in ("status_ms", "metrics_ms"):
         assert set(large[key]) == MS and large[key]["n"] > 0
     assert large["instances"] > load["instances"] > 1 and large["ratio_p99"] > 0
+    assert large["ratio_p99_spin"] > 0
 
 
 def check_startup(rep: dict[str, Any]) -> None:
