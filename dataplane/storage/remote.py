@@ -1,0 +1,332 @@
+"""The remote tier: chunks in a Redis (or Valkey) that many kvwarden servers share.
+
+A chunk is stored under ``<prefix><key hex>`` in the format of `remote_codec` (a header that binds
+key, layout and a hash of the whole value, then the bytes). Chunk keys already bind the model,
+world size, rank and layout (`dataplane.storage.keys`), so servers on different hosts serving the
+same model find each other's chunks.
+
+- **Reads** (`get`, `count_prefix`) run on the caller's thread, each bounded by
+  ``timeout_s`` (the socket timeout of every send and receive; no retries). A value that fails a
+  check of `remote_codec` is a miss, counted by kind, and never returned.
+- **Writes** go through a write-behind queue bounded in bytes, drained by the thread
+  ``kvwarden-remote-writer`` (start/stop/join). `put` never waits on Redis: when the queue is
+  full or the backend is bypassed, the write is dropped and counted. Each write is one
+  MULTI/EXEC of SET header + APPEND payload: atomic, one round trip, and the payload is sent from
+  the caller's buffer without being copied into one value first.
+- **Failures** are counted by kind (timeout, connection, auth, error; never a plain miss);
+  ``failed_gets`` since the health monitor last took them is what trips its threshold.
+- The password never leaves this object: the URL is kept without it (`redact`), and errors are
+  reported by kind and exception type, not by the client's message.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import redis
+from redis import exceptions as rexc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from dataplane.storage.remote_codec import RemoteValueError, decode, encode_header
+
+OK, TIMEOUT, OTHER_ERROR = 0, -1, -2  # ping error codes (the health spec's)
+FAILURE_KINDS = ("timeout", "connection", "auth", "error")
+DROP_REASONS = ("full", "bypassed", "stopped")
+
+
+class RemoteAuthError(RuntimeError):
+    """Redis refused the credentials: retrying cannot help."""
+
+
+def redact(url: str) -> str:
+    """``url`` without a password (the user name is kept)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, rexc.AuthenticationError | rexc.AuthorizationError | rexc.NoPermissionError):
+        return "auth"
+    if isinstance(exc, redis.TimeoutError | TimeoutError):
+        return "timeout"
+    if isinstance(exc, redis.ConnectionError | ConnectionError | OSError):
+        return "connection"
+    return "error"
+
+
+@dataclass
+class RemoteStats:
+    """Counters of one backend (a snapshot is a copy)."""
+
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    get_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
+    put_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
+    bad_values: dict[str, int] = field(default_factory=dict)  # remote_codec kinds
+    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    queue_depth: int = 0
+    queue_bytes: int = 0
+
+
+@dataclass
+class _Write:
+    key: str
+    header: bytes
+    payload: memoryview
+    done: Callable[[], None] | None
+
+
+class RemoteBackend:
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        password: str | None = None,
+        timeout_s: float = 1.0,
+        prefix: str = "kvwarden:",
+        queue_bytes: int = 256 << 20,
+    ) -> None:
+        if timeout_s <= 0 or queue_bytes <= 0:
+            raise ValueError(f"timeout_s and queue_bytes must be > 0, got {timeout_s}, {queue_bytes}")
+        self.url = redact(url)
+        self.timeout_s = timeout_s
+        self.prefix = prefix
+        self.queue_limit = queue_bytes
+        self._client = redis.Redis.from_url(
+            url,
+            password=password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # one try: the bound is timeout_s, not a multiple of it
+            retry_on_error=[],
+            health_check_interval=0,
+            client_name="kvwarden",
+        )
+        self._lock = threading.Lock()  # leaf: guards _stats, _queue, _queued_bytes, _inflight, _failed_gets
+        self._stats = RemoteStats()
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._queued_bytes = 0
+        self._inflight = 0  # writes popped and not yet done
+        self._failed_gets = 0
+        self.bypassed = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("RemoteBackend already started")
+        self._thread = threading.Thread(target=self._drain, name="kvwarden-remote-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the writer; writes still queued are dropped (counted ``stopped``)."""
+        self._stop.set()
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for w in self._take_all():
+            self._count_drop("stopped")
+            _release(w)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ----------------------------------------------------------------- reads
+    def redis_key(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    def get(self, key: bytes, dtype: str, shape: Sequence[int]) -> memoryview | None:
+        """The payload stored under ``key`` (checked: right key, layout and hash), or None: a
+        miss, a bad value (counted by kind) or a failure (counted; bounded by timeout_s)."""
+        if self.bypassed:
+            return None
+        try:
+            value = self._client.get(self.redis_key(key))
+        except redis.RedisError as exc:
+            self._count_get_failure(failure_kind(exc))
+            return None
+        with self._lock:
+            self._stats.gets += 1
+            if value is None:
+                self._stats.misses += 1
+                return None
+        try:
+            _, _, payload = decode(key, value, dtype, shape)  # type: ignore[arg-type]
+        except RemoteValueError as exc:
+            with self._lock:
+                self._stats.misses += 1
+                self._stats.bad_values[exc.kind] = self._stats.bad_values.get(exc.kind, 0) + 1
+            return None
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.bytes_read += payload.nbytes
+        return payload
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are held (one pipelined round trip; 0 on a
+        failure, counted)."""
+        if self.bypassed or not keys:
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.redis_key(k))
+            found = pipe.execute()
+        except redis.RedisError as exc:
+            self._count_get_failure(failure_kind(exc))
+            return 0
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def ping(self) -> tuple[float, int]:
+        """(latency in seconds, error code: 0 ok, -1 timeout, -2 any other error)."""
+        t0 = time.perf_counter()
+        try:
+            self._client.ping()
+        except redis.RedisError as exc:
+            kind = failure_kind(exc)
+            if kind == "auth":
+                raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
+            return time.perf_counter() - t0, TIMEOUT if kind == "timeout" else OTHER_ERROR
+        return time.perf_counter() - t0, OK
+
+    def take_failed_gets(self) -> int:
+        """Failed blocking reads since the last call (the health monitor's per-round count)."""
+        with self._lock:
+            n, self._failed_gets = self._failed_gets, 0
+            return n
+
+    # ---------------------------------------------------------------- writes
+    def put(
+        self,
+        key: bytes,
+        dtype: str,
+        shape: Sequence[int],
+        payload: memoryview,
+        done: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue a write (never waits on Redis). ``payload`` must stay unchanged until ``done``
+        is called (by the writer once sent or failed, or here when the write is dropped).
+        False: dropped (queue full, bypassed, stopped), counted."""
+        header = encode_header(key, dtype, shape, payload)
+        w = _Write(self.redis_key(key), header, payload, done)
+        reason = None
+        with self._lock:
+            if self.bypassed:
+                reason = "bypassed"
+            elif self._stop.is_set():
+                reason = "stopped"
+            elif self._queued_bytes + payload.nbytes > self.queue_limit:
+                reason = "full"
+            else:
+                self._queue.append(w)
+                self._queued_bytes += payload.nbytes
+        if reason is not None:
+            self._count_drop(reason)
+            _release(w)
+            return False
+        self._wake.set()
+        return True
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stop.is_set():
+                with self._lock:
+                    if not self._queue:
+                        break
+                    w = self._queue.popleft()
+                    self._queued_bytes -= w.payload.nbytes
+                    self._inflight += 1
+                try:
+                    self._write(w)
+                finally:
+                    _release(w)
+                    with self._lock:
+                        self._inflight -= 1
+
+    def _write(self, w: _Write) -> None:
+        try:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(w.key, w.header)
+            pipe.append(w.key, w.payload)
+            pipe.execute()
+        except redis.RedisError as exc:
+            kind = failure_kind(exc)
+            with self._lock:
+                self._stats.put_failures[kind] += 1
+            return
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.bytes_written += len(w.header) + w.payload.nbytes
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (polling, up to ``timeout_s``) until the queue is empty: tests and shutdown."""
+        deadline = time.monotonic() + timeout_s
+        pause = threading.Event()
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not self._inflight:
+                    return True
+            pause.wait(0.005)
+        return False
+
+    # ---------------------------------------------------------------- helpers
+    def stats(self) -> RemoteStats:
+        with self._lock:
+            s = self._stats
+            return RemoteStats(
+                s.gets, s.hits, s.misses, s.bytes_read, s.puts, s.bytes_written,
+                dict(s.get_failures), dict(s.put_failures), dict(s.bad_values), dict(s.drops),
+                len(self._queue), self._queued_bytes,
+            )  # fmt: skip
+
+    def _take_all(self) -> list[_Write]:
+        with self._lock:
+            out = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            return out
+
+    def _count_get_failure(self, kind: str) -> None:
+        with self._lock:
+            self._stats.get_failures[kind] += 1
+            self._failed_gets += 1
+
+    def _count_drop(self, reason: str) -> None:
+        with self._lock:
+            self._stats.drops[reason] += 1
+
+
+def _release(w: _Write) -> None:
+    if w.done is not None:
+        w.done()

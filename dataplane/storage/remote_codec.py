@@ -1,0 +1,134 @@
+"""The format of a chunk in the remote tier: a fixed header, the shape, a hash, then the bytes.
+
+    magic  b"KVWR"   4 bytes
+    version          u8    (FORMAT_VERSION)
+    dtype code       u8    (`DTYPE_CODES`)
+    ndim             u8
+    (pad)            u8
+    key hash         u64   xxh3-64 of the key the value was written under
+    payload length   u64
+    shape            ndim x u32
+    value hash       u64   xxh3-64 of everything before it and of the payload
+    payload          the chunk's bytes
+
+Every value is checked before a byte of it reaches a worker: a truncated value, one of another
+format or version, one whose bytes changed anywhere (the value hash), one copied from another
+key (the key hash) or whose dtype and shape are not what the reader expects is a
+`RemoteValueError` naming its kind; the caller counts it and treats it as a miss. Little-endian
+throughout. xxh3-64 hashes ~18 GB/s on one core here (crc32: 3.5), ~2 ms for 32 MiB.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+MAGIC = b"KVWR"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<4sBBBxQQ")
+_HASH = struct.Struct("<Q")
+MAX_NDIM = 8
+
+# dtype name -> code (stable: written into values other servers read)
+DTYPE_CODES: dict[str, int] = {
+    "float16": 1,
+    "bfloat16": 2,
+    "float32": 3,
+    "float64": 4,
+    "uint8": 5,
+    "int8": 6,
+    "float8_e4m3fn": 7,
+    "float8_e5m2": 8,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # the rest: 1 byte
+
+
+class RemoteValueError(ValueError):
+    """A value that must not be served; ``kind`` is one of `VALUE_ERROR_KINDS`."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+VALUE_ERROR_KINDS = ("truncated", "format", "key", "checksum", "layout")
+
+
+def key_hash(key: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(key)
+
+
+def encode_header(key: bytes, dtype: str, shape: Sequence[int], payload: memoryview | bytes) -> bytes:
+    """The header of ``payload`` stored under ``key`` (the payload is sent after it as is)."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise ValueError(f"dtype {dtype!r} has no remote format code (known: {', '.join(DTYPE_CODES)})")
+    if not 0 < len(shape) <= MAX_NDIM or any(not 0 <= d < 1 << 32 for d in shape):
+        raise ValueError(f"shape {tuple(shape)}: 1 to {MAX_NDIM} dimensions, each in [0, 2**32)")
+    n = memoryview(payload).nbytes
+    if n != _nbytes(dtype, shape):
+        raise ValueError(f"payload of {n} bytes is not {dtype}{list(shape)}")
+    prefix = _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), key_hash(key), n)
+    prefix += struct.pack(f"<{len(shape)}I", *shape)
+    h = xxhash.xxh3_64(prefix)
+    h.update(payload)
+    return prefix + _HASH.pack(h.intdigest())
+
+
+def header_size(ndim: int) -> int:
+    return _FIXED.size + 4 * ndim + _HASH.size
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = _ITEMSIZE.get(dtype, 1)
+    for d in shape:
+        n *= d
+    return n
+
+
+def encode(key: bytes, dtype: str, shape: Sequence[int], payload: memoryview | bytes) -> bytes:
+    """Header and payload in one value (a copy of the payload: tests and small values)."""
+    return encode_header(key, dtype, shape, payload) + bytes(payload)
+
+
+def decode(
+    key: bytes,
+    value: bytes | memoryview,
+    dtype: str | None = None,
+    shape: Sequence[int] | None = None,
+) -> tuple[str, tuple[int, ...], memoryview]:
+    """(dtype, shape, payload view) of ``value`` read under ``key``, after every check; with
+    ``dtype`` / ``shape`` given, the value must match them too. RemoteValueError otherwise."""
+    mv = memoryview(value).cast("B")
+    if mv.nbytes < _FIXED.size:
+        raise RemoteValueError("truncated", f"{mv.nbytes} bytes, shorter than the {_FIXED.size}-byte header")
+    magic, version, code, ndim, khash, n = _FIXED.unpack_from(mv)
+    if magic != MAGIC:
+        raise RemoteValueError("format", "not a kvwarden chunk (no KVWR header)")
+    if version != FORMAT_VERSION:
+        raise RemoteValueError("format", f"format version {version}, this server reads {FORMAT_VERSION}")
+    name = _DTYPE_NAMES.get(code)
+    if name is None or not 0 < ndim <= MAX_NDIM:
+        raise RemoteValueError("format", f"dtype code {code} or ndim {ndim} out of range")
+    start = header_size(ndim)
+    if mv.nbytes < start:
+        raise RemoteValueError("truncated", f"{mv.nbytes} bytes, header and shape need {start}")
+    if mv.nbytes - start != n:
+        raise RemoteValueError("truncated", f"payload of {mv.nbytes - start} bytes, header says {n}")
+    hash_at = start - _HASH.size
+    h = xxhash.xxh3_64(mv[:hash_at])
+    payload = mv[start:]
+    h.update(payload)
+    if h.intdigest() != _HASH.unpack_from(mv, hash_at)[0]:
+        raise RemoteValueError("checksum", "the value's hash differs from its header's")
+    if khash != key_hash(key):
+        raise RemoteValueError("key", "the value was written under another key")
+    dims = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
+    if n != _nbytes(name, dims):
+        raise RemoteValueError("format", f"{n} bytes is not {name}{list(dims)}")
+    if (dtype is not None and dtype != name) or (shape is not None and tuple(shape) != dims):
+        raise RemoteValueError("layout", f"{name}{list(dims)}, expected {dtype}{list(shape or ())}")
+    return name, dims, payload
