@@ -17,6 +17,7 @@ from typing import Annotated
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dataplane.health.base import FallbackPolicy
 from dataplane.wire.protocol import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_MAX_FRAME_BYTES,
@@ -27,11 +28,6 @@ from dataplane.wire.protocol import (
 # of 5, so a PING on the loop thread (which takes the GIL several times) never waits long behind
 # an HTTP thread building /status (copies release the GIL anyway).
 SWITCH_INTERVAL_S = 0.0005
-
-
-class FallbackPolicy(enum.StrEnum):
-    RECOMPUTE = "recompute"
-    LOCAL_CPU = "local_cpu"
 
 
 class L1Backing(enum.StrEnum):

@@ -22,6 +22,7 @@ same model find each other's chunks.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 import urllib.parse
@@ -82,6 +83,10 @@ class RemoteStats:
     drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     queue_depth: int = 0
     queue_bytes: int = 0
+    ping_latency_s: float = 0.0
+    ping_code: int = OK
+    ping_successes: int = 0
+    ping_errors: int = 0
 
 
 @dataclass
@@ -102,23 +107,23 @@ class RemoteBackend:
         timeout_s: float = 1.0,
         prefix: str = "kvwarden:",
         queue_bytes: int = 256 << 20,
+        health_timeout_s: float | None = None,
     ) -> None:
-        if timeout_s <= 0 or queue_bytes <= 0:
-            raise ValueError(f"timeout_s and queue_bytes must be > 0, got {timeout_s}, {queue_bytes}")
+        if timeout_s <= 0 or queue_bytes <= 0 or (health_timeout_s is not None and health_timeout_s <= 0):
+            raise ValueError(
+                f"timeout_s, queue_bytes and health_timeout_s must be > 0, got {timeout_s}, "
+                f"{queue_bytes}, {health_timeout_s}"
+            )
         self.url = redact(url)
         self.timeout_s = timeout_s
         self.prefix = prefix
         self.queue_limit = queue_bytes
-        self._client = redis.Redis.from_url(
-            url,
-            password=password,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # one try: the bound is timeout_s, not a multiple of it
-            retry_on_error=[],
-            health_check_interval=0,
-            client_name="kvwarden",
-        )
+        self._client = _client(url, password, timeout_s)
+        # PING and the probe go through a client of their own: bounded by the health timeout,
+        # and never queued behind the data path's connections
+        self._health = _client(url, password, health_timeout_s or timeout_s)
+        self.on_burst: Callable[[], None] | None = None  # called when failed reads reach burst_at
+        self.burst_at = 0
         self._lock = threading.Lock()  # leaf: guards _stats, _queue, _queued_bytes, _inflight, _failed_gets
         self._stats = RemoteStats()
         self._queue: collections.deque[_Write] = collections.deque()
@@ -151,6 +156,7 @@ class RemoteBackend:
 
     def close(self) -> None:
         self._client.close()
+        self._health.close()
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -209,14 +215,36 @@ class RemoteBackend:
     def ping(self) -> tuple[float, int]:
         """(latency in seconds, error code: 0 ok, -1 timeout, -2 any other error)."""
         t0 = time.perf_counter()
+        code = OK
         try:
-            self._client.ping()
+            self._health.ping()
         except redis.RedisError as exc:
             kind = failure_kind(exc)
             if kind == "auth":
                 raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
-            return time.perf_counter() - t0, TIMEOUT if kind == "timeout" else OTHER_ERROR
-        return time.perf_counter() - t0, OK
+            code = TIMEOUT if kind == "timeout" else OTHER_ERROR
+        latency = time.perf_counter() - t0
+        with self._lock:
+            self._stats.ping_latency_s, self._stats.ping_code = latency, code
+            if code == OK:
+                self._stats.ping_successes += 1
+            else:
+                self._stats.ping_errors += 1
+        return latency, code
+
+    def probe(self) -> bool:
+        """Put random bytes under a probe key, read them back: True when they round-trip equal
+        (bounded by the health timeout; the key expires after a minute)."""
+        key, data = f"{self.prefix}probe:{os.urandom(8).hex()}", os.urandom(64)
+        try:
+            self._health.set(key, data, px=60_000)
+            back = self._health.get(key)
+            self._health.delete(key)
+        except redis.RedisError as exc:
+            if failure_kind(exc) == "auth":
+                raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
+            return False
+        return back == data
 
     def take_failed_gets(self) -> int:
         """Failed blocking reads since the last call (the health monitor's per-round count)."""
@@ -308,6 +336,7 @@ class RemoteBackend:
                 s.gets, s.hits, s.misses, s.bytes_read, s.puts, s.bytes_written,
                 dict(s.get_failures), dict(s.put_failures), dict(s.bad_values), dict(s.drops),
                 len(self._queue), self._queued_bytes,
+                s.ping_latency_s, s.ping_code, s.ping_successes, s.ping_errors,
             )  # fmt: skip
 
     def _take_all(self) -> list[_Write]:
@@ -321,10 +350,26 @@ class RemoteBackend:
         with self._lock:
             self._stats.get_failures[kind] += 1
             self._failed_gets += 1
+            burst = self._failed_gets == self.burst_at
+        if burst and self.on_burst is not None:
+            self.on_burst()  # the health monitor: a round now, not at the end of its interval
 
     def _count_drop(self, reason: str) -> None:
         with self._lock:
             self._stats.drops[reason] += 1
+
+
+def _client(url: str, password: str | None, timeout_s: float) -> redis.Redis:
+    return redis.Redis.from_url(
+        url,
+        password=password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),  # one try: the bound is the timeout, not a multiple of it
+        retry_on_error=[],
+        health_check_interval=0,
+        client_name="kvwarden",
+    )
 
 
 def _release(w: _Write) -> None:

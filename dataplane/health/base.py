@@ -1,0 +1,91 @@
+"""What a health check is, and what checks are given to decide (`Components`).
+
+A check is a `HealthCheck` subclass in a module of `dataplane.health.checks`; the monitor finds
+it there (no registration code) and calls its ``create(components)``, which returns one check per
+thing it watches, or none where it does not apply.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from dataplane.storage.remote import RemoteBackend
+
+
+class FallbackPolicy(enum.StrEnum):
+    RECOMPUTE = "recompute"  # a failing check makes the server unhealthy: work is recomputed
+    LOCAL_CPU = "local_cpu"  # the failing backend is bypassed; L1 caches meanwhile
+
+
+class IrrecoverableException(Exception):
+    """A failure no retry can fix (e.g. refused credentials): the monitor stops for good and
+    the server stays unhealthy."""
+
+
+class LocalTier(Protocol):
+    """The local CPU tier as the monitor drives it (`dataplane.storage.l1.L1Store`)."""
+
+    hot_cache: bool
+
+    def set_hot_cache(self, on: bool) -> None: ...
+
+    def clear(self) -> int: ...
+
+
+@dataclass
+class Components:
+    """What checks are created from, and the settings of the remote check."""
+
+    remote_backends: Mapping[str, RemoteBackend] = field(default_factory=dict)
+    local_tier: LocalTier | None = None
+    self_checks: Mapping[str, Callable[[], bool]] = field(default_factory=dict)  # name -> ok?
+    fallback_policy: FallbackPolicy = FallbackPolicy.RECOMPUTE
+    get_blocking_failed_threshold: int = 10
+    waiting_time_for_recovery: float = 300.0
+    clock: Callable[[], float] = time.monotonic
+
+
+class HealthCheck(abc.ABC):
+    @abc.abstractmethod
+    def name(self) -> str: ...
+
+    @abc.abstractmethod
+    def check(self) -> bool:
+        """True: healthy. An exception counts as a failure; `IrrecoverableException` stops the
+        monitor."""
+
+    @classmethod
+    def create(cls, components: Components) -> list[HealthCheck]:
+        """The checks of this kind for ``components`` (empty: it does not apply)."""
+        return []
+
+    @property
+    def fallback_policy(self) -> FallbackPolicy:
+        return FallbackPolicy.RECOMPUTE
+
+    def should_skip(self) -> bool:
+        return False
+
+    def get_bypass_backend_name(self) -> str | None:
+        """The backend to bypass while this check fails under LOCAL_CPU."""
+        return None
+
+    def reason(self) -> str:
+        """Why the last check failed ("" when it passed)."""
+        return ""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    healthy: bool
+    skipped: bool
+    policy: str
+    reason: str
+    at: float
