@@ -101,6 +101,17 @@ class L1Public(BaseModel):
 class RemotePublic(BaseModel):
     url: str = Field(description="the remote tier's URL, without its password")
     bypassed: bool
+    ping_latency_seconds: float = Field(description="the last health PING's round trip")
+    ping_error_code: int = Field(description="the last health PING: 0 ok, -1 timeout, -2 other error")
+    hits: int = Field(description="chunks read from the remote tier")
+    misses: int = Field(description="reads that found nothing usable (bad values included)")
+    bad_values: int = Field(description="values refused: truncated, damaged, foreign, another key's")
+    get_failures: int = Field(description="reads that failed: timeouts, connection, auth, errors")
+    puts: int = Field(description="chunks written")
+    put_failures: int
+    queue_depth: int = Field(description="writes waiting in the write-behind queue")
+    queue_bytes: int
+    dropped_writes: int = Field(description="writes dropped: queue full, backend bypassed, shutdown")
 
 
 class StoragePublic(BaseModel):

@@ -40,7 +40,7 @@ class CheckResult:
 class HealthCheck(Protocol):
     name: str
 
-    def check(self) -> CheckResult: ...
+    def check(self) -> CheckResult | list[CheckResult]: ...
 
 
 CheckProvider = Callable[["DataPlaneView"], Sequence[HealthCheck]]
@@ -91,7 +91,8 @@ class HealthChecker:
         results: list[CheckResult] = []
         for c in self.checks:
             try:
-                results.append(c.check())
+                got = c.check()
+                results.extend(got if isinstance(got, list) else [got])
             except Exception as exc:  # a check that raises has failed
                 logger.exception("health: check %s raised", c.name)
                 results.append(CheckResult(c.name, "fail", f"check raised {exc!r}"))
@@ -130,4 +131,35 @@ def dataplane_checks(dp: DataPlaneView) -> list[HealthCheck]:
     return checks
 
 
-DEFAULT_PROVIDERS: tuple[CheckProvider, ...] = (dataplane_checks,)
+# ---------------------------------------------------------------- the health monitor's checks
+
+
+@dataclass
+class MonitorChecks:
+    """The data plane's health monitor (remote tier): one result per check of its last round,
+    read from its state (no check runs here). A recompute check failing is ``fail``; a check
+    whose backend is bypassed under local_cpu is ``warn``; init failure or an irrecoverable
+    failure is a ``fail`` of ``health_monitor``."""
+
+    dp: DataPlaneView
+    name: str = "health_monitor"
+
+    def check(self) -> list[CheckResult]:
+        st = self.dp.monitor_state()
+        out: list[CheckResult] = []
+        if st.init_failure is not None:
+            out.append(CheckResult(self.name, "fail", f"initialisation failed: {st.init_failure}"))
+        elif st.irrecoverable is not None:
+            out.append(CheckResult(self.name, "fail", f"stopped: {st.irrecoverable}"))
+        for c in st.checks:
+            status: Status = "pass" if c.healthy else "warn" if c.bypassed_backend else "fail"
+            output = c.reason or ("skipped" if c.skipped else "")
+            out.append(CheckResult(c.name, status, output, "datastore", c.bypassed_backend))
+        return out
+
+
+def monitor_checks(dp: DataPlaneView) -> list[HealthCheck]:
+    return [MonitorChecks(dp)]
+
+
+DEFAULT_PROVIDERS: tuple[CheckProvider, ...] = (dataplane_checks, monitor_checks)

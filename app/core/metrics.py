@@ -54,6 +54,63 @@ class DataPlaneStateCollector(Collector):
         yield CounterMetricFamily(
             "kvwarden_l1_evictions", "Chunks evicted from L1 (LRU).", value=stats.evictions
         )
+        yield from remote_metrics(dp)
+
+
+def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
+    """The remote tier, labelled by backend (nothing without one)."""
+    r = dp.remote_state()
+    if r is None:
+        return
+    lb = [r.backend]
+    gauges = (
+        (
+            "kvwarden_backend_bypassed",
+            "1 while the backend is bypassed (local_cpu fallback).",
+            float(r.bypassed),
+        ),
+        (
+            "kvwarden_remote_ping_latency_seconds",
+            "The last health PING's round trip.",
+            r.ping_latency_seconds,
+        ),
+        (
+            "kvwarden_remote_ping_error_code",
+            "The last health PING: 0 ok, -1 timeout, -2 other.",
+            r.ping_error_code,
+        ),
+        ("kvwarden_remote_write_queue_depth", "Writes waiting in the write-behind queue.", r.queue_depth),
+        ("kvwarden_remote_write_queue_bytes", "Bytes waiting in the write-behind queue.", r.queue_bytes),
+    )
+    for name, doc, value in gauges:
+        g = GaugeMetricFamily(name, doc, labels=["backend"])
+        g.add_metric(lb, value)
+        yield g
+    counters = (
+        ("kvwarden_remote_ping_successes", "Health PINGs answered.", r.ping_successes),
+        ("kvwarden_remote_ping_errors", "Health PINGs that failed or timed out.", r.ping_errors),
+        (
+            "kvwarden_remote_get_failures",
+            "Remote reads that failed (timeouts, connection, auth, errors).",
+            r.get_failures,
+        ),
+        ("kvwarden_remote_put_failures", "Remote writes that failed.", r.put_failures),
+        ("kvwarden_remote_gets", "Remote reads answered (hits and misses).", r.gets),
+        ("kvwarden_remote_hits", "Chunks read from the remote tier.", r.hits),
+        ("kvwarden_remote_bad_values", "Remote values refused (truncated, damaged, foreign).", r.bad_values),
+        ("kvwarden_remote_puts", "Chunks written to the remote tier.", r.puts),
+        ("kvwarden_remote_read_bytes", "Chunk bytes read from the remote tier.", r.bytes_read),
+        ("kvwarden_remote_written_bytes", "Bytes written to the remote tier.", r.bytes_written),
+        (
+            "kvwarden_remote_dropped_writes",
+            "Writes dropped (queue full, bypassed, shutdown).",
+            r.dropped_writes,
+        ),
+    )
+    for name, doc, value in counters:
+        c = CounterMetricFamily(name, doc, labels=["backend"])
+        c.add_metric(lb, value)
+        yield c
 
 
 def render_metrics(dp: DataPlaneView, app_registry: CollectorRegistry) -> bytes:

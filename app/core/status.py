@@ -87,11 +87,32 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
                 "hot_cache": l1.hot_cache,
                 "arena": arena_view(l1),
             },
-            "remote": None,
+            "remote": remote_view(dp),
         },
         "health": health_summary(dp, report),
     }
     return doc
+
+
+def remote_view(dp: DataPlaneView) -> dict[str, Any] | None:
+    r = dp.remote_state()
+    if r is None:
+        return None
+    return {
+        "url": r.url,
+        "bypassed": r.bypassed,
+        "ping_latency_seconds": r.ping_latency_seconds,
+        "ping_error_code": r.ping_error_code,
+        "hits": r.hits,
+        "misses": r.misses,
+        "bad_values": r.bad_values,
+        "get_failures": r.get_failures,
+        "puts": r.puts,
+        "put_failures": r.put_failures,
+        "queue_depth": r.queue_depth,
+        "queue_bytes": r.queue_bytes,
+        "dropped_writes": r.dropped_writes,
+    }
 
 
 def arena_view(l1: L1Stats) -> dict[str, Any] | None:

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 T = TypeVar("T")
-_NO_STORE = {"chunks": 0, "stored": 0, "present": 0, "rejected": 0}
+_NO_STORE = {"chunks": 0, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
 MAX_COPY_THREADS = 64
 
 
@@ -257,7 +257,7 @@ class WorkerAdapter:
         """Store every full chunk; True when all of them are held by the server afterwards.
         False, without waiting, while unhealthy or when the server no longer knew us."""
         r = self._store(token_ids, block_ids)
-        return r is not None and r["rejected"] == 0
+        return r is not None and r["rejected"] == 0 and not r.get("skipped")
 
     def store_detail(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int]:
         """STORE's counts: chunks, stored (written now), present (already held), rejected."""

@@ -135,7 +135,7 @@ class ArenaCopier:
               splitter: CopySplitter | None = None) -> dict[str, int]:  # fmt: skip
         n_full = len(tokens) // cs
         slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
-        total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0}
+        total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
             r = send(EngineReserve(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k))
@@ -151,6 +151,9 @@ class ArenaCopier:
             total["rejected"] += int(r["rejected"])
             if r["rejected"]:
                 total["rejected"] += n_full - first - k
+                break
+            if r.get("skipped"):  # the server is unhealthy: it writes nothing now
+                total["skipped"] += int(r["skipped"]) + n_full - first - k
                 break
         return total
 

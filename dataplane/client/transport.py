@@ -189,7 +189,7 @@ class EngineDrivenTransport:
             int(send(Lookup(self.who.instance_id, self.who.secret, tokens))["hit_tokens"]) // cs
         )  # those need no copy
         slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
-        total = {"chunks": n_full, "stored": 0, "present": present, "rejected": 0}
+        total = {"chunks": n_full, "stored": 0, "present": present, "rejected": 0, "skipped": 0}
         first = present
         with self._lock:
             pool = self._slots()
@@ -201,10 +201,13 @@ class EngineDrivenTransport:
                 r = send(
                     EngineStore(self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k)
                 )
-                for key in ("stored", "present", "rejected"):
-                    total[key] += int(r[key])
+                for key in ("stored", "present", "rejected", "skipped"):
+                    total[key] += int(r.get(key, 0))
                 if r["rejected"]:
                     total["rejected"] += n_full - first - k
+                    break
+                if r.get("skipped"):  # the server is unhealthy: it writes nothing now
+                    total["skipped"] += n_full - first - k
                     break
                 first += k
         return total

@@ -26,6 +26,7 @@ import logging
 import pkgutil
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from dataplane.health.base import CheckResult, Components, FallbackPolicy, HealthCheck, IrrecoverableException
 
@@ -56,6 +57,15 @@ def discover(components: Components, package: str = CHECKS_PACKAGE) -> list[Heal
                     "health: %s.create failed, check skipped: %s: %s", cls.__name__, type(exc).__name__, exc
                 )
     return checks
+
+
+@dataclass(frozen=True)
+class MonitorSummary:
+    healthy: bool
+    init_failure: str | None
+    irrecoverable: str | None
+    rounds: int
+    results: tuple[CheckResult, ...]
 
 
 class HealthMonitor:
@@ -137,6 +147,16 @@ class HealthMonitor:
     def results(self) -> list[CheckResult]:
         with self._lock:
             return list(self._results.values())
+
+    def summary_state(self) -> MonitorSummary:
+        with self._lock:
+            return MonitorSummary(
+                self._healthy and self._init_failure is None and self._irrecoverable is None,
+                self._init_failure,
+                self._irrecoverable,
+                self._rounds,
+                tuple(self._results.values()),
+            )
 
     def summary(self) -> dict[str, object]:
         """What `/status` and `/health` show of the monitor."""

@@ -82,7 +82,9 @@ class DirectTransferModule:
             _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
             missing, held = self.l1.pin_present(wanted)
             lease.pinned += held
-            rejected = 0
+            rejected = skipped = 0
+            if missing and not self.l1.writable():  # unhealthy: nothing is handed out to write
+                missing, skipped = [], len(missing)
             for n, i in enumerate(missing):
                 buf = self.l1.reserve(c.chunk_bytes)
                 if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
@@ -99,7 +101,8 @@ class DirectTransferModule:
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
         return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": len(held),
-                "rejected": rejected, "chunks": len(wanted), "usable": self.l1.arena.growth()[0]}  # fmt: skip
+                "rejected": rejected, "skipped": skipped, "chunks": len(wanted),
+                "usable": self.l1.arena.growth()[0]}  # fmt: skip
 
     def _commit(self, rctx: RequestContext, p: EngineCommit) -> dict[str, Any]:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:

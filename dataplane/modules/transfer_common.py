@@ -84,7 +84,10 @@ class TransferModule(Generic[E]):
         """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes.
 
         ``prefix``: keys before these (already stored) that must not be evicted meanwhile.
-        Returns the STORE reply counts: chunks, stored, present, rejected."""
+        Returns the STORE reply counts: chunks, stored, present, rejected, skipped (all of
+        them while the server is unhealthy: nothing is written)."""
+        if not self.l1.writable():
+            return {"chunks": len(keys), "stored": 0, "present": 0, "rejected": 0, "skipped": len(keys)}
         _, pinned = self.l1.pin_present(prefix or [])
         missing, held = self.l1.pin_present(keys)
         pinned += held
@@ -115,4 +118,5 @@ class TransferModule(Generic[E]):
             "stored": stored,
             "present": len(keys) - len(missing),
             "rejected": rejected,
+            "skipped": 0,
         }

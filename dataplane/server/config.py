@@ -93,7 +93,16 @@ class Settings(BaseSettings):
     remote_url: str | None = Field(None, description="redis://host:port/db or rediss://...")
     remote_password: SecretStr | None = Field(None, description="Password for the remote tier.")
     remote_timeout_seconds: float = Field(1.0, gt=0, le=600, description="Bound on one remote get/put.")
-    local_cpu: bool = Field(True, description="L1 keeps chunks as a hot cache; false = staging only.")
+    remote_key_prefix: str = Field(
+        "kvwarden:", min_length=1, max_length=64, pattern=r"^[!-~]+$",
+        description="Prefix of every remote key (printable, no spaces): servers sharing chunks share it.",
+    )  # fmt: skip
+    remote_write_queue_mb: int = Field(
+        256, ge=1, le=1 << 20, description="Write-behind queue to the remote tier (MiB); more is dropped."
+    )
+    local_cpu: bool = Field(
+        True, description="L1 keeps chunks as a hot cache; false = L1 only stages writes (needs remote_url)."
+    )
     worker_reap_timeout_seconds: float = Field(
         120.0, ge=0, description="Silence after which a pinging worker is reaped; 0 disables; >= 30."
     )
@@ -167,6 +176,8 @@ class Settings(BaseSettings):
             self.worker_registration_grace_seconds,
             self.worker_disconnect_grace_seconds,
         )
+        if not self.local_cpu and self.remote_url is None:
+            raise ValueError("local_cpu=false needs remote_url: L1 would only stage writes for a remote tier")
         if self.ipc_path is not None and {"host", "port"} & self.model_fields_set:
             raise ValueError("ipc_path and host/port: the data plane listens on one of them, not both")
         if self.admin_token_file is not None:

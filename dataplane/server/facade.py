@@ -23,8 +23,58 @@ __all__ = [
     "L1Stats",
     "LivenessRow",
     "LivenessStatus",
+    "MonitorCheck",
+    "MonitorState",
+    "RemoteState",
     "ServerInfo",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorCheck:
+    """The last result of one health-monitor check."""
+
+    name: str
+    healthy: bool
+    skipped: bool
+    policy: str
+    reason: str
+    bypassed_backend: str | None  # the backend this check bypassed (local_cpu), if any
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorState:
+    healthy: bool
+    init_failure: str | None
+    irrecoverable: str | None
+    rounds: int
+    bypassed_backends: tuple[str, ...]
+    checks: tuple[MonitorCheck, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteState:
+    """The remote tier's backend as `/status` and `/metrics` show it (the URL has no password)."""
+
+    backend: str
+    url: str
+    bypassed: bool
+    ping_latency_seconds: float
+    ping_error_code: int
+    ping_successes: int
+    ping_errors: int
+    gets: int
+    hits: int
+    misses: int
+    bad_values: int
+    get_failures: int
+    puts: int
+    put_failures: int
+    bytes_read: int
+    bytes_written: int
+    queue_depth: int
+    queue_bytes: int
+    dropped_writes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +135,14 @@ class DataPlaneView(Protocol):
     def l1_stats(self) -> L1Stats: ...
 
     def components(self) -> ComponentState: ...
+
+    def monitor_state(self) -> MonitorState:
+        """The health monitor: overall health, each check's last result, bypassed backends."""
+        ...
+
+    def remote_state(self) -> RemoteState | None:
+        """The remote tier (None: no remote_url)."""
+        ...
 
     def force_reap(self, instance_id: int) -> list[str]:
         """The admin reap (the cleanup UNREGISTER runs); names of the modules that held it."""

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from prometheus_client import generate_latest
 
+from dataplane.health.base import Components
+from dataplane.health.monitor import HealthMonitor
 from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import LivenessRegistry
@@ -34,10 +36,12 @@ from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
 from dataplane.server.config import L1Backing, Settings
-from dataplane.server.facade import ComponentState, LivenessStatus
+from dataplane.server.facade import ComponentState, LivenessStatus, MonitorCheck, MonitorState, RemoteState
 from dataplane.server.loop import Server
 from dataplane.storage.arena import Arena
-from dataplane.storage.l1 import L1Stats, L1Store
+from dataplane.storage.l1 import L1Stats
+from dataplane.storage.remote import RemoteBackend
+from dataplane.storage.tiered import TieredStore
 from dataplane.wire.messages import TransferMode
 
 logger = logging.getLogger(__name__)
@@ -49,22 +53,33 @@ class DataPlane:
 
     settings: Settings
     server: Server
-    l1: L1Store
+    l1: TieredStore
     management: ManagementModule
     transfer: ServerDrivenTransferModule
     engine: EngineDrivenTransferModule
     metrics: DataPlaneMetrics
     splitter: CopySplitter
+    monitor: HealthMonitor
+    remote: RemoteBackend | None = None
     clock: Callable[[], float] = time.monotonic
 
     def start(self) -> None:
         self.l1.arena.start()  # faults L1 in while the server already answers
         self.splitter.start()
+        if self.remote is not None:
+            self.remote.start()
         self.server.start()
+        self.monitor.start()
 
     def stop(self, timeout_s: float | None = None) -> bool:
+        self.monitor.stop()
+        self.monitor.join()
         clean = self.server.stop(timeout_s)
         self.splitter.stop()  # after the server: no transfer is left to use it
+        if self.remote is not None:  # what is still queued is dropped (and released)
+            self.remote.stop()
+            self.remote.join()
+            self.remote.close()
         self.l1.close()  # last: the modules released every view of it
         return clean
 
@@ -128,6 +143,30 @@ class DataPlane:
     def force_reap(self, instance_id: int) -> list[str]:
         return self.management.force_reap(instance_id)
 
+    def monitor_state(self) -> MonitorState:
+        m = self.monitor.summary_state()
+        bypassed = self.monitor.bypassed()
+        by_check = {check: backend for backend, check in bypassed.items()}
+        checks = tuple(
+            MonitorCheck(r.name, r.healthy, r.skipped, r.policy, r.reason, by_check.get(r.name))
+            for r in m.results
+        )
+        return MonitorState(
+            m.healthy, m.init_failure, m.irrecoverable, m.rounds, tuple(sorted(bypassed)), checks
+        )
+
+    def remote_state(self) -> RemoteState | None:
+        b = self.remote
+        if b is None:
+            return None
+        s = b.stats()
+        return RemoteState(
+            b.name, b.url, b.bypassed, s.ping_latency_s, s.ping_code, s.ping_successes, s.ping_errors,
+            s.gets, s.hits, s.misses, sum(s.bad_values.values()), sum(s.get_failures.values()), s.puts,
+            sum(s.put_failures.values()), s.bytes_read, s.bytes_written, s.queue_depth, s.queue_bytes,
+            sum(s.drops.values()),
+        )  # fmt: skip
+
     def render_metrics(self) -> bytes:
         return generate_latest(self.metrics.registry)
 
@@ -140,16 +179,16 @@ def build_dataplane(
     """``extra_targets``: more liveness targets (modules holding per-instance state) beside
     the transfer modules' registries; PING touches them and every release reaches them."""
     sweep_orphans()
-    if settings.remote_url:
-        logger.warning(
-            "kvwarden: remote_url is set, but this version serves the local CPU tier "
-            "only; the remote tier is not used"
-        )
     metrics = DataPlaneMetrics()
     shared = {L1Backing.AUTO: None, L1Backing.SHM: True, L1Backing.PRIVATE: False}[settings.l1_backing]
     arena = Arena(settings.l1_capacity_bytes, shared=shared, pin_memory=torch.cuda.is_available())
     logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
-    l1 = L1Store(settings.l1_capacity_bytes, hot_cache=settings.local_cpu, arena=arena)
+    remote, init_failure = _remote_backend(settings)
+    l1 = TieredStore(settings.l1_capacity_bytes, hot_cache=settings.local_cpu, arena=arena, remote=remote)
+    monitor = _monitor(settings, l1, remote, clock)
+    if init_failure is not None:
+        monitor.mark_init_failed(init_failure)
+    l1.gate = monitor.is_healthy
     server = Server(
         settings.zmq_endpoint,
         max_cpu_workers=settings.max_cpu_workers,
@@ -187,4 +226,43 @@ def build_dataplane(
     server.add_module(engine)
     server.add_module(DirectTransferModule(engine, l1, metrics))
     server.add_module(LookupModule(l1, cs, metrics, [transfer.registry, engine.registry]))
-    return DataPlane(settings, server, l1, management, transfer, engine, metrics, splitter, clock)
+    return DataPlane(
+        settings, server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock
+    )
+
+
+def _remote_backend(settings: Settings) -> tuple[RemoteBackend | None, str | None]:
+    """The remote tier's backend (None without remote_url), and why it could not be built."""
+    if settings.remote_url is None:
+        return None, None
+    password = settings.remote_password
+    try:
+        backend = RemoteBackend(
+            settings.remote_url,
+            password=None if password is None else password.get_secret_value(),
+            timeout_s=settings.remote_timeout_seconds,
+            prefix=settings.remote_key_prefix,
+            queue_bytes=settings.remote_write_queue_mb << 20,
+            health_timeout_s=settings.health_ping_timeout,
+        )
+    except Exception as exc:  # the server still serves: recompute-only, unhealthy
+        return None, f"the remote tier could not be set up: {type(exc).__name__}"
+    logger.info("kvwarden: remote tier %s", backend.url)
+    return backend, None
+
+
+def _monitor(
+    settings: Settings, l1: TieredStore, remote: RemoteBackend | None, clock: Callable[[], float]
+) -> HealthMonitor:
+    components = Components(
+        remote_backends={} if remote is None else {remote.name: remote},
+        local_tier=l1,
+        fallback_policy=settings.fallback_policy,
+        get_blocking_failed_threshold=settings.get_blocking_failed_threshold,
+        waiting_time_for_recovery=settings.waiting_time_for_recovery,
+        clock=clock,
+    )
+    monitor = HealthMonitor(components, settings.health_ping_interval)
+    if remote is not None:  # a burst of failed reads: a round at once, not at the interval's end
+        remote.burst_at, remote.on_burst = settings.get_blocking_failed_threshold, monitor.request_round
+    return monitor

@@ -181,6 +181,21 @@ class L1Store:
             self._writing -= 1
             self._quarantined.append((self._clock() + QUARANTINE_S, buf))
 
+    def writable(self) -> bool:
+        """Whether STORE may write now (`TieredStore` asks the health monitor)."""
+        return True
+
+    def discard(self, keys: list[bytes]) -> int:
+        """Drop those of ``keys`` that are present and that no reader holds; how many."""
+        with self._lock:
+            n = 0
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None and e.readers == 0:
+                    self._drop(self._entries.pop(k))
+                    n += 1
+            return n
+
     def clear(self) -> int:
         """Drop every chunk no reader holds; returns how many were dropped."""
         with self._lock:

@@ -165,7 +165,7 @@ class RemoteBackend:
     def redis_key(self, key: bytes) -> str:
         return self.prefix + key.hex()
 
-    def get(self, key: bytes, dtype: str, shape: Sequence[int]) -> memoryview | None:
+    def get(self, key: bytes, dtype: str, shape: Sequence[int] | None) -> memoryview | None:
         """The payload stored under ``key`` (checked: right key, layout and hash), or None: a
         miss, a bad value (counted by kind) or a failure (counted; bounded by timeout_s)."""
         if self.bypassed:
@@ -181,7 +181,7 @@ class RemoteBackend:
                 self._stats.misses += 1
                 return None
         try:
-            _, _, payload = decode(key, value, dtype, shape)  # type: ignore[arg-type]
+            _, _, payload = decode(key, value, dtype, shape)  # type: ignore[arg-type]  # (bytes)
         except RemoteValueError as exc:
             with self._lock:
                 self._stats.misses += 1

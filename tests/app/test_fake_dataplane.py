@@ -22,6 +22,8 @@ from dataplane.server.facade import (
     L1Stats,
     LivenessRow,
     LivenessStatus,
+    MonitorState,
+    RemoteState,
     ServerInfo,
 )
 from tests.app.conftest import AUTH, TOKEN, AppFactory
@@ -97,6 +99,8 @@ class FakeDataPlane:
         self.state = RUNNING
         self.metrics_text = FAKE_METRICS
         self.force_reap_calls: list[int] = []
+        self.monitor = MonitorState(True, None, None, 0, (), ())
+        self.remote: RemoteState | None = None
 
     @property
     def settings(self) -> Settings:
@@ -138,6 +142,12 @@ class FakeDataPlane:
 
     def components(self) -> ComponentState:
         return self.state
+
+    def monitor_state(self) -> MonitorState:
+        return self.monitor
+
+    def remote_state(self) -> RemoteState | None:
+        return self.remote
 
     def force_reap(self, instance_id: int) -> list[str]:
         self.force_reap_calls.append(instance_id)

@@ -63,7 +63,7 @@ def test_engine_driven_round_trip(
     try:
         a.register_kv_caches(src)
         r = a.store_detail(tokens, b_src)
-        assert r == {"chunks": 7, "stored": 7, "present": 0, "rejected": 0}
+        assert r == {"chunks": 7, "stored": 7, "present": 0, "rejected": 0, "skipped": 0}
         assert a.store_detail(tokens, b_src)["present"] == 7  # nothing copied twice
         dst = layout()
         b.register_kv_caches(dst)

@@ -176,11 +176,23 @@ def test_field_rule(field: str, value: Any) -> None:
         ("remote_url", "rediss://h:1/2"),
         ("get_blocking_failed_threshold", 1),
         ("chunk_size", 1),
-        ("local_cpu", False),
+        ("remote_key_prefix", "team-a:kv:"),
+        ("remote_write_queue_mb", 1),
     ],
 )
 def test_field_accepted(field: str, value: Any) -> None:
     assert getattr(Settings(**{field: value}), field) == value
+
+
+def test_local_cpu_off_needs_a_remote_tier() -> None:
+    assert "local_cpu=false needs remote_url" in rejected(local_cpu=False)
+    s = Settings(local_cpu=False, remote_url="redis://127.0.0.1:6379/0")
+    assert s.local_cpu is False
+
+
+@pytest.mark.parametrize("prefix", ["", "has space", "x" * 65])
+def test_remote_key_prefix_rule(prefix: str) -> None:
+    assert rejected(remote_key_prefix=prefix).startswith("remote_key_prefix")
 
 
 def test_unknown_setting_rejected() -> None:

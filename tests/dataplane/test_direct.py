@@ -607,16 +607,34 @@ def test_worker_adapters_round_trip_through_the_shared_arena(make_dp: DpFactory)
     try:
         a.register_kv_caches(src)
         first = tokens[: 5 * CS + 7]
-        assert a.store_detail(first, b_src) == {"chunks": 5, "stored": 5, "present": 0, "rejected": 0}
+        assert a.store_detail(first, b_src) == {
+            "chunks": 5,
+            "stored": 5,
+            "present": 0,
+            "rejected": 0,
+            "skipped": 0,
+        }
         # one copy: a RESERVE and a COMMIT; no pool, no LOOKUP first
         assert (requests(dp, "ENGINE_RESERVE"), requests(dp, "ENGINE_COMMIT")) == (1, 1)
         assert requests(dp, "ENGINE_STORE") == requests(dp, "LOOKUP") == 0
         assert dp.l1.stats().used_bytes == stored_bytes(dp) == 5 * CB
         # a repeat: all present, nothing copied twice
-        assert a.store_detail(first, b_src) == {"chunks": 5, "stored": 0, "present": 5, "rejected": 0}
+        assert a.store_detail(first, b_src) == {
+            "chunks": 5,
+            "stored": 0,
+            "present": 5,
+            "rejected": 0,
+            "skipped": 0,
+        }
         assert dp.l1.stats().used_bytes == stored_bytes(dp) == 5 * CB
         # a longer prompt: its prefix present, the rest stored
-        assert a.store_detail(tokens, b_src) == {"chunks": 7, "stored": 2, "present": 5, "rejected": 0}
+        assert a.store_detail(tokens, b_src) == {
+            "chunks": 7,
+            "stored": 2,
+            "present": 5,
+            "rejected": 0,
+            "skipped": 0,
+        }
         assert dp.l1.stats().used_bytes == stored_bytes(dp) == 7 * CB
 
         b.register_kv_caches(dst)
@@ -643,7 +661,7 @@ def test_a_prompt_longer_than_l1_is_rejected_past_what_fits_and_keeps_its_prefix
     try:
         a.register_kv_caches(src)
         r = a.store_detail(tokens, b_src)
-        assert r == {"chunks": n, "stored": L1_CHUNKS, "present": 0, "rejected": n - L1_CHUNKS}
+        assert r == {"chunks": n, "stored": L1_CHUNKS, "present": 0, "rejected": n - L1_CHUNKS, "skipped": 0}
         assert requests(dp, "ENGINE_RESERVE") == requests(dp, "ENGINE_COMMIT") == 2
         assert not a.store(tokens, b_src)  # still does not fit: not all held
         b.register_kv_caches(dst)
@@ -665,7 +683,13 @@ def test_a_private_arena_worker_falls_back_to_the_pool(make_dp: DpFactory) -> No
     a, b = adapter(dp, pool_chunks=4), adapter(dp, pool_chunks=2)
     try:
         a.register_kv_caches(src)
-        assert a.store_detail(tokens, b_src) == {"chunks": 6, "stored": 6, "present": 0, "rejected": 0}
+        assert a.store_detail(tokens, b_src) == {
+            "chunks": 6,
+            "stored": 6,
+            "present": 0,
+            "rejected": 0,
+            "skipped": 0,
+        }
         assert a.store_detail(tokens, b_src)["present"] == 6
         b.register_kv_caches(dst)
         assert b.retrieve(tokens, b_dst) == 6 * CS
@@ -744,7 +768,7 @@ def test_a_worker_side_failure_publishes_nothing_and_leaves_no_lease(make_dp: Dp
 
         # the copy mended, the same prompt goes in whole and round-trips
         done = copier.store(send, map_local_tensors(src), tokens, blocks, CS)
-        assert done == {"chunks": 3, "stored": 3, "present": 0, "rejected": 0}
+        assert done == {"chunks": 3, "stored": 3, "present": 0, "rejected": 0, "skipped": 0}
         dst = caches(fill=False)
         b2 = adapter(dp)
         try:
@@ -783,7 +807,13 @@ def test_a_worker_re_registered_with_a_private_arena_server_stops_using_the_old_
         first.stop()
         second = make_dp(private=True, s=s)
         wait_until(lambda: a.registrations == 2 and a.is_healthy, 15, what="the re-register")
-        assert a.store_detail(tokens, blocks) == {"chunks": 3, "stored": 3, "present": 0, "rejected": 0}
+        assert a.store_detail(tokens, blocks) == {
+            "chunks": 3,
+            "stored": 3,
+            "present": 0,
+            "rejected": 0,
+            "skipped": 0,
+        }
         b = adapter(second)
         b.register_kv_caches(dst)
         assert b.retrieve(tokens, blocks) == 3 * CS

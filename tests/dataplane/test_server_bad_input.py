@@ -897,7 +897,7 @@ def test_wrong_secret_is_not_owner_and_changes_nothing(
     reply = send(sock, make[mtype](secret_of(w)))
     assert reply.ok, reply
     expected = {
-        "STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0},
+        "STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0, "skipped": 0},
         "RETRIEVE": {"retrieved_tokens": 2 * CHUNK},
         "LOOKUP": {"hit_tokens": 2 * CHUNK},
         "UNREGISTER_KV_CACHE": {"removed": True},
@@ -935,7 +935,7 @@ def test_engine_wrong_secret_is_not_owner_and_changes_nothing(
     reply = send(sock, make[mtype](secret_of(w)))
     assert reply.ok, reply
     expected = {
-        "ENGINE_STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0},
+        "ENGINE_STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0, "skipped": 0},
         "ENGINE_RETRIEVE": {"chunks": 2},
         "LOOKUP": {"hit_tokens": 2 * CHUNK},
         "UNREGISTER_KV_CACHE": {"removed": True},

@@ -102,7 +102,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def test_store_reports_every_full_chunk(cluster: Cluster) -> None:
-    assert cluster.store_result == {"chunks": 5, "stored": 5, "present": 0, "rejected": 0}
+    assert cluster.store_result == {"chunks": 5, "stored": 5, "present": 0, "rejected": 0, "skipped": 0}
     assert len(cluster.expected) == 5 * CHUNK * TPB
     assert any(cluster.expected), "worker A's cache should hold random data"
 
@@ -121,6 +121,7 @@ def test_store_again_finds_everything_present(cluster: Cluster) -> None:
         "stored": 0,
         "present": 5,
         "rejected": 0,
+        "skipped": 0,
     }
 
 
@@ -175,6 +176,7 @@ def test_other_model_misses_and_stores_apart(cluster: Cluster) -> None:
         "stored": 5,
         "present": 0,
         "rejected": 0,
+        "skipped": 0,
     }
     assert c.lookup(cluster.prompt) == 5 * CHUNK
     # ... and never reach a worker of the first model
@@ -216,7 +218,7 @@ def test_l1_eviction_keeps_the_most_recent_chunks(
     prompts = [rand_tokens(100 + i, CHUNK + 5) for i in range(7)]
     blocks = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(7)]
     for p, bl in zip(prompts, blocks, strict=True):
-        assert w.store(p, bl) == {"chunks": 1, "stored": 1, "present": 0, "rejected": 0}
+        assert w.store(p, bl) == {"chunks": 1, "stored": 1, "present": 0, "rejected": 0, "skipped": 0}
     hits = [w.lookup(p) for p in prompts]
     assert hits == [0, 0, 0, 0, CHUNK, CHUNK, CHUNK]
     for i in (4, 5, 6):
@@ -229,7 +231,7 @@ def test_l1_eviction_keeps_the_most_recent_chunks(
         assert w.retrieve(prompts[i], [40, 41, 42], tmp / f"miss-{i}.bin") == 0
     # reads refreshed 4, 5, 6 in that order: the next store evicts 4
     extra = rand_tokens(200, CHUNK)
-    assert w.store(extra, [30, 31]) == {"chunks": 1, "stored": 1, "present": 0, "rejected": 0}
+    assert w.store(extra, [30, 31]) == {"chunks": 1, "stored": 1, "present": 0, "rejected": 0, "skipped": 0}
     assert [w.lookup(p) for p in (prompts[4], prompts[5], prompts[6], extra)] == [
         0,
         CHUNK,

@@ -317,7 +317,7 @@ def outage_calls(p: Proc, prompt: int) -> list[float]:
     """A store and a retrieve while no server runs: misses, each answered within the bound."""
     st = p.command("stored", op="store", prompt=prompt)
     rt = p.command("retrieved", op="retrieve", prompt=prompt)
-    assert st["r"] == {"chunks": 0, "stored": 0, "present": 0, "rejected": 0}, st
+    assert st["r"] == {"chunks": 0, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}, st
     assert rt["n"] == 0 and rt["bad"] == [], rt
     took = [st["s"], rt["s"]]
     assert max(took) <= OUTAGE_CALL_BOUND_S, took

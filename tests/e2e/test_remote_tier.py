@@ -1,0 +1,291 @@
+"""The remote tier through the public contract: real `kvwarden serve` processes sharing a real
+redis-server (started here on a free port), workers through `dataplane.client`, the sidecar over
+HTTP; Redis killed, paused and restarted by the tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from dataplane.client import WorkerAdapter, allocate_kv_caches
+from tests.helpers import ServerProcess, wait_until
+from tests.redis_server import RedisServer
+
+LAYERS, BLOCKS, BS, HEADS, HD = 2, 64, 16, 2, 64
+CS = 256  # the server's default chunk size
+INTERVAL, TIMEOUT = 0.5, 0.3  # health_ping_interval, health_ping_timeout and remote_timeout
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    r = RedisServer()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def serve(tmp: Path, r: RedisServer, *args: str) -> ServerProcess:
+    srv = ServerProcess(
+        tmp,
+        "--remote-url", r.url,
+        "--remote-timeout-seconds", str(TIMEOUT),
+        "--health-ping-interval", str(INTERVAL),
+        "--health-ping-timeout", str(TIMEOUT),
+        *args,
+    )  # fmt: skip
+    srv.wait_ready()
+    return srv
+
+
+class Worker:
+    def __init__(self, srv: ServerProcess, mode: str = "server_driven") -> None:
+        self.caches = allocate_kv_caches(LAYERS, BLOCKS, BS, HEADS, HD, torch.bfloat16)
+        self.blank()
+        self.w = WorkerAdapter(srv.endpoint, "m", transfer_mode=mode, heartbeat_interval=5.0)
+        self.w.register_kv_caches(self.caches)
+
+    def fill(self, seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        for c in self.caches:
+            c.copy_(torch.randn(c.shape, generator=g).to(torch.bfloat16))
+        return [c.clone() for c in self.caches]
+
+    def blank(self) -> None:
+        for c in self.caches:
+            c.zero_()
+
+    def same(self, want: list[torch.Tensor], tokens: int) -> bool:
+        """The first ``tokens`` token slots (blocks 0..) equal ``want``'s."""
+        nb = tokens // BS
+        return all(
+            torch.equal(a[:, :nb].view(torch.int16), b[:, :nb].view(torch.int16))
+            for a, b in zip(self.caches, want, strict=True)
+        )
+
+    def close(self) -> None:
+        self.w.close()
+
+
+def prompt(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n)
+
+
+BLOCK_IDS = np.arange(BLOCKS)
+
+
+def status(srv: ServerProcess) -> dict[str, Any]:
+    doc: dict[str, Any] = httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10).json()
+    return doc
+
+
+def health(srv: ServerProcess) -> tuple[int, str]:
+    r = httpx.get(f"http://127.0.0.1:{srv.http_port}/health", timeout=10)
+    return r.status_code, str(r.json()["status"])
+
+
+def remote(srv: ServerProcess) -> dict[str, Any]:
+    doc: dict[str, Any] = status(srv)["storage"]["remote"]
+    return doc
+
+
+@pytest.mark.parametrize("mode", ["server_driven", "engine_driven"])
+def test_a_prompt_stored_through_one_server_is_retrieved_through_another(
+    tmp_path: Path, redis_server: RedisServer, mode: str
+) -> None:
+    a, b = serve(tmp_path / "a", redis_server), serve(tmp_path / "b", redis_server)
+    wa = wb = None
+    try:
+        wa, wb = Worker(a, mode), Worker(b, mode)
+        tokens = prompt(1, 3 * CS)
+        want = wa.fill(1)
+        assert wa.w.store_detail(tokens, BLOCK_IDS)["stored"] == 3
+        wait_until(lambda: remote(a)["puts"] == 3, 20, what="the write-behind queue to drain")
+        assert remote(a)["url"] == redis_server.url
+        assert status(b)["storage"]["l1"]["chunks"] == 0  # B's L1 is cold
+        assert wb.w.lookup(tokens) == 3 * CS
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 3 * CS
+        assert wb.same(want, 3 * CS)
+        rb = remote(b)
+        assert rb["hits"] == 3 and rb["bad_values"] == 0 and status(b)["storage"]["l1"]["chunks"] == 3
+        wb.blank()
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 3 * CS and remote(b)["hits"] == 3  # now from B's L1
+        assert wb.same(want, 3 * CS)
+    finally:
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        a.stop()
+        b.stop()
+
+
+def test_damaged_values_in_redis_are_counted_misses_never_served(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    a, b = serve(tmp_path / "a", redis_server), serve(tmp_path / "b", redis_server)
+    raw = redis_server.client()
+    wa = wb = None
+    try:
+        wa, wb = Worker(a), Worker(b)
+        tokens = prompt(2, 2 * CS)
+        want = wa.fill(2)
+        assert wa.w.store_detail(tokens[:CS], BLOCK_IDS)["stored"] == 1
+        wait_until(lambda: remote(a)["puts"] == 1, 20, what="chunk 0 written")
+        (k0,) = raw.keys("kvwarden:*")
+        assert wa.w.store_detail(tokens, BLOCK_IDS)["stored"] == 1
+        wait_until(lambda: remote(a)["puts"] == 2, 20, what="chunk 1 written")
+        (k1,) = set(raw.keys("kvwarden:*")) - {k0}
+        v0, v1 = raw.get(k0), raw.get(k1)
+        assert v0 is not None and v1 is not None
+        flipped = bytearray(v1)
+        flipped[len(flipped) // 2] ^= 0x01
+        cases = [
+            (v0[: len(v0) // 2], v1, 0),  # chunk 0 truncated: nothing served
+            (v1, v1, 0),  # chunk 0 holds chunk 1's bytes: refused by its key hash
+            (b"not ours", v1, 0),  # a foreign value
+            (v0, bytes(flipped), CS),  # chunk 1 has one byte flipped: only chunk 0 is served
+        ]
+        for n, (c0, c1, served) in enumerate(cases):
+            raw.set(k0, c0)
+            raw.set(k1, c1)
+            wb.blank()
+            assert wb.w.retrieve(tokens, BLOCK_IDS) == served, n
+            assert wb.same(want, served)
+            if served == 0:
+                assert all(not c.any() for c in wb.caches)  # not a byte was written
+        rb = remote(b)
+        assert rb["bad_values"] == 4 and rb["get_failures"] == 0
+        text = httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
+        assert 'kvwarden_remote_bad_values_total{backend="redis"} 4.0' in text
+    finally:
+        raw.close()
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        a.stop()
+        b.stop()
+
+
+def test_recompute_while_redis_is_down_and_back_when_it_returns(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    srv = serve(tmp_path, redis_server)
+    w = None
+    try:
+        w = Worker(srv)
+        stored = prompt(3, 2 * CS)
+        w.fill(3)
+        assert w.w.store_detail(stored, BLOCK_IDS)["stored"] == 2
+        wait_until(lambda: health(srv) == (200, "pass"), 10, what="healthy")
+        redis_server.kill()
+        t0 = time.monotonic()
+        wait_until(lambda: health(srv)[0] == 503, 10, interval=0.02, what="unhealthy")
+        detected = time.monotonic() - t0
+        assert detected <= INTERVAL + TIMEOUT + 0.5, detected
+        assert not status(srv)["is_healthy"]
+        # degraded answers, each at once: nothing waits on the dead Redis
+        for call, degraded in (
+            (lambda: w.w.lookup(stored), 0),
+            (lambda: w.w.retrieve(stored, BLOCK_IDS), 0),
+            (lambda: w.w.store_detail(prompt(4, 2 * CS), BLOCK_IDS)["skipped"], 2),
+        ):
+            t1 = time.monotonic()
+            assert call() == degraded
+            assert time.monotonic() - t1 < TIMEOUT + 0.5
+        redis_server.start()
+        wait_until(lambda: health(srv) == (200, "pass"), INTERVAL + TIMEOUT + 5, what="healthy again")
+        assert w.w.retrieve(stored, BLOCK_IDS) == 2 * CS  # L1 kept it; serving again
+    finally:
+        if w is not None:
+            w.close()
+        srv.stop()
+    assert "unhealthy (recompute)" in srv.output()
+
+
+def test_a_hung_redis_trips_the_counter_and_recovery_waits_for_the_window_and_the_probe(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    wait_s = 3.0
+    srv = serve(
+        tmp_path, redis_server,
+        "--get-blocking-failed-threshold", "1",
+        "--waiting-time-for-recovery", str(wait_s),
+    )  # fmt: skip
+    w = None
+    try:
+        w = Worker(srv)
+        wait_until(lambda: health(srv) == (200, "pass"), 10, what="healthy")
+        redis_server.pause()  # SIGSTOP: every call waits out its timeout
+        try:
+            t0 = time.monotonic()
+            assert w.w.retrieve(prompt(5, CS), BLOCK_IDS) == 0  # not in L1: Redis is asked, times out
+            assert time.monotonic() - t0 < TIMEOUT + 0.5
+            wait_until(lambda: health(srv)[0] == 503, 5, interval=0.02, what="tripped")
+        finally:
+            redis_server.resume()
+        # Redis answers again, but the counter tripped: unhealthy until the window is over
+        assert health(srv)[0] == 503
+        checks = {c["name"]: c for c in status(srv)["health"]["checks"]}
+        (remote_check,) = [c for n, c in checks.items() if n.startswith("remote_backend:")]
+        assert remote_check["status"] == "fail"
+        wait_until(lambda: health(srv) == (200, "pass"), wait_s + INTERVAL + TIMEOUT + 5, what="healthy")
+        assert time.monotonic() - t0 >= wait_s
+        # nothing stayed blocked: the server stores and reads through Redis again
+        tokens = prompt(6, CS)
+        want = w.fill(6)
+        assert w.w.store_detail(tokens, BLOCK_IDS)["stored"] == 1
+        wait_until(lambda: remote(srv)["puts"] >= 1, 10, what="the write")
+        w.blank()
+        assert w.w.retrieve(tokens, BLOCK_IDS) == CS and w.same(want, CS)
+    finally:
+        if w is not None:
+            w.close()
+        srv.stop()
+
+
+def test_local_cpu_bypasses_redis_and_recovery_drops_the_outages_chunks(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    srv = serve(tmp_path, redis_server, "--fallback-policy", "local_cpu", "--local-cpu", "false")
+    w = None
+    try:
+        w = Worker(srv)
+        before = prompt(7, CS)
+        want_before = w.fill(7)
+        assert w.w.store_detail(before, BLOCK_IDS)["stored"] == 1
+        wait_until(lambda: remote(srv)["puts"] == 1, 10, what="the write")
+        wait_until(lambda: status(srv)["storage"]["l1"]["chunks"] == 0, 10, what="L1 to only stage")
+        redis_server.kill()
+        wait_until(lambda: health(srv) == (200, "warn"), 10, interval=0.02, what="bypassed")
+        doc = status(srv)
+        assert doc["is_healthy"] and doc["health"]["bypassed_backends"] == ["redis"]
+        assert doc["storage"]["remote"]["bypassed"] and doc["storage"]["l1"]["hot_cache"]
+        during = prompt(8, CS)
+        want_during = w.fill(8)
+        t0 = time.monotonic()
+        assert w.w.store_detail(during, BLOCK_IDS)["stored"] == 1  # L1 caches meanwhile
+        w.blank()
+        assert w.w.retrieve(during, BLOCK_IDS) == CS and w.same(want_during, CS)
+        assert time.monotonic() - t0 < 2 * TIMEOUT  # no call went to the dead Redis
+        text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+        assert 'kvwarden_backend_bypassed{backend="redis"} 1.0' in text
+        redis_server.start()  # an empty Redis: what was written before is gone with it
+        wait_until(lambda: health(srv) == (200, "pass"), 10, what="recovered")
+        doc = status(srv)
+        assert not doc["storage"]["remote"]["bypassed"] and not doc["storage"]["l1"]["hot_cache"]
+        assert doc["storage"]["l1"]["chunks"] == 0  # the outage's chunks are not served as remote
+        w.blank()
+        assert w.w.retrieve(during, BLOCK_IDS) == 0
+        assert w.w.retrieve(before, BLOCK_IDS) == 0
+        assert want_before  # (stored before the outage, lost with the killed Redis)
+    finally:
+        if w is not None:
+            w.close()
+        srv.stop()
