@@ -18,6 +18,7 @@ from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dataplane.health.base import FallbackPolicy
+from dataplane.storage.redis_client import CLUSTER_SCHEME, parse_cluster_url
 from dataplane.wire.protocol import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_MAX_FRAME_BYTES,
@@ -90,7 +91,10 @@ class Settings(BaseSettings):
     max_frame_bytes: int = Field(
         DEFAULT_MAX_FRAME_BYTES, ge=4096, le=1 << 30, description="Largest request frame accepted."
     )
-    remote_url: str | None = Field(None, description="redis://host:port/db or rediss://...")
+    remote_url: str | None = Field(
+        None,
+        description="redis://host:port/db, rediss://... (TLS) or redis+cluster://host:port[,host:port...]",
+    )
     remote_password: SecretStr | None = Field(None, description="Password for the remote tier.")
     remote_timeout_seconds: float = Field(1.0, gt=0, le=600, description="Bound on one remote get/put.")
     remote_key_prefix: str = Field(
@@ -165,8 +169,10 @@ class Settings(BaseSettings):
     @field_validator("remote_url")
     @classmethod
     def _remote_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://")):
-            raise ValueError("must start with redis:// or rediss://")
+        if v is not None and not v.startswith(("redis://", "rediss://", CLUSTER_SCHEME)):
+            raise ValueError("must start with redis://, rediss:// or redis+cluster://")
+        if v is not None and v.startswith(CLUSTER_SCHEME):
+            parse_cluster_url(v)  # ValueError naming the node that is not host:port
         return v
 
     @model_validator(mode="after")

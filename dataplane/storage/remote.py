@@ -25,15 +25,12 @@ import collections
 import os
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import redis
-from redis import exceptions as rexc
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from dataplane.storage.redis_client import Lazy, failure_kind, make_client, ping_all, redact
 from dataplane.storage.remote_codec import RemoteValueError, decode, encode_header
 
 OK, TIMEOUT, OTHER_ERROR = 0, -1, -2  # ping error codes (the health spec's)
@@ -43,28 +40,6 @@ DROP_REASONS = ("full", "bypassed", "stopped")
 
 class RemoteAuthError(RuntimeError):
     """Redis refused the credentials: retrying cannot help."""
-
-
-def redact(url: str) -> str:
-    """``url`` without a password (the user name is kept)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, rexc.AuthenticationError | rexc.AuthorizationError | rexc.NoPermissionError):
-        return "auth"
-    if isinstance(exc, redis.TimeoutError | TimeoutError):
-        return "timeout"
-    if isinstance(exc, redis.ConnectionError | ConnectionError | OSError):
-        return "connection"
-    return "error"
 
 
 @dataclass
@@ -118,10 +93,10 @@ class RemoteBackend:
         self.timeout_s = timeout_s
         self.prefix = prefix
         self.queue_limit = queue_bytes
-        self._client = _client(url, password, timeout_s)
+        self._client = Lazy(lambda: make_client(url, password, timeout_s))
         # PING and the probe go through a client of their own: bounded by the health timeout,
         # and never queued behind the data path's connections
-        self._health = _client(url, password, health_timeout_s or timeout_s)
+        self._health = Lazy(lambda: make_client(url, password, health_timeout_s or timeout_s))
         self.on_burst: Callable[[], None] | None = None  # called when failed reads reach burst_at
         self.burst_at = 0
         self._lock = threading.Lock()  # leaf: guards _stats, _queue, _queued_bytes, _inflight, _failed_gets
@@ -171,7 +146,7 @@ class RemoteBackend:
         if self.bypassed:
             return None
         try:
-            value = self._client.get(self.redis_key(key))
+            value = self._client().get(self.redis_key(key))
         except redis.RedisError as exc:
             self._count_get_failure(failure_kind(exc))
             return None
@@ -198,7 +173,7 @@ class RemoteBackend:
         if self.bypassed or not keys:
             return 0
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client().pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self.redis_key(k))
             found = pipe.execute()
@@ -217,7 +192,7 @@ class RemoteBackend:
         t0 = time.perf_counter()
         code = OK
         try:
-            self._health.ping()
+            ping_all(self._health())
         except redis.RedisError as exc:
             kind = failure_kind(exc)
             if kind == "auth":
@@ -237,9 +212,9 @@ class RemoteBackend:
         (bounded by the health timeout; the key expires after a minute)."""
         key, data = f"{self.prefix}probe:{os.urandom(8).hex()}", os.urandom(64)
         try:
-            self._health.set(key, data, px=60_000)
-            back = self._health.get(key)
-            self._health.delete(key)
+            self._health().set(key, data, px=60_000)
+            back = self._health().get(key)
+            self._health().delete(key)
         except redis.RedisError as exc:
             if failure_kind(exc) == "auth":
                 raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
@@ -304,7 +279,7 @@ class RemoteBackend:
 
     def _write(self, w: _Write) -> None:
         try:
-            pipe = self._client.pipeline(transaction=True)
+            pipe = self._client().pipeline(transaction=True)
             pipe.set(w.key, w.header)
             pipe.append(w.key, w.payload)
             pipe.execute()
@@ -357,19 +332,6 @@ class RemoteBackend:
     def _count_drop(self, reason: str) -> None:
         with self._lock:
             self._stats.drops[reason] += 1
-
-
-def _client(url: str, password: str | None, timeout_s: float) -> redis.Redis:
-    return redis.Redis.from_url(
-        url,
-        password=password,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),  # one try: the bound is the timeout, not a multiple of it
-        retry_on_error=[],
-        health_check_interval=0,
-        client_name="kvwarden",
-    )
 
 
 def _release(w: _Write) -> None:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from tests.helpers import ServerProcess, wait_until
-from tests.redis_server import RedisServer
+from tests.helpers import ServerProcess, subprocess_env, wait_until
+from tests.redis_server import RedisClusterServers, RedisServer
 
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 64, 16, 2, 64
 CS = 256  # the server's default chunk size
@@ -32,7 +32,7 @@ def redis_server() -> Iterator[RedisServer]:
         r.stop()
 
 
-def serve(tmp: Path, r: RedisServer, *args: str) -> ServerProcess:
+def serve(tmp: Path, r: RedisServer | RedisClusterServers, *args: str) -> ServerProcess:
     srv = ServerProcess(
         tmp,
         "--remote-url", r.url,
@@ -124,6 +124,35 @@ def test_a_prompt_stored_through_one_server_is_retrieved_through_another(
                 w.close()
         a.stop()
         b.stop()
+
+
+def test_two_servers_share_a_three_master_redis_cluster(tmp_path: Path) -> None:
+    cluster = RedisClusterServers(tmp_path / "cluster")
+    a = b = None
+    wa = wb = None
+    try:
+        a, b = serve(tmp_path / "a", cluster), serve(tmp_path / "b", cluster)
+        wa, wb = Worker(a), Worker(b)
+        tokens = prompt(9, 4 * CS)
+        want = wa.fill(9)
+        assert wa.w.store_detail(tokens, BLOCK_IDS)["stored"] == 4
+        wait_until(lambda: remote(a)["puts"] == 4, 20, what="the writes")
+        per_node = [len(n.client().keys("kvwarden:*")) for n in cluster.nodes]
+        assert sum(per_node) == 4 and max(per_node) < 4  # one prompt's chunks on several shards
+        assert wb.w.lookup(tokens) == 4 * CS
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 4 * CS and wb.same(want, 4 * CS)
+        assert remote(b)["hits"] == 4
+        assert health(b) == (200, "pass")  # the check PINGs every master
+        cluster.nodes[1].kill()
+        wait_until(lambda: health(b)[0] == 503, 10, interval=0.02, what="a master down is unhealthy")
+    finally:
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        for s in (a, b):
+            if s is not None:
+                s.stop()
+        cluster.stop()
 
 
 def test_damaged_values_in_redis_are_counted_misses_never_served(
@@ -289,3 +318,38 @@ def test_local_cpu_bypasses_redis_and_recovery_drops_the_outages_chunks(
         if w is not None:
             w.close()
         srv.stop()
+
+
+def test_the_password_never_shows_and_a_refused_one_is_irrecoverable(tmp_path: Path) -> None:
+    r = RedisServer(extra=["--requirepass", "pw-s3cret"])
+    url = f"redis://:pw-s3cret@127.0.0.1:{r.port}/0"
+    good = ServerProcess(tmp_path / "good", "--remote-url", url, "--health-ping-interval", str(INTERVAL))
+    bad = ServerProcess(
+        tmp_path / "bad",
+        "--remote-url", f"redis://127.0.0.1:{r.port}/0",
+        "--health-ping-interval", str(INTERVAL),
+        env=subprocess_env(KVWARDEN_REMOTE_PASSWORD="not-it-pw"),
+    )  # fmt: skip
+    try:
+        good.wait_ready()
+        bad.wait_ready()
+        wait_until(lambda: health(good) == (200, "pass"), 10, what="the good server healthy")
+        wait_until(lambda: health(bad)[0] == 503, 10, what="the refused server unhealthy")
+        assert bad.proc.poll() is None  # it still serves (recompute-only)
+        doc = status(bad)
+        assert "refused the credentials" in str(doc["health"]["checks"])
+        for srv in (good, bad):
+            seen = (
+                httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10).text
+                + httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+                + httpx.get(f"http://127.0.0.1:{srv.http_port}/health", timeout=10).text
+            )
+            assert "s3cret" not in seen and "not-it" not in seen
+        assert remote(good)["url"] == f"redis://:***@127.0.0.1:{r.port}/0"
+    finally:
+        good.stop()
+        bad.stop()
+        r.stop()
+    for srv in (good, bad):
+        assert "s3cret" not in srv.output() and "not-it" not in srv.output()
+    assert bad.output().count("failed irrecoverably") == 1
