@@ -63,19 +63,25 @@ def key_hash(key: bytes) -> int:
 
 def encode_header(key: bytes, dtype: str, shape: Sequence[int], payload: memoryview | bytes) -> bytes:
     """The header of ``payload`` stored under ``key`` (the payload is sent after it as is)."""
-    code = DTYPE_CODES.get(dtype)
-    if code is None:
-        raise ValueError(f"dtype {dtype!r} has no remote format code (known: {', '.join(DTYPE_CODES)})")
-    if not 0 < len(shape) <= MAX_NDIM or any(not 0 <= d < 1 << 32 for d in shape):
-        raise ValueError(f"shape {tuple(shape)}: 1 to {MAX_NDIM} dimensions, each in [0, 2**32)")
+    code = check_layout(dtype, shape, memoryview(payload).nbytes)
     n = memoryview(payload).nbytes
-    if n != _nbytes(dtype, shape):
-        raise ValueError(f"payload of {n} bytes is not {dtype}{list(shape)}")
     prefix = _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), key_hash(key), n)
     prefix += struct.pack(f"<{len(shape)}I", *shape)
     h = xxhash.xxh3_64(prefix)
     h.update(payload)
     return prefix + _HASH.pack(h.intdigest())
+
+
+def check_layout(dtype: str, shape: Sequence[int], nbytes: int) -> int:
+    """The dtype's code; ValueError naming the problem unless ``nbytes`` is ``dtype[shape]``."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise ValueError(f"dtype {dtype!r} has no remote format code (known: {', '.join(DTYPE_CODES)})")
+    if not 0 < len(shape) <= MAX_NDIM or any(not 0 <= d < 1 << 32 for d in shape):
+        raise ValueError(f"shape {tuple(shape)}: 1 to {MAX_NDIM} dimensions, each in [0, 2**32)")
+    if nbytes != _nbytes(dtype, shape):
+        raise ValueError(f"payload of {nbytes} bytes is not {dtype}{list(shape)}")
+    return code
 
 
 def header_size(ndim: int) -> int:
