@@ -118,6 +118,19 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _remote_line(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "none"
+    ping = {0: "ok", -1: "TIMEOUT"}.get(int(r.get("ping_error_code", 0)), "ERROR")
+    return (
+        f"{r['url']}{'  BYPASSED' if r['bypassed'] else ''}  ping "
+        f"{r.get('ping_latency_seconds', 0.0) * 1e3:.1f} ms {ping}  hits {r.get('hits', 0)}  "
+        f"misses {r.get('misses', 0)} (bad values {r.get('bad_values', 0)})  failures get "
+        f"{r.get('get_failures', 0)} put {r.get('put_failures', 0)}  write queue "
+        f"{r.get('queue_depth', 0)} ({_bytes(r.get('queue_bytes', 0))}), dropped {r.get('dropped_writes', 0)}"
+    )
+
+
 def format_status(doc: dict[str, Any]) -> str:
     srv = doc["server"]
     live = doc["worker_liveness"]
@@ -145,8 +158,7 @@ def format_status(doc: dict[str, Any]) -> str:
         f"liveness  {reaping}  tracked {live['tracked_instances']}  reaped {live['reaped_total']}",
         f"l1        {_bytes(l1['used_bytes'])} of {_bytes(l1['capacity_bytes'])} used  "
         f"{l1['chunks']} chunks  hot cache {'on' if l1['hot_cache'] else 'off'}",
-        "remote    "
-        + ("none" if remote is None else f"{remote['url']}{'  BYPASSED' if remote['bypassed'] else ''}"),
+        "remote    " + _remote_line(remote),
         "",
     ]
     rows = [

@@ -13,7 +13,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from app.core.health import HealthChecker
@@ -111,6 +116,27 @@ def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
         c = CounterMetricFamily(name, doc, labels=["backend"])
         c.add_metric(lb, value)
         yield c
+    by_kind = CounterMetricFamily(
+        "kvwarden_remote_failures",
+        "Remote calls that failed, by operation (get: reads and lookups; put) and kind "
+        "(timeout, connection, auth, error).",
+        labels=["backend", "op", "kind"],
+    )
+    for op, kind, n in r.failures:
+        by_kind.add_metric([r.backend, op, kind], n)
+    yield by_kind
+    hist = HistogramMetricFamily(
+        "kvwarden_remote_duration_seconds",
+        "Remote calls by operation (get; exists: a LOOKUP's pipelined round trip; put), failures included.",
+        labels=["backend", "op"],
+    )
+    for op, bounds, counts, total in r.durations:
+        cumulative, running = [], 0
+        for bound, n in zip([*(f"{b:g}" for b in bounds), "+Inf"], counts, strict=True):
+            running += n
+            cumulative.append((bound, running))
+        hist.add_metric([r.backend, op], cumulative, total)
+    yield hist
 
 
 def render_metrics(dp: DataPlaneView, app_registry: CollectorRegistry) -> bytes:

@@ -75,6 +75,9 @@ class RemoteState:
     queue_depth: int
     queue_bytes: int
     dropped_writes: int
+    failures: tuple[tuple[str, str, int], ...] = ()  # (op: get or put, kind, count)
+    # (op, upper bounds in seconds, counts per bucket with +Inf last, sum of seconds)
+    durations: tuple[tuple[str, tuple[float, ...], tuple[int, ...], float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

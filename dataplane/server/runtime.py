@@ -40,7 +40,7 @@ from dataplane.server.facade import ComponentState, LivenessStatus, MonitorCheck
 from dataplane.server.loop import Server
 from dataplane.storage.arena import Arena
 from dataplane.storage.l1 import L1Stats
-from dataplane.storage.remote import RemoteBackend
+from dataplane.storage.remote import DURATION_BUCKETS, RemoteBackend
 from dataplane.storage.tiered import TieredStore
 from dataplane.wire.messages import TransferMode
 
@@ -165,6 +165,9 @@ class DataPlane:
             s.gets, s.hits, s.misses, sum(s.bad_values.values()), sum(s.get_failures.values()), s.puts,
             sum(s.put_failures.values()), s.bytes_read, s.bytes_written, s.queue_depth, s.queue_bytes,
             sum(s.drops.values()),
+            tuple((op, kind, n) for op, by in (("get", s.get_failures), ("put", s.put_failures))
+                  for kind, n in by.items()),
+            tuple((op, DURATION_BUCKETS, tuple(c), s.duration_sums[op]) for op, c in s.durations.items()),
         )  # fmt: skip
 
     def render_metrics(self) -> bytes:

@@ -21,6 +21,7 @@ same model find each other's chunks.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import os
 import threading
@@ -36,6 +37,9 @@ from dataplane.storage.remote_codec import RemoteValueError, check_layout, decod
 OK, TIMEOUT, OTHER_ERROR = 0, -1, -2  # ping error codes (the health spec's)
 FAILURE_KINDS = ("timeout", "connection", "auth", "error")
 DROP_REASONS = ("full", "bypassed", "stopped")
+# upper bounds (seconds) of the remote-call duration buckets (a histogram's, +Inf after them)
+DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+OPS = ("get", "exists", "put")
 
 
 class RemoteAuthError(RuntimeError):
@@ -62,6 +66,11 @@ class RemoteStats:
     ping_code: int = OK
     ping_successes: int = 0
     ping_errors: int = 0
+    # op -> counts per bucket of DURATION_BUCKETS (+Inf last), and the sum of the durations
+    durations: dict[str, list[int]] = field(
+        default_factory=lambda: {op: [0] * (len(DURATION_BUCKETS) + 1) for op in OPS}
+    )
+    duration_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
 
 
 @dataclass
@@ -147,11 +156,14 @@ class RemoteBackend:
         miss, a bad value (counted by kind) or a failure (counted; bounded by timeout_s)."""
         if self.bypassed:
             return None
+        t0 = time.perf_counter()
         try:
             value = self._client().get(self.redis_key(key))
         except redis.RedisError as exc:
             self._count_get_failure(failure_kind(exc))
             return None
+        finally:
+            self._took("get", time.perf_counter() - t0)
         with self._lock:
             self._stats.gets += 1
             if value is None:
@@ -174,6 +186,7 @@ class RemoteBackend:
         failure, counted)."""
         if self.bypassed or not keys:
             return 0
+        t0 = time.perf_counter()
         try:
             pipe = self._client().pipeline(transaction=False)
             for k in keys:
@@ -182,6 +195,8 @@ class RemoteBackend:
         except redis.RedisError as exc:
             self._count_get_failure(failure_kind(exc))
             return 0
+        finally:
+            self._took("exists", time.perf_counter() - t0)
         n = 0
         for hit in found:
             if not hit:
@@ -283,6 +298,7 @@ class RemoteBackend:
                         self._inflight -= 1
 
     def _write(self, w: _Write) -> None:
+        t0 = time.perf_counter()
         try:
             pipe = self._client().pipeline(transaction=True)
             header = encode_header(w.raw_key, w.dtype, w.shape, w.payload)
@@ -294,6 +310,8 @@ class RemoteBackend:
             with self._lock:
                 self._stats.put_failures[kind] += 1
             return
+        finally:
+            self._took("put", time.perf_counter() - t0)
         with self._lock:
             self._stats.puts += 1
             self._stats.bytes_written += len(header) + w.payload.nbytes
@@ -318,6 +336,7 @@ class RemoteBackend:
                 dict(s.get_failures), dict(s.put_failures), dict(s.bad_values), dict(s.drops),
                 len(self._queue), self._queued_bytes,
                 s.ping_latency_s, s.ping_code, s.ping_successes, s.ping_errors,
+                {op: list(c) for op, c in s.durations.items()}, dict(s.duration_sums),
             )  # fmt: skip
 
     def _take_all(self) -> list[_Write]:
@@ -326,6 +345,12 @@ class RemoteBackend:
             self._queue.clear()
             self._queued_bytes = 0
             return out
+
+    def _took(self, op: str, seconds: float) -> None:
+        i = bisect.bisect_left(DURATION_BUCKETS, seconds)
+        with self._lock:
+            self._stats.durations[op][i] += 1
+            self._stats.duration_sums[op] += seconds
 
     def _count_get_failure(self, kind: str) -> None:
         with self._lock:

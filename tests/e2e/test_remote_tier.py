@@ -4,6 +4,9 @@ HTTP; Redis killed, paused and restarted by the tests."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from tests.helpers import ServerProcess, subprocess_env, wait_until
+from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
 from tests.redis_server import RedisClusterServers, RedisServer
 
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 64, 16, 2, 64
@@ -118,6 +121,24 @@ def test_a_prompt_stored_through_one_server_is_retrieved_through_another(
         wb.blank()
         assert wb.w.retrieve(tokens, BLOCK_IDS) == 3 * CS and remote(b)["hits"] == 3  # now from B's L1
         assert wb.same(want, 3 * CS)
+        out = subprocess.run(
+            [sys.executable, "-m", "app.cli", "status", "--url", f"http://127.0.0.1:{b.http_port}"],
+            cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        line = next(x for x in out.stdout.splitlines() if x.startswith("remote "))
+        assert redis_server.url in line and "ping" in line and " ok " in line and "hits 3" in line
+        text = httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
+        assert 'kvwarden_remote_duration_seconds_count{backend="redis",op="get"} 3.0' in text
+        assert 'kvwarden_remote_duration_seconds_count{backend="redis",op="exists"} 1.0' in text
+        assert 'kvwarden_remote_failures_total{backend="redis",kind="timeout",op="get"} 0.0' in text
+        assert 'kvwarden_remote_hits_total{backend="redis"} 3.0' in text
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is required (`make test` installs it)"
+        check = subprocess.run(
+            [promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60
+        )
+        assert check.returncode == 0 and not check.stdout.strip(), check.stdout + check.stderr
     finally:
         for w in (wa, wb):
             if w is not None:
