@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from app.core.health import HealthChecker
 
 if TYPE_CHECKING:
-    from dataplane.server.facade import DataPlaneView
+    from dataplane.server.facade import DataPlaneView, RemoteState
 
 
 class DataPlaneStateCollector(Collector):
@@ -116,6 +116,11 @@ def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
         c = CounterMetricFamily(name, doc, labels=["backend"])
         c.add_metric(lb, value)
         yield c
+    yield from _remote_breakdowns(r)
+
+
+def _remote_breakdowns(r: RemoteState) -> Iterator[Metric]:
+    """Failures by operation and kind; call durations by operation (a histogram)."""
     by_kind = CounterMetricFamily(
         "kvwarden_remote_failures",
         "Remote calls that failed, by operation (get: reads and lookups; put) and kind "
