@@ -25,7 +25,7 @@ INSTALL_STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 DEV_STAMP := $(VENV)/.installed-dev-$(PYPROJECT_HASH)
 
 # external programs the tests need: program -> Debian package
-REQUIRED_PROGRAMS := redis-server:redis-server promtool:prometheus
+REQUIRED_PROGRAMS := redis-server:redis-server redis-cli:redis-tools promtool:prometheus openssl:openssl
 
 .PHONY: help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi clean
 

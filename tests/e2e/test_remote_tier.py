@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
+from tests.helpers import ROOT, ServerProcess, free_port, subprocess_env, wait_until
 from tests.redis_server import RedisClusterServers, RedisServer
 
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 64, 16, 2, 64
@@ -374,3 +374,48 @@ def test_the_password_never_shows_and_a_refused_one_is_irrecoverable(tmp_path: P
     for srv in (good, bad):
         assert "s3cret" not in srv.output() and "not-it" not in srv.output()
     assert bad.output().count("failed irrecoverably") == 1
+
+
+def test_rediss_carries_the_tier_over_tls(tmp_path: Path) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is required (`make test` installs it)"
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    tls_port = free_port()
+    r = RedisServer(
+        extra=["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+               "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+    )  # fmt: skip
+    url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
+    a = ServerProcess(tmp_path / "a", "--remote-url", url, "--health-ping-interval", str(INTERVAL))
+    b = ServerProcess(tmp_path / "b", "--remote-url", url, "--health-ping-interval", str(INTERVAL))
+    untrusted = ServerProcess(  # the server's certificate is not one it trusts
+        tmp_path / "u",
+        "--remote-url",
+        f"rediss://127.0.0.1:{tls_port}/0",
+        "--health-ping-interval",
+        str(INTERVAL),
+    )
+    wa = wb = None
+    try:
+        for s in (a, b, untrusted):
+            s.wait_ready()
+        wa, wb = Worker(a), Worker(b)
+        tokens = prompt(10, 2 * CS)
+        want = wa.fill(10)
+        assert wa.w.store_detail(tokens, BLOCK_IDS)["stored"] == 2
+        wait_until(lambda: remote(a)["puts"] == 2, 20, what="the writes over TLS")
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 2 * CS and wb.same(want, 2 * CS)
+        assert health(b) == (200, "pass")
+        wait_until(lambda: health(untrusted)[0] == 503, 10, what="the untrusted server unhealthy")
+    finally:
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        for s in (a, b, untrusted):
+            s.stop()
+        r.stop()
