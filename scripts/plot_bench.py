@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from dataplane.bench import report  # noqa: E402
 from dataplane.bench.results import RESULTS_DIR, newest  # noqa: E402
 
-BENCHMARKS = ("transfer", "ping", "reaper", "http", "startup")
+BENCHMARKS = ("transfer", "ping", "reaper", "http", "startup", "remote")
 START, END = "<!-- table -->", "<!-- /table -->"
 MODE_COLOURS = {"server_driven": "tab:blue", "engine_driven": "tab:orange"}
 BASELINES = {  # key: (label, colour, line style)

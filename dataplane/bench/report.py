@@ -203,7 +203,30 @@ def startup_tables(rep: dict[str, Any]) -> list[Table]:
     return [t, anchor]
 
 
+def remote_tables(rep: dict[str, Any]) -> list[Table]:
+    mib = rep["chunk_bytes"] / (1 << 20)
+    s, rows = rep["store_ms"], []
+    rows.append(["STORE, no remote tier (ms)", f"{s['without_remote']:.1f}", ""])
+    rows.append(["STORE, Redis configured (ms)", f"{s['with_remote']:.1f}", _x(rep["store_ratio"])])
+    rows.append(["redis-py GET of the value (ms)", f"{rep['redis_get_ms']:.1f}", ""])
+    rows.append(
+        [
+            "remote RETRIEVE, Redis -> L1 -> worker (ms)",
+            f"{rep['retrieve_ms']:.1f}",
+            _x(rep["retrieve_ratio"]),
+        ]
+    )
+    return [
+        Table(
+            f"The Redis tier, {mib:.1f} MiB chunks, fresh servers (medians)",
+            ["figure", "time", "ratio"],
+            rows,
+        )
+    ]
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
+    "remote": remote_tables,
     "transfer": transfer_tables,
     "ping": ping_tables,
     "reaper": reaper_tables,

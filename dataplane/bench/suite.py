@@ -11,13 +11,16 @@ from typing import Any
 
 from dataplane.bench.results import add_output_args
 
-ORDER = ("startup", "transfer", "ping", "reaper", "http")
+ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote")
 
 
 def modules() -> dict[str, ModuleType]:
-    from dataplane.bench import ping, reaper, sidecar, startup, transfer
+    from dataplane.bench import ping, reaper, remote, sidecar, startup, transfer
 
-    return {"startup": startup, "transfer": transfer, "ping": ping, "reaper": reaper, "http": sidecar}
+    return {
+        "startup": startup, "transfer": transfer, "ping": ping, "reaper": reaper, "http": sidecar,
+        "remote": remote,
+    }  # fmt: skip
 
 
 def add_args(sub: Any) -> None:

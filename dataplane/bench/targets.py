@@ -54,6 +54,7 @@ def verdicts(reports: dict[str, dict[str, Any]]) -> list[Verdict]:
         "reaper": _reaper,
         "http": _http,
         "startup": _startup,
+        "remote": _remote,
     }
     for name, check in checks.items():
         if name in reports:
@@ -134,4 +135,13 @@ def _startup(rep: dict[str, Any]) -> list[Verdict]:
         return []
     return [
         Verdict(f"server start to first PING, {gb:g} GiB L1 (median)", rep["first_ping_s"], 1.0, "s", False)
+    ]
+
+
+def _remote(rep: dict[str, Any]) -> list[Verdict]:
+    if rep["chunk_bytes"] < 32 << 20:
+        return []
+    return [
+        Verdict("remote RETRIEVE / redis-py GET (32 MiB)", rep["retrieve_ratio"], 1.5, "x", False),
+        Verdict("STORE with Redis / without (32 MiB)", rep["store_ratio"], 1.1, "x", False),
     ]

@@ -98,7 +98,14 @@ def check_startup(rep: dict[str, Any]) -> None:
         assert run["arena"]["ready"]
 
 
+def check_remote(rep: dict[str, Any]) -> None:
+    assert rep["chunk_bytes"] > 0 and rep["store_ratio"] > 0 and rep["retrieve_ratio"] > 0
+    n = rep["params"]["samples"]
+    assert all(len(v) == n and min(v) > 0 for v in rep["samples_ms"].values())
+
+
 CHECKS = {
+    "remote": check_remote,
     "transfer": check_transfer,
     "ping": check_ping,
     "reaper": check_reaper,
