@@ -70,20 +70,25 @@ def run_remote(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(ns: argparse.Namespace, servers: list[Server], raw: Any) -> dict[str, Any]:
-    torch.set_num_threads(1)
+def _workers(layers: int, servers: list[Server]) -> list[WorkerAdapter]:
+    """One server-driven worker per server (Llama-3-8B's heads), its cache random."""
     heads, head_dim = 8, 128
+    workers = []
     for s in servers:
         wait_http(s)
         wait_arena_ready(s)  # the arena's fault-in is another benchmark's subject
-    workers = []
-    for s in servers:
-        caches = allocate_kv_caches(ns.layers, CS // BS, BS, heads, head_dim, torch.bfloat16)
+        caches = allocate_kv_caches(layers, CS // BS, BS, heads, head_dim, torch.bfloat16)
         for c in caches:
             c.copy_(torch.randn(c.shape).to(torch.bfloat16))
         w = WorkerAdapter(s.endpoint, "bench", heartbeat_interval=5.0)
         w.register_kv_caches(caches)
         workers.append(w)
+    return workers
+
+
+def _measure(ns: argparse.Namespace, servers: list[Server], raw: Any) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    workers = _workers(ns.layers, servers)
     blocks = np.arange(CS // BS)
     rng = np.random.default_rng(7)
     plain_s: list[float] = []
