@@ -74,9 +74,7 @@ def parse_cluster_url(url: str) -> tuple[tuple[str, str] | None, list[tuple[str,
     for part in rest.split(","):
         host, sep, port = part.strip().rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"remote_url: {part!r} is not host:port (redis+cluster://host:port[,host:port...])"
-            )
+            raise ValueError(f"{part!r} is not host:port (redis+cluster://host:port[,host:port...])")
         nodes.append((host.strip("[]"), int(port)))
     return user, nodes
 

@@ -337,3 +337,21 @@ def test_cli_invalid_env_var(cli_runs: dict[str, CliRun]) -> None:
     r = cli_runs["env"]
     assert r.returncode != 0
     assert REAP in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "ok"),
+    [
+        ("redis+cluster://10.0.0.1:7000,10.0.0.2:7000", True),
+        ("redis+cluster://:pw@h:7000", True),
+        ("redis+cluster://h:7000,nope", False),
+        ("redis+cluster://h:99999", False),
+        ("http://h:1", False),
+    ],
+)
+def test_remote_url_forms(url: str, ok: bool) -> None:
+    if ok:
+        assert Settings(remote_url=url).remote_url == url
+    else:
+        msg = rejected(remote_url=url)
+        assert msg.startswith("remote_url") and msg.count("remote_url") == 1, msg

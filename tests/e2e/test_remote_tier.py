@@ -419,3 +419,35 @@ def test_rediss_carries_the_tier_over_tls(tmp_path: Path) -> None:
         for s in (a, b, untrusted):
             s.stop()
         r.stop()
+
+
+def test_a_server_starts_while_redis_is_away_and_uses_it_once_it_is_up(tmp_path: Path) -> None:
+    port = free_port()
+    srv = ServerProcess(
+        tmp_path,
+        "--remote-url", f"redis://127.0.0.1:{port}/0",
+        "--remote-timeout-seconds", str(TIMEOUT),
+        "--health-ping-interval", str(INTERVAL),
+        "--health-ping-timeout", str(TIMEOUT),
+    )  # fmt: skip
+    r = None
+    w = None
+    try:
+        srv.wait_ready()  # serving, though its remote tier is not there
+        wait_until(lambda: health(srv)[0] == 503, 10, what="unhealthy while Redis is away")
+        w = Worker(srv)
+        assert w.w.store_detail(prompt(11, CS), BLOCK_IDS)["skipped"] == 1
+        r = RedisServer(port)
+        wait_until(lambda: health(srv) == (200, "pass"), 10, what="healthy once Redis is up")
+        tokens = prompt(12, CS)
+        want = w.fill(12)
+        assert w.w.store_detail(tokens, BLOCK_IDS)["stored"] == 1
+        wait_until(lambda: remote(srv)["puts"] == 1, 10, what="the write")
+        w.blank()
+        assert w.w.retrieve(tokens, BLOCK_IDS) == CS and w.same(want, CS)
+    finally:
+        if w is not None:
+            w.close()
+        srv.stop()
+        if r is not None:
+            r.stop()
