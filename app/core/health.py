@@ -136,10 +136,11 @@ def dataplane_checks(dp: DataPlaneView) -> list[HealthCheck]:
 
 @dataclass
 class MonitorChecks:
-    """The data plane's health monitor (remote tier): one result per check of its last round,
-    read from its state (no check runs here). A recompute check failing is ``fail``; a check
-    whose backend is bypassed under local_cpu is ``warn``; init failure or an irrecoverable
-    failure is a ``fail`` of ``health_monitor``."""
+    """The data plane's health monitor: one result per check, read from its state (its live
+    checks, the data plane's own parts, are flag reads run at this read; the remote tier's are
+    its last round's). A recompute check failing is ``fail``; a check whose backend is bypassed
+    under local_cpu is ``warn``; init failure or an irrecoverable failure is a ``fail`` of
+    ``health_monitor``."""
 
     dp: DataPlaneView
     name: str = "health_monitor"
@@ -154,7 +155,8 @@ class MonitorChecks:
         for c in st.checks:
             status: Status = "pass" if c.healthy else "warn" if c.bypassed_backend else "fail"
             output = c.reason or ("skipped" if c.skipped else "")
-            out.append(CheckResult(c.name, status, output, "datastore", c.bypassed_backend))
+            kind = "datastore" if c.name.startswith("remote_backend:") else "component"
+            out.append(CheckResult(c.name, status, output, kind, c.bypassed_backend))
         return out
 
 
@@ -162,4 +164,6 @@ def monitor_checks(dp: DataPlaneView) -> list[HealthCheck]:
     return [MonitorChecks(dp)]
 
 
-DEFAULT_PROVIDERS: tuple[CheckProvider, ...] = (dataplane_checks, monitor_checks)
+# the data plane's own checks (loop, pools, reaper) are live checks of its health monitor:
+# `monitor_checks` shows them; `dataplane_checks` stays for an app over a data plane without one
+DEFAULT_PROVIDERS: tuple[CheckProvider, ...] = (monitor_checks,)

@@ -44,7 +44,8 @@ class Components:
 
     remote_backends: Mapping[str, RemoteBackend] = field(default_factory=dict)
     local_tier: LocalTier | None = None
-    self_checks: Mapping[str, Callable[[], bool]] = field(default_factory=dict)  # name -> ok?
+    # name -> the problem (None: fine); live checks of the data plane's own parts
+    self_checks: Mapping[str, Callable[[], str | None]] = field(default_factory=dict)
     fallback_policy: FallbackPolicy = FallbackPolicy.RECOMPUTE
     get_blocking_failed_threshold: int = 10
     waiting_time_for_recovery: float = 300.0
@@ -52,6 +53,10 @@ class Components:
 
 
 class HealthCheck(abc.ABC):
+    # A live check is cheap and never blocks (it reads a flag): it is run whenever health is
+    # read, not once a round, so what it watches is seen at once. Its policy is recompute.
+    live: bool = False
+
     @abc.abstractmethod
     def name(self) -> str: ...
 

@@ -80,6 +80,8 @@ class HealthMonitor:
         self.components = components
         self.ping_interval = ping_interval
         self.checks = list(checks) if checks is not None else discover(components)
+        self._live = [c for c in self.checks if c.live]  # run when health is read
+        self._rounds_of = [c for c in self.checks if not c.live]  # run each round
         self._lock = threading.Lock()  # leaf: guards every field below
         self._healthy = True
         self._init_failure: str | None = None
@@ -97,8 +99,8 @@ class HealthMonitor:
         """Start the thread; not when there is no check or the server failed to initialise."""
         if self._thread is not None:
             raise RuntimeError("HealthMonitor already started")
-        if not self.checks or self.init_failed():
-            return
+        if not self._rounds_of or self.init_failed():
+            return  # (live checks need no thread)
         self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
         self._thread.start()
 
@@ -129,7 +131,23 @@ class HealthMonitor:
     # ----------------------------------------------------------------- state
     def is_healthy(self) -> bool:
         with self._lock:
-            return self._healthy and self._init_failure is None and self._irrecoverable is None
+            ok = self._healthy and self._init_failure is None and self._irrecoverable is None
+        return ok and all(r.healthy for r in self._live_results())
+
+    def _live_results(self) -> list[CheckResult]:
+        out = []
+        for chk in self._live:
+            try:
+                ok = bool(chk.check())
+                reason = "" if ok else chk.reason()
+            except Exception as exc:
+                ok, reason = False, f"{type(exc).__name__}: {exc}"
+            out.append(
+                CheckResult(
+                    chk.name(), ok, False, FallbackPolicy.RECOMPUTE.value, reason, self.components.clock()
+                )
+            )
+        return out
 
     def mark_init_failed(self, reason: str) -> None:
         with self._lock:
@@ -149,33 +167,35 @@ class HealthMonitor:
             return list(self._results.values())
 
     def summary_state(self) -> MonitorSummary:
+        live = self._live_results()
         with self._lock:
             return MonitorSummary(
-                self._healthy and self._init_failure is None and self._irrecoverable is None,
+                self._healthy and self._init_failure is None and self._irrecoverable is None
+                and all(r.healthy for r in live),
                 self._init_failure,
                 self._irrecoverable,
                 self._rounds,
-                tuple(self._results.values()),
-            )
+                (*live, *self._results.values()),
+            )  # fmt: skip
 
     def summary(self) -> dict[str, object]:
-        """What `/status` and `/health` show of the monitor."""
-        with self._lock:
-            return {
-                "healthy": self._healthy and self._init_failure is None and self._irrecoverable is None,
-                "init_failure": self._init_failure,
-                "irrecoverable": self._irrecoverable,
-                "rounds": self._rounds,
-                "bypassed_backends": sorted(self._bypassed),
-                "checks": [r.__dict__ for r in self._results.values()],
-            }
+        """What `/status` and `/health` show of the monitor, as plain values."""
+        st = self.summary_state()
+        return {
+            "healthy": st.healthy,
+            "init_failure": st.init_failure,
+            "irrecoverable": st.irrecoverable,
+            "rounds": st.rounds,
+            "bypassed_backends": sorted(self.bypassed()),
+            "checks": [r.__dict__ for r in st.results],
+        }
 
     # ----------------------------------------------------------------- round
     def run_round(self) -> bool:
         """Every check once, then the policies; the resulting health. Raises
         IrrecoverableException (after marking the server unhealthy) when a check did."""
         healthy = True
-        for chk in self.checks:
+        for chk in self._rounds_of:
             name = chk.name()
             if chk.should_skip():
                 self._record(chk, name, True, skipped=True)

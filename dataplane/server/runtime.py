@@ -188,10 +188,6 @@ def build_dataplane(
     logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
     remote, init_failure = _remote_backend(settings)
     l1 = TieredStore(settings.l1_capacity_bytes, hot_cache=settings.local_cpu, arena=arena, remote=remote)
-    monitor = _monitor(settings, l1, remote, clock)
-    if init_failure is not None:
-        monitor.mark_init_failed(init_failure)
-    l1.gate = monitor.is_healthy
     server = Server(
         settings.zmq_endpoint,
         max_cpu_workers=settings.max_cpu_workers,
@@ -229,6 +225,10 @@ def build_dataplane(
     server.add_module(engine)
     server.add_module(DirectTransferModule(engine, l1, metrics))
     server.add_module(LookupModule(l1, cs, metrics, [transfer.registry, engine.registry]))
+    monitor = _monitor(settings, l1, remote, _self_checks(server, management), clock)
+    if init_failure is not None:
+        monitor.mark_init_failed(init_failure)
+    l1.gate = monitor.is_healthy
     return DataPlane(
         settings, server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock
     )
@@ -254,12 +254,39 @@ def _remote_backend(settings: Settings) -> tuple[RemoteBackend | None, str | Non
     return backend, None
 
 
+def _self_checks(server: Server, management: ManagementModule) -> dict[str, Callable[[], str | None]]:
+    """The data plane's own parts, as live checks of the health monitor (each reads a flag)."""
+
+    def loop() -> str | None:
+        if server.loop_error is not None:
+            return f"loop thread died: {server.loop_error!r}"
+        if not server.is_alive():
+            return f"loop thread is not running (server {server.state.value})"
+        return None
+
+    def pools() -> str | None:
+        return None if server.pools_alive() else "worker pools shut down"
+
+    def reaper() -> str | None:
+        return None if management.reaper_alive() else "worker reaper thread is not running"
+
+    checks = {"dataplane:loop": loop, "dataplane:pools": pools}
+    if management.reaper_alive() is not None:  # reaping on
+        checks["dataplane:reaper"] = reaper
+    return checks
+
+
 def _monitor(
-    settings: Settings, l1: TieredStore, remote: RemoteBackend | None, clock: Callable[[], float]
+    settings: Settings,
+    l1: TieredStore,
+    remote: RemoteBackend | None,
+    self_checks: dict[str, Callable[[], str | None]],
+    clock: Callable[[], float],
 ) -> HealthMonitor:
     components = Components(
         remote_backends={} if remote is None else {remote.name: remote},
         local_tier=l1,
+        self_checks=self_checks,
         fallback_policy=settings.fallback_policy,
         get_blocking_failed_threshold=settings.get_blocking_failed_threshold,
         waiting_time_for_recovery=settings.waiting_time_for_recovery,

@@ -22,6 +22,7 @@ from dataplane.server.facade import (
     L1Stats,
     LivenessRow,
     LivenessStatus,
+    MonitorCheck,
     MonitorState,
     RemoteState,
     ServerInfo,
@@ -59,6 +60,20 @@ def entry(instance_id: int, *, registered_at: float, last_seen: float, **kw: Any
     }
     fields.update(kw)
     return ContextEntry(**fields)
+
+
+def self_check_problems(c: ComponentState) -> dict[str, str | None]:
+    """What `dataplane.server.runtime`'s self checks answer for the component state ``c``."""
+    if c.loop_error is not None:
+        loop: str | None = f"loop thread died: {c.loop_error}"
+    elif not c.loop_alive:
+        loop = f"loop thread is not running (server {c.state})"
+    else:
+        loop = None
+    out = {"dataplane:loop": loop, "dataplane:pools": None if c.pools_alive else "worker pools shut down"}
+    if c.reaper_alive is not None:
+        out["dataplane:reaper"] = None if c.reaper_alive else "worker reaper thread is not running"
+    return out
 
 
 class FakeDataPlane:
@@ -144,7 +159,16 @@ class FakeDataPlane:
         return self.state
 
     def monitor_state(self) -> MonitorState:
-        return self.monitor
+        """The data plane's own live checks, derived from ``state`` as the real data plane's
+        monitor runs them, then whatever a test put in ``monitor``."""
+        own = tuple(
+            MonitorCheck(name, problem is None, False, "recompute", problem or "", None)
+            for name, problem in self_check_problems(self.state).items()
+        )
+        checks = (*own, *self.monitor.checks)
+        return replace(
+            self.monitor, healthy=self.monitor.healthy and all(c.healthy for c in own), checks=checks
+        )
 
     def remote_state(self) -> RemoteState | None:
         return self.remote

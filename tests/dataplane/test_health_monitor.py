@@ -276,3 +276,29 @@ def test_bad_interval_is_refused() -> None:
     m.stop()
     m.join(10)
     assert not m.is_alive()
+
+
+class LiveToggle(Toggle):
+    live = True
+
+
+def test_live_checks_are_read_at_once_and_need_no_thread() -> None:
+    loop, remote = LiveToggle("dataplane:loop"), Toggle("remote")
+    m = _monitor(loop)
+    m.start()
+    assert not m.is_alive()  # only live checks: no rounds to run
+    assert m.is_healthy()
+    loop.ok = False
+    assert not m.is_healthy()  # no round ran: read when asked
+    assert [(r.name, r.healthy) for r in m.summary_state().results] == [("dataplane:loop", False)]
+    loop.ok = True
+    assert m.is_healthy()
+    m2 = _monitor(loop, remote)
+    m2.run_round()
+    assert remote.calls == 1 and loop.calls > 0
+    calls = loop.calls
+    m2.run_round()
+    assert loop.calls == calls + 1  # a round's result folds in the live checks once
+    loop.raises = RuntimeError("flag unreadable")
+    assert not m2.is_healthy()
+    assert "RuntimeError" in next(r.reason for r in m2.summary_state().results if r.name == "dataplane:loop")

@@ -1,6 +1,7 @@
 """The data plane's own checks (loop thread, worker pools, reaper, ...): one per entry of
-``Components.self_checks``, a function returning True while that part works. Recompute policy:
-a data plane that cannot serve is unhealthy."""
+``Components.self_checks``, a function returning the problem (None while that part works).
+Live checks (run whenever health is read, each a flag read) with the recompute policy: a data
+plane that cannot serve is unhealthy."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from dataplane.health.base import Components, HealthCheck
 
 
 class DataPlaneSelfCheck(HealthCheck):
-    def __init__(self, name: str, fn: Callable[[], bool]) -> None:
-        self._name, self._fn = name, fn
+    live = True
+
+    def __init__(self, name: str, problem: Callable[[], str | None]) -> None:
+        self._name, self._problem = name, problem
+        self._reason = ""
 
     @classmethod
     def create(cls, components: Components) -> list[HealthCheck]:
@@ -21,7 +25,9 @@ class DataPlaneSelfCheck(HealthCheck):
         return self._name
 
     def check(self) -> bool:
-        return bool(self._fn())
+        problem = self._problem()
+        self._reason = problem or ""
+        return problem is None
 
     def reason(self) -> str:
-        return f"{self._name} is not running"
+        return self._reason
