@@ -66,7 +66,7 @@ class TieredStore(L1Store):
         return False
 
     def _warn(self, what: str, answer: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._warn_lock:
             last = self._warned_at.get(what)
             if last is not None and now - last < WARN_EVERY_S:
