@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from tests.helpers import ServerProcess, dealer
+from tests.redis_server import RedisServer
 
 DealerFactory = Callable[[str], zmq.Socket[Any]]
 
@@ -59,3 +60,13 @@ def make_server(tmp_path: Path) -> Iterator[ServerFactory]:
     yield make
     for srv in servers:
         srv.stop()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server of the test's own, on a free loopback port; stopped afterwards."""
+    r = RedisServer()
+    try:
+        yield r
+    finally:
+        r.stop()

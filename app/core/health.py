@@ -1,15 +1,16 @@
 """Health checks: a list built from pluggable check providers.
 
 A *provider* is a callable ``provider(dp) -> Sequence[HealthCheck]`` run once when the app is
-built; it returns the checks that apply to this data plane (none when it does not apply, e.g.
-no reaper check when reaping is disabled). A *check* is cheap and non-blocking: it reads state
+built; it returns the checks that apply to this data plane. The default is `monitor_checks`:
+the data plane's health monitor, whose checks cover its own parts (loop, pools, reaper) and the
+remote tier. A *check* is cheap and non-blocking: it reads state
 through the data plane's public accessors (flags and cached results: `/health` runs the checks
 on the event loop, so a check must never wait on a lock, a socket or a remote backend) and
 returns a `CheckResult`. The overall status is
 ``fail`` when any check fails, else ``warn`` when any warns (serving, degraded: a backend
 bypassed under the ``local_cpu`` fallback policy), else ``pass``. A check that raises counts as
-failed. Later components (the remote tier's health monitor) add a provider to
-`DEFAULT_PROVIDERS` or pass their own to `app.main.create_app`.
+failed. Other components add a provider to `DEFAULT_PROVIDERS` or pass their own to
+`app.main.create_app`.
 """
 
 from __future__ import annotations
@@ -102,35 +103,6 @@ class HealthChecker:
         return HealthReport(status, results, bypassed)
 
 
-# ---------------------------------------------------------------- the data plane's own checks
-
-
-def dataplane_checks(dp: DataPlaneView) -> list[HealthCheck]:
-    """The loop thread, the worker pools and (when reaping is on) the reaper thread."""
-
-    def loop() -> str | None:
-        c = dp.components()
-        if c.loop_error is not None:
-            return f"loop thread died: {c.loop_error}"
-        if not c.loop_alive:
-            return f"loop thread is not running (server {c.state})"
-        return None
-
-    def pools() -> str | None:
-        return None if dp.components().pools_alive else "worker pools shut down"
-
-    def reaper() -> str | None:
-        return None if dp.components().reaper_alive else "worker reaper thread is not running"
-
-    checks: list[HealthCheck] = [
-        FunctionCheck("dataplane:loop", loop),
-        FunctionCheck("dataplane:pools", pools),
-    ]
-    if dp.components().reaper_alive is not None:
-        checks.append(FunctionCheck("dataplane:reaper", reaper))
-    return checks
-
-
 # ---------------------------------------------------------------- the health monitor's checks
 
 
@@ -164,6 +136,4 @@ def monitor_checks(dp: DataPlaneView) -> list[HealthCheck]:
     return [MonitorChecks(dp)]
 
 
-# the data plane's own checks (loop, pools, reaper) are live checks of its health monitor:
-# `monitor_checks` shows them; `dataplane_checks` stays for an app over a data plane without one
 DEFAULT_PROVIDERS: tuple[CheckProvider, ...] = (monitor_checks,)

@@ -59,6 +59,15 @@ def discover(components: Components, package: str = CHECKS_PACKAGE) -> list[Heal
     return checks
 
 
+def _run_live(chk: HealthCheck) -> tuple[bool, str]:
+    """(healthy, why not) of a live check; one that raises has failed."""
+    try:
+        ok = bool(chk.check())
+        return ok, "" if ok else chk.reason()
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+
+
 @dataclass(frozen=True)
 class MonitorSummary:
     healthy: bool
@@ -130,23 +139,17 @@ class HealthMonitor:
 
     # ----------------------------------------------------------------- state
     def is_healthy(self) -> bool:
+        """Read by every gated STORE, RETRIEVE and LOOKUP: the live checks run, nothing is kept."""
         with self._lock:
             ok = self._healthy and self._init_failure is None and self._irrecoverable is None
-        return ok and all(r.healthy for r in self._live_results())
+        return ok and all(_run_live(chk)[0] for chk in self._live)
 
     def _live_results(self) -> list[CheckResult]:
+        now, policy = self.components.clock(), FallbackPolicy.RECOMPUTE.value
         out = []
         for chk in self._live:
-            try:
-                ok = bool(chk.check())
-                reason = "" if ok else chk.reason()
-            except Exception as exc:
-                ok, reason = False, f"{type(exc).__name__}: {exc}"
-            out.append(
-                CheckResult(
-                    chk.name(), ok, False, FallbackPolicy.RECOMPUTE.value, reason, self.components.clock()
-                )
-            )
+            ok, reason = _run_live(chk)
+            out.append(CheckResult(chk.name(), ok, False, policy, reason, now))
         return out
 
     def mark_init_failed(self, reason: str) -> None:
@@ -177,18 +180,6 @@ class HealthMonitor:
                 self._rounds,
                 (*live, *self._results.values()),
             )  # fmt: skip
-
-    def summary(self) -> dict[str, object]:
-        """What `/status` and `/health` show of the monitor, as plain values."""
-        st = self.summary_state()
-        return {
-            "healthy": st.healthy,
-            "init_failure": st.init_failure,
-            "irrecoverable": st.irrecoverable,
-            "rounds": st.rounds,
-            "bypassed_backends": sorted(self.bypassed()),
-            "checks": [r.__dict__ for r in st.results],
-        }
 
     # ----------------------------------------------------------------- round
     def run_round(self) -> bool:

@@ -75,8 +75,7 @@ class RemoteStats:
 
 @dataclass
 class _Write:
-    key: str
-    raw_key: bytes
+    key: bytes
     dtype: str
     shape: tuple[int, ...]
     payload: memoryview
@@ -260,7 +259,7 @@ class RemoteBackend:
             raise ValueError("payload must be a contiguous buffer")
         check_layout(dtype, shape, payload.nbytes)
         # the header (a hash of the whole payload, ~2 ms for 32 MiB) is made by the writer
-        w = _Write(self.redis_key(key), key, dtype, tuple(shape), payload, done)
+        w = _Write(key, dtype, tuple(shape), payload, done)
         reason = None
         with self._lock:
             if self.bypassed:
@@ -301,9 +300,10 @@ class RemoteBackend:
         t0 = time.perf_counter()
         try:
             pipe = self._client().pipeline(transaction=True)
-            header = encode_header(w.raw_key, w.dtype, w.shape, w.payload)
-            pipe.set(w.key, header)
-            pipe.append(w.key, w.payload)
+            header = encode_header(w.key, w.dtype, w.shape, w.payload)
+            name = self.redis_key(w.key)
+            pipe.set(name, header)
+            pipe.append(name, w.payload)
             pipe.execute()
         except Exception as exc:  # counted: the writer never dies of one write
             kind = failure_kind(exc)

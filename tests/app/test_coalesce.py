@@ -127,20 +127,22 @@ def test_time_a_build_spends_waiting_is_no_cost() -> None:
     build is not held back three times the wait (a wall-time gate would hold it 0.9 s)."""
     release = threading.Event()
     n_builds = itertools.count()
+    skew = [0.0]  # the wall clock the coalescer reads runs 0.3 s ahead once the first build waited
 
     def build() -> int:
         n = next(n_builds)
         if n == 0:
             assert release.wait(30)
+            skew[0] += 0.3  # the build's wait: wall time that costs no CPU (this is what is measured)
         return n
 
-    c = Coalescer(build, max_duty=0.25)  # the default cost: the building thread's CPU time
+    # the default cost: the building thread's CPU time
+    c = Coalescer(build, max_duty=0.25, clock=lambda: time.monotonic() + skew[0])
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(c.get)
         wait_until(lambda: c._building, 10, what="the first build to start")
         waiter = pool.submit(c.get)
         wait_until(lambda: c._waiting == 1, 10, what="a caller waiting")
-        time.sleep(0.3)  # the build's wait: wall time that costs no CPU (this is what is measured)
         t0 = time.monotonic()
         release.set()
         assert first.result(30) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from app.core.health import CheckResult, FunctionCheck, HealthCheck, dataplane_checks
+from app.core.health import CheckResult, FunctionCheck, HealthCheck, monitor_checks
 from app.models import HealthPublic, StatusPublic
 from dataplane.server.runtime import DataPlane
 from tests.app.conftest import AppFactory, DataPlaneFactory
@@ -75,7 +75,7 @@ def test_a_pluggable_warning_check_answers_200_warn(dp: DataPlane, serve_app: Ap
     def providers_extra(_dp: DataPlane) -> list[HealthCheck]:
         return [_Bypassed()]
 
-    c = serve_app(dp, check_providers=[dataplane_checks, providers_extra])
+    c = serve_app(dp, check_providers=[monitor_checks, providers_extra])
     r = c.get("/health")
     assert r.status_code == 200
     assert r.json()["status"] == "warn"
@@ -92,7 +92,7 @@ def test_a_check_that_raises_fails_the_health(dp: DataPlane, serve_app: AppFacto
     def provider(_dp: DataPlane) -> list[HealthCheck]:
         return [FunctionCheck("custom:broken", broken)]
 
-    c = serve_app(dp, check_providers=[dataplane_checks, provider])
+    c = serve_app(dp, check_providers=[monitor_checks, provider])
     r = c.get("/health")
     assert r.status_code == 503
     check = r.json()["checks"]["custom:broken"][0]

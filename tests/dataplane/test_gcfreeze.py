@@ -4,13 +4,13 @@ handed back to the collector every refresh period (its clock injected)."""
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from dataplane.server.gcfreeze import CollectorFreezer
+from tests.helpers import wait_until
 
 
 class _Node:
@@ -18,12 +18,8 @@ class _Node:
         self.me = self  # a reference cycle: only the cyclic collector frees it
 
 
-def _until(cond: Callable[[], bool], what: str, deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)  # polling a real thread, under a deadline
+def _until(cond: Callable[[], bool], what: str) -> None:
+    wait_until(cond, 10, interval=0.005, what=what)
 
 
 class _Clock:

@@ -138,7 +138,7 @@ def test_no_checks_no_thread_and_init_failure_is_for_good() -> None:
     m2.mark_init_failed("L1 could not be reserved")
     m2.start()
     assert not m2.is_alive() and not m2.is_healthy()
-    assert m2.run_round() is False and m2.summary()["init_failure"] == "L1 could not be reserved"
+    assert m2.run_round() is False and m2.summary_state().init_failure == "L1 could not be reserved"
 
 
 def test_request_round_runs_one_at_once() -> None:
@@ -164,7 +164,7 @@ def test_health_reads_from_many_threads_while_it_changes() -> None:
     def reader() -> None:
         while not stop.is_set():
             seen.append(m.is_healthy())
-            m.summary()
+            m.summary_state()
 
     threads = [threading.Thread(target=reader) for _ in range(4)]
     for t in threads:

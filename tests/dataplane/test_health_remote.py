@@ -29,15 +29,6 @@ class Clock:
 
 
 @pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    r = RedisServer()
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
-@pytest.fixture
 def backend(redis_server: RedisServer) -> Iterator[RemoteBackend]:
     b = RemoteBackend(redis_server.url, timeout_s=TIMEOUT_S, health_timeout_s=TIMEOUT_S)
     b.start()
@@ -116,7 +107,7 @@ def test_refused_credentials_are_irrecoverable() -> None:
         m = HealthMonitor(Components(remote_backends={"redis": b}), ping_interval=0.05)
         m.start()
         wait_until(lambda: not m.is_alive(), 10, what="the monitor to stop")
-        assert not m.is_healthy() and "refused the credentials" in str(m.summary()["irrecoverable"])
+        assert not m.is_healthy() and "refused the credentials" in str(m.summary_state().irrecoverable)
         with pytest.raises(IrrecoverableException):
             _check(b, Clock()).check()
     finally:
@@ -131,7 +122,7 @@ def test_recompute_detects_a_killed_redis_within_interval_plus_timeout(
     m = HealthMonitor(Components(remote_backends={"redis": backend}), ping_interval=interval)
     m.start()
     try:
-        wait_until(lambda: m.summary()["rounds"] >= 1, 10, what="the first round")
+        wait_until(lambda: m.summary_state().rounds >= 1, 10, what="the first round")
         assert m.is_healthy()
         redis_server.kill()
         t0 = time.monotonic()
@@ -153,7 +144,7 @@ def test_a_burst_of_failed_reads_runs_a_round_at_once(
     backend.burst_at, backend.on_burst = 3, m.request_round
     m.start()
     try:
-        wait_until(lambda: m.summary()["rounds"] >= 1, 10, what="the first round")
+        wait_until(lambda: m.summary_state().rounds >= 1, 10, what="the first round")
         redis_server.kill()
         _fail_reads(backend, 3)
         wait_until(lambda: not m.is_healthy(), 5, interval=0.01, what="the burst's round")

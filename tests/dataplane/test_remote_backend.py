@@ -30,15 +30,6 @@ def _payload() -> memoryview:
 
 
 @pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    r = RedisServer()
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
-@pytest.fixture
 def backend(redis_server: RedisServer) -> Iterator[RemoteBackend]:
     b = RemoteBackend(redis_server.url, timeout_s=TIMEOUT_S, queue_bytes=4 * NBYTES)
     b.start()

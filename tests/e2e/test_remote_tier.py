@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,6 @@ from tests.redis_server import RedisClusterServers, RedisServer
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 64, 16, 2, 64
 CS = 256  # the server's default chunk size
 INTERVAL, TIMEOUT = 0.5, 0.3  # health_ping_interval, health_ping_timeout and remote_timeout
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    r = RedisServer()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def serve(tmp: Path, r: RedisServer | RedisClusterServers, *args: str) -> ServerProcess:
