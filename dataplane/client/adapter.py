@@ -53,6 +53,7 @@ from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, 
 from dataplane.wire.messages import (
     MAX_POOL_CHUNKS,
     Hello,
+    KVFormat,
     Lookup,
     Message,
     Ping,
@@ -206,8 +207,15 @@ class WorkerAdapter:
         return info
 
     # ----------------------------------------------------------- registration
-    def register_kv_caches(self, caches: Sequence[torch.Tensor]) -> None:
-        msg = self._transport.registration(caches)
+    def register_kv_caches(self, caches: Sequence[torch.Tensor], kv_format: str = "token_major") -> None:
+        """Register the per-layer KV tensors. ``kv_format`` says how they are laid out
+        (`dataplane.wire.messages.KVFormat`): ``token_major`` tensors are ``[2, num_blocks,
+        block_size, heads, head_dim]``; ``vllm_cpu`` ones ``[num_blocks, heads, block_size,
+        2 * head_dim]`` (vLLM's CPU backend; engine-driven only, moved in whole blocks)."""
+        formats = [f.value for f in KVFormat]
+        if kv_format not in formats:
+            raise ValueError(f"kv_format {kv_format!r}: use {' or '.join(map(repr, formats))}")
+        msg = self._transport.registration(caches, KVFormat(kv_format))
         with self._reg_lock:
             info = self.server_info()
             self.chunk_size = int(info["chunk_size"])

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataplane.memory.blockkv import LocalKV
 from dataplane.memory.copies import CopySplitter, token_slots
-from dataplane.memory.kvmemory import MappedKV
 from dataplane.wire.errors import KVWardenError, RequestAborted, RequestError
 from dataplane.wire.messages import (
     MAX_POOL_CHUNKS,
@@ -131,7 +131,7 @@ class ArenaCopier:
         self.toucher.join()
         self.arena = torch.empty(0, dtype=torch.uint8)
 
-    def store(self, send: Send, local: MappedKV, tokens: np.ndarray, blocks: np.ndarray, cs: int,
+    def store(self, send: Send, local: LocalKV, tokens: np.ndarray, blocks: np.ndarray, cs: int,
               splitter: CopySplitter | None = None) -> dict[str, int]:  # fmt: skip
         n_full = len(tokens) // cs
         slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
@@ -157,7 +157,7 @@ class ArenaCopier:
                 break
         return total
 
-    def retrieve(self, send: Send, local: MappedKV, tokens: np.ndarray, blocks: np.ndarray, cs: int,
+    def retrieve(self, send: Send, local: LocalKV, tokens: np.ndarray, blocks: np.ndarray, cs: int,
                  splitter: CopySplitter | None = None) -> int:  # fmt: skip
         n_full = len(tokens) // cs
         first = 0

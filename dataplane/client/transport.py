@@ -21,14 +21,16 @@ import torch
 
 from dataplane.client.direct import ArenaCopier
 from dataplane.client.kvalloc import describe_caches
+from dataplane.memory.blockkv import BlockKV, LocalKV
 from dataplane.memory.copies import CopySplitter, token_slots
-from dataplane.memory.kvmemory import DTYPE_NAMES, MappedKV, map_local_tensors
+from dataplane.memory.kvmemory import DTYPE_NAMES, map_local_tensors
 from dataplane.memory.shm import Segment
 from dataplane.wire.errors import ClientError
 from dataplane.wire.messages import (
     EngineRegister,
     EngineRetrieve,
     EngineStore,
+    KVFormat,
     Lookup,
     Message,
     Register,
@@ -55,7 +57,7 @@ class Identity:
 class Transport(Protocol):
     segments: list[str]  # the worker's own segments, unlinked at close
 
-    def registration(self, caches: Sequence[torch.Tensor]) -> Message: ...
+    def registration(self, caches: Sequence[torch.Tensor], kv_format: KVFormat) -> Message: ...
 
     def registered(self, result: dict[str, Any]) -> None: ...
 
@@ -73,7 +75,12 @@ class ServerDrivenTransport:
         self.who = who
         self.segments: list[str] = []
 
-    def registration(self, caches: Sequence[torch.Tensor]) -> Register:
+    def registration(self, caches: Sequence[torch.Tensor], kv_format: KVFormat) -> Register:
+        if kv_format is not KVFormat.TOKEN_MAJOR:
+            raise ValueError(
+                f"kv_format {kv_format.value!r}: server_driven workers register token_major memory; "
+                "use transfer_mode='engine_driven'"
+            )
         who = self.who
         layout = describe_caches(caches)
         self.segments = layout.segments
@@ -116,33 +123,34 @@ class EngineDrivenTransport:
         self._splitter = CopySplitter(copy_threads)
         self._splitter.start()
         self.segments: list[str] = []  # the worker's tensors are its own; only the pool is shared
-        self._local: MappedKV | None = None
+        self._local: LocalKV | None = None
         self._lock = threading.Lock()  # guards _pool, _arena and their memory: one transfer at a time
         self._pool: tuple[Segment, list[torch.Tensor]] | None = None
         # the server's L1 arena, when it is shared memory: one-copy transfers (client/direct.py)
         self._arena: tuple[Segment, ArenaCopier] | None = None
 
-    def registration(self, caches: Sequence[torch.Tensor]) -> EngineRegister:
+    def registration(self, caches: Sequence[torch.Tensor], kv_format: KVFormat) -> EngineRegister:
         who, first = self.who, caches[0]
-        if len(first.shape) != 5 or first.shape[0] != 2:
-            raise ValueError("KV tensors must be [2, num_blocks, block_size, heads, head_dim]")
-        for i, t in enumerate(caches):
-            if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
-                raise ValueError(f"layer {i}: shape/dtype differ from layer 0 or not contiguous")
-        self._local = map_local_tensors(list(caches))
+        if first.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"dtype {first.dtype} is not supported; use one of {sorted(DTYPE_NAMES.values())}"
+            )
+        local: LocalKV
+        if kv_format is KVFormat.VLLM_CPU:
+            local = BlockKV.of_vllm_cpu(caches)
+        else:
+            if len(first.shape) != 5 or first.shape[0] != 2:
+                raise ValueError("KV tensors must be [2, num_blocks, block_size, heads, head_dim]")
+            for i, t in enumerate(caches):
+                if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+                    raise ValueError(f"layer {i}: shape/dtype differ from layer 0 or not contiguous")
+            local = map_local_tensors(list(caches))
+        self._local = local
         return EngineRegister(
-            who.instance_id,
-            who.secret,
-            who.model_name,
-            who.world_size,
-            who.worker_id,
-            DTYPE_NAMES[first.dtype],
-            len(caches),
-            int(first.shape[3]),
-            int(first.shape[4]),
-            self.pool_chunks,
-            who.owner_pid,
-        )
+            who.instance_id, who.secret, who.model_name, who.world_size, who.worker_id,
+            DTYPE_NAMES[first.dtype], len(caches), local.heads, local.head_dim, self.pool_chunks,
+            who.owner_pid, kv_format, local.block_size,
+        )  # fmt: skip
 
     def registered(self, result: dict[str, Any]) -> None:
         """Map the pool the server handed out (kept when it is the one already mapped), and
@@ -247,7 +255,7 @@ class EngineDrivenTransport:
             arena[0].close()
         self._splitter.stop()
 
-    def _require_local(self, chunk_size: int | None) -> tuple[int, MappedKV]:
+    def _require_local(self, chunk_size: int | None) -> tuple[int, LocalKV]:
         if self._local is None or chunk_size is None:
             raise ClientError("register_kv_caches() first")
         return chunk_size, self._local

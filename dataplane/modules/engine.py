@@ -32,12 +32,13 @@ from dataplane.modules.leases import Leases
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
-from dataplane.wire.errors import LimitExceeded, RequestError
+from dataplane.wire.errors import InvalidLayout, LimitExceeded, RequestError
 from dataplane.wire.messages import (
     EngineRegister,
     EngineRetrieve,
     EngineStore,
     EngineTransfer,
+    KVFormat,
     MemoryKind,
     MsgType,
     TransferMode,
@@ -125,6 +126,12 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
 
     # ------------------------------------------------------------- handlers
     def _register(self, rctx: RequestContext, reg: EngineRegister) -> dict[str, Any]:
+        if reg.kv_format is not KVFormat.TOKEN_MAJOR and self.chunk_size % reg.block_size:
+            raise InvalidLayout(
+                f"block_size: the server's chunk_size {self.chunk_size} is not a multiple of the "
+                f"engine's block size {reg.block_size} ({reg.kv_format.value} chunks move in whole "
+                "blocks): start the server with a --chunk-size that is"
+            )
         dtype = TORCH_DTYPES[reg.dtype]
         item = torch.empty((), dtype=dtype).element_size()
         chunk_bytes = reg.num_layers * 2 * self.chunk_size * reg.heads * reg.head_dim * item
@@ -163,8 +170,9 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         self, rctx: RequestContext, reg: EngineRegister, chunk_bytes: int, strat: PoolStrategy
     ) -> EngineContext:
         scope = scope_digest(
-            reg.model_name, reg.world_size, reg.worker_id, reg.dtype, reg.num_layers, reg.heads, reg.head_dim
-        )
+            reg.model_name, reg.world_size, reg.worker_id, reg.dtype, reg.num_layers, reg.heads, reg.head_dim,
+            reg.kv_format.value, reg.block_size,
+        )  # fmt: skip
         now = self._clock()
         info = InstanceInfo(
             TransferMode.ENGINE_DRIVEN.value, MemoryKind.SHM.value, reg.model_name, reg.world_size,

@@ -1,4 +1,6 @@
-"""The lookup module: LOOKUP answers how many prefix tokens the server holds for an instance."""
+"""The lookup module: LOOKUP answers how many prefix tokens the server holds for an instance;
+LOOKUP_SCOPE the same for a scope named by its fields (an engine's scheduler, which registers
+no memory), the prefix every rank of the scope holds."""
 
 from __future__ import annotations
 
@@ -6,10 +8,10 @@ from typing import Any, Protocol
 
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.storage.keys import chunk_keys
+from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import NotRegistered
-from dataplane.wire.messages import Lookup, MsgType
+from dataplane.wire.messages import Lookup, LookupScope, MsgType
 
 
 class ScopeSource(Protocol):
@@ -28,7 +30,10 @@ class LookupModule:
         self.sources = sources
 
     def handlers(self) -> dict[MsgType, Handler]:
-        return {MsgType.LOOKUP: Handler(HandlerKind.NORMAL, self._lookup)}
+        return {
+            MsgType.LOOKUP: Handler(HandlerKind.NORMAL, self._lookup),
+            MsgType.LOOKUP_SCOPE: Handler(HandlerKind.NORMAL, self._lookup_scope),
+        }
 
     def start(self) -> None:
         return None
@@ -50,7 +55,23 @@ class LookupModule:
         else:
             raise NotRegistered(f"instance {p.instance_id} is not registered")
         keys = chunk_keys(scope, p.token_ids, self.chunk_size)
-        hit = self.l1.prefix_hits(keys) * self.chunk_size
-        self.metrics.lookup_tokens.inc(len(p.token_ids))
+        return self._answer(len(p.token_ids), self.l1.prefix_hits(keys))
+
+    def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> dict[str, Any]:
+        chunks = len(p.token_ids) // self.chunk_size
+        for rank in range(p.world_size):
+            if chunks == 0:
+                break
+            scope = scope_digest(
+                p.model_name, p.world_size, rank, p.dtype, p.num_layers, p.heads, p.head_dim,
+                p.kv_format.value, p.block_size,
+            )  # fmt: skip
+            keys = chunk_keys(scope, p.token_ids[: chunks * self.chunk_size], self.chunk_size)
+            chunks = min(chunks, self.l1.prefix_hits(keys))
+        return {**self._answer(len(p.token_ids), chunks), "chunk_size": self.chunk_size}
+
+    def _answer(self, tokens: int, chunks: int) -> dict[str, Any]:
+        hit = chunks * self.chunk_size
+        self.metrics.lookup_tokens.inc(tokens)
         self.metrics.hit_tokens.inc(hit)
         return {"hit_tokens": hit}

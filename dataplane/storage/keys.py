@@ -4,8 +4,10 @@
 covers every token before it, so the same chunk text after a different prefix is a different
 key. The scope binds the model name, world size, worker id (the tensor-parallel rank: ranks
 hold different shards) and the KV layout (dtype, layers, heads, head dim), so two models, two
-ranks or two layouts never share a key. Block size and block count are not in the scope: a chunk
-is stored token-major, independent of how the worker pages its memory.
+ranks or two layouts never share a key. A token-major chunk is independent of how the worker
+pages its memory, so block size and block count are not in its scope; a chunk of another format
+(``dataplane.wire.messages.KVFormat``) holds whole blocks as the engine lays them out, so its
+format and block size are.
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ def scope_digest(
     num_layers: int,
     num_heads: int,
     head_dim: int,
+    kv_format: str = "token_major",
+    block_size: int = 0,
 ) -> bytes:
     text = (
         f"kvwarden/v1|{model_name}|ws={world_size}|rank={worker_id}|{dtype}|"
         f"L={num_layers}|H={num_heads}|D={head_dim}"
     )
+    if kv_format != "token_major":  # (token-major keys are unchanged from before formats existed)
+        text += f"|F={kv_format}|B={block_size}"
+
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 

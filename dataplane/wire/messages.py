@@ -40,6 +40,8 @@ MAX_TOKENS_PER_REQUEST = 1 << 21
 MAX_LAYERS = 1024
 MAX_POOL_CHUNKS = 64  # chunk slots of one engine-driven pool
 MAX_RANKS = 1 << 20
+MAX_BLOCK_SIZE = 1 << 16
+MAX_SCOPE_RANKS = 64  # ranks one LOOKUP_SCOPE checks
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 
 
@@ -52,6 +54,7 @@ class MsgType(enum.StrEnum):
     STORE = "STORE"
     RETRIEVE = "RETRIEVE"
     LOOKUP = "LOOKUP"
+    LOOKUP_SCOPE = "LOOKUP_SCOPE"
     ENGINE_REGISTER = "ENGINE_REGISTER"
     ENGINE_STORE = "ENGINE_STORE"
     ENGINE_RETRIEVE = "ENGINE_RETRIEVE"
@@ -64,6 +67,17 @@ class MsgType(enum.StrEnum):
 class MemoryKind(enum.StrEnum):
     SHM = "shm"
     CUDA_IPC = "cuda_ipc"
+
+
+class KVFormat(enum.StrEnum):
+    """What a chunk's bytes are: the engine's own layout of a block's K and V, moved as is. A
+    chunk is only ever served to a worker of the same format (it is part of the key scope)."""
+
+    # per layer: K of every token, then V, each [tokens, heads * head_dim] (vLLM on CUDA)
+    TOKEN_MAJOR = "token_major"
+    # per layer and block: per head K transposed [head_dim][block_size], then V
+    # [block_size][head_dim] (vLLM's CPU backend); moves in whole blocks only
+    VLLM_CPU = "vllm_cpu"
 
 
 class TransferMode(enum.StrEnum):
@@ -231,6 +245,24 @@ class Lookup(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LookupScope(Message):
+    """LOOKUP for a process that holds no KV memory (an engine's scheduler): the scope is named
+    by what a worker's ENGINE_REGISTER would carry, for every rank of ``world_size``; the answer
+    is the prefix every rank holds."""
+
+    TYPE = MsgType.LOOKUP_SCOPE
+    model_name: Annotated[str, name]
+    world_size: Annotated[int, small_int(1, MAX_SCOPE_RANKS)]
+    dtype: Annotated[str, one_of(SUPPORTED_DTYPES)]
+    num_layers: Annotated[int, small_int(1, MAX_LAYERS)]
+    heads: Annotated[int, small_int(1, 1 << 16)]
+    head_dim: Annotated[int, small_int(1, 1 << 16)]
+    kv_format: Annotated[KVFormat, member_of(KVFormat)]
+    block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE)]
+    token_ids: Annotated[np.ndarray, _IDS]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineRegister(Message):
     """Engine-driven: the worker keeps ordinary tensors; the server hands out a chunk pool."""
 
@@ -246,6 +278,8 @@ class EngineRegister(Message):
     head_dim: Annotated[int, small_int(1, 1 << 16)]
     pool_chunks: Annotated[int, small_int(1, MAX_POOL_CHUNKS)]
     owner_pid: Annotated[int, _PID]
+    kv_format: Annotated[KVFormat, member_of(KVFormat)]
+    block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE)]  # tokens per block of the engine
 
     def _checked(self, where: str) -> EngineRegister:
         _rank_below_world(where, self.worker_id, self.world_size)
@@ -320,6 +354,7 @@ MESSAGES: tuple[type[Message], ...] = (
     Store,
     Retrieve,
     Lookup,
+    LookupScope,
     EngineRegister,
     EngineStore,
     EngineRetrieve,

@@ -21,7 +21,8 @@ from dataplane.wire.checks import U64_LIMIT, type_name
 from dataplane.wire.errors import FrameTooLarge, KVWardenError, ProtocolError, VersionMismatch
 from dataplane.wire.messages import PARSERS, Message, MsgType, encode_payload
 
-PROTOCOL_VERSION = 2  # 2: every request of an instance carries its secret
+# 2: every request of an instance carries its secret; 3: ENGINE_REGISTER names its KV format and block size
+PROTOCOL_VERSION = 3
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 
 # The liveness contract both sides size themselves against: the server's reap timeout is never

@@ -7,7 +7,7 @@ import os
 import torch
 
 from dataplane.client.kvalloc import describe_caches
-from dataplane.wire.messages import EngineRegister, Register, TransferMode
+from dataplane.wire.messages import EngineRegister, KVFormat, Register, TransferMode
 
 SECRET = bytes(range(16))  # the secret the tests' instances register with
 
@@ -23,7 +23,21 @@ def register_message(
 def engine_register_message(instance_id: int, pool_chunks: int = 4, secret: bytes = SECRET) -> EngineRegister:
     """An engine-driven REGISTER for the tiny layout of the data-plane tests (2 layers, 2 heads,
     head dim 8)."""
-    return EngineRegister(instance_id, secret, "m", 1, 0, "bfloat16", 2, 2, 8, pool_chunks, os.getpid())
+    return EngineRegister(
+        instance_id,
+        secret,
+        "m",
+        1,
+        0,
+        "bfloat16",
+        2,
+        2,
+        8,
+        pool_chunks,
+        os.getpid(),
+        KVFormat.TOKEN_MAJOR,
+        16,
+    )
 
 
 def segment_of(caches: list[torch.Tensor]) -> str:

@@ -52,6 +52,7 @@ from dataplane.wire.messages import (
     EngineRegister,
     EngineRelease,
     EngineReserve,
+    KVFormat,
     Lookup,
     Message,
     MsgType,
@@ -749,7 +750,9 @@ def test_a_worker_side_failure_publishes_nothing_and_leaves_no_lease(make_dp: Dp
         # the worker side of the one-copy path (what the adapter runs), its copy failing
         # between RESERVE and COMMIT: after the first chunk is written, in the second
         iid, secret = 77, bytes(range(50, 66))
-        reg = EngineRegister(iid, secret, "m", 1, 0, "bfloat16", LAYERS, HEADS, HD, 1, os.getpid())
+        reg = EngineRegister(
+            iid, secret, "m", 1, 0, "bfloat16", LAYERS, HEADS, HD, 1, os.getpid(), KVFormat.TOKEN_MAJOR, 16
+        )
         arena = chan.request(reg, 10.0)["arena"]
         seg = Segment.attach(arena["segment"], arena["bytes"], allow_sparse=True)
         copier = ArenaCopier(iid, secret, seg.as_tensor(), int(arena["usable"]))

@@ -138,7 +138,7 @@ def payload_of(msg: Record, **over: Any) -> list[Any]:
 def test_server_info(server: ServerProcess, sock: Sock) -> None:
     reply = call(sock, frame("HELLO", []))
     assert reply.ok
-    assert reply.body["protocol_version"] == 2 == PROTOCOL_VERSION
+    assert reply.body["protocol_version"] == 3 == PROTOCOL_VERSION
     assert reply.body["chunk_size"] == CHUNK
     assert reply.body["max_frame_bytes"] == MAX_FRAME
 
@@ -176,7 +176,7 @@ def test_wrong_version(sock: Sock) -> None:
     reply = call(sock, frame("PING", [None, None], rid=rid, version=7))
     code, message = error_of(reply)
     assert code == "VERSION_MISMATCH"
-    assert "v7" in message and "v2" in message
+    assert "v7" in message and "v3" in message
     assert reply.request_id == rid  # the id is echoed even on a decode error
     ping(sock)
 
@@ -198,7 +198,7 @@ def test_v1_client_gets_version_mismatch(
         reply = call(sock, frame(mtype, v1_payload, rid=rid, version=1))
         code, message = error_of(reply)
         assert code == "VERSION_MISMATCH", (mtype, code, message)
-        assert "client speaks v1" in message and "server speaks v2" in message, message
+        assert "client speaks v1" in message and "server speaks v3" in message, message
         assert reply.request_id == rid
     assert ping(sock, w.instance_id, secret_of(w)).body["tracked"] is True
 
@@ -645,7 +645,11 @@ INSTANCE_TYPES = [
 
 
 def test_every_instance_message_type_is_covered() -> None:
-    assert set(INSTANCE_TYPES) == set(MsgType) - {MsgType.HELLO, MsgType.GET_SERVER_INFO}
+    assert set(INSTANCE_TYPES) == set(MsgType) - {
+        MsgType.HELLO,
+        MsgType.GET_SERVER_INFO,
+        MsgType.LOOKUP_SCOPE,
+    }
 
 
 def expect_bad_secret(sock: Sock, msg: Message, secret: Any, *parts: str) -> None:

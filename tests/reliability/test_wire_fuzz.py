@@ -57,7 +57,9 @@ from dataplane.wire.messages import (
     EngineStore,
     GetServerInfo,
     Hello,
+    KVFormat,
     Lookup,
+    LookupScope,
     Message,
     MsgType,
     Ping,
@@ -290,6 +292,8 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "pool_chunks": st.integers(1, 8),
     "first_chunk": st.one_of(st.integers(0, 4), st.integers(0, 24)),
     "n_chunks": st.one_of(st.integers(0, 4), st.integers(0, 9)),
+    "kv_format": st.sampled_from([f.value for f in KVFormat]),
+    "block_size": st.one_of(st.sampled_from([1, BLOCK, 2 * BLOCK]), st.integers(1, 1 << 16)),
 }
 
 
@@ -642,6 +646,7 @@ def _valid_messages(geo: Geometry) -> list[Message]:
         Ping(REG_ID, SECRET),
         geo.register,
         Lookup(REG_ID, SECRET, tokens),
+        LookupScope("fuzz", 1, "bfloat16", 2, 2, 8, KVFormat.TOKEN_MAJOR, BLOCK, tokens),
         Store(REG_ID, SECRET, tokens, blocks),
         Retrieve(REG_ID, SECRET, tokens, blocks),
         dataclasses.replace(engine_register_message(ENG_ID), model_name="fuzz"),

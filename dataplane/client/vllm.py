@@ -1,0 +1,297 @@
+"""kvwarden as vLLM's KV connector (v1 API): the only module that imports vLLM.
+
+    --kv-transfer-config '{"kv_connector": "KVWardenConnector",
+        "kv_connector_module_path": "dataplane.client.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvwarden.url": "tcp://127.0.0.1:5555"}}'
+
+Scheduler side (the engine core): one LOOKUP_SCOPE per new request decides how many whole chunks
+of its prompt to load (never its last token), and each step's plan says which requests load and
+which store new full chunks of their prompt. Worker side: loads run before the forward pass
+(``start_load_kv``); stores go to a thread after it (``wait_for_save``), and a finished request
+keeps its blocks until its stores are over (``request_finished`` / ``get_finished``). A load that
+comes back short names its blocks (``get_block_ids_with_load_errors``) so vLLM recomputes them.
+With no server, or a server that dies, requests recompute; the worker registers, or registers
+again, when the server is back. The planning and the worker's threads need no vLLM:
+`dataplane.client.vllm_state` and `dataplane.client.vllm_worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from dataplane.client.adapter import WorkerAdapter
+from dataplane.client.vllm_state import Plan, Planner, Scope, ScopeLookup
+from dataplane.client.vllm_worker import Registrar, Saver, load
+from dataplane.memory.kvmemory import DTYPE_NAMES
+from dataplane.wire.messages import KVFormat
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "engine_driven", "server_driven")
+_KEYS = {
+    "kvwarden.url": str,
+    "kvwarden.transfer_mode": str,
+    "kvwarden.connect_wait_s": float,
+    "kvwarden.retry_s": float,
+    "kvwarden.lookup_timeout_s": float,
+    "kvwarden.request_timeout_s": float,
+    "kvwarden.heartbeat_interval_s": float,
+}
+_DEFAULTS: dict[str, Any] = {
+    "kvwarden.url": "tcp://127.0.0.1:5555",
+    "kvwarden.transfer_mode": "auto",
+    "kvwarden.connect_wait_s": 5.0,  # at engine start, for a server that is starting too
+    "kvwarden.retry_s": 2.0,
+    "kvwarden.lookup_timeout_s": 1.0,
+    "kvwarden.request_timeout_s": 30.0,
+    "kvwarden.heartbeat_interval_s": 5.0,
+}
+
+
+def connector_settings(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``kv_connector_extra_config``'s kvwarden keys, checked (ValueError naming the key)."""
+    out = dict(_DEFAULTS)
+    for key, value in (extra or {}).items():
+        if not key.startswith("kvwarden."):
+            continue
+        if key not in _KEYS:
+            raise ValueError(f"kv_connector_extra_config: unknown key {key!r} (known: {', '.join(_KEYS)})")
+        try:
+            out[key] = _KEYS[key](value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}]: {value!r} is not a {_KEYS[key].__name__}"
+            ) from None
+        if _KEYS[key] is float and not out[key] > 0:
+            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r}")
+    if out["kvwarden.transfer_mode"] not in MODES:
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.transfer_mode']: {out['kvwarden.transfer_mode']!r}; "
+            f"use {', '.join(MODES)}"
+        )
+    return out
+
+
+def scope_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scope:
+    """The scope every worker of this engine registers, from the configuration alone."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvwarden: models with {len(groups)} KV cache groups are not supported (one)")
+    spec = groups[0].kv_cache_spec
+    if spec.dtype not in DTYPE_NAMES:
+        raise ValueError(f"kvwarden: KV cache dtype {spec.dtype} is not supported")
+    name = vllm_config.model_config.served_model_name or vllm_config.model_config.model
+    cpu = vllm_config.device_config.device_type == "cpu"
+    return Scope(
+        str(name[0] if isinstance(name, list) else name),
+        vllm_config.parallel_config.tensor_parallel_size,
+        DTYPE_NAMES[spec.dtype],
+        len(groups[0].layer_names),
+        spec.num_kv_heads,
+        spec.head_size,
+        KVFormat.VLLM_CPU if cpu else KVFormat.TOKEN_MAJOR,
+        spec.block_size,
+    )
+
+
+class KVWardenConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+
+class KVWardenConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError(
+                "kvwarden: pipeline parallel engines are not supported (pipeline_parallel_size 1)"
+            )
+        self._cfg = connector_settings(self._kv_transfer_config.kv_connector_extra_config)
+        self._scope = scope_of(vllm_config, kv_cache_config)
+        self._block_size = self._scope.block_size
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "kvwarden: kv_load_failure_policy is %r: a load cut short (the server killed while "
+                "it copies) fails its request; set it to 'recompute' to recompute instead",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
+        self._lookup: ScopeLookup | None = None
+        self._planner: Planner | None = None
+        self._adapter: WorkerAdapter | None = None
+        self._registrar: Registrar | None = None
+        self._saver: Saver | None = None
+        self._planned: set[str] = set()  # requests this worker was asked to store
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            cfg = self._cfg
+            lookup = ScopeLookup(
+                cfg["kvwarden.url"], self._scope, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
+            )
+            self._lookup = lookup
+            self._planner = Planner(lookup.hit_tokens, self._block_size)
+            self._planner.chunk_size = lambda: lookup.chunk_size
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that never happens is a later miss
+
+    # ------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches = list(kv_caches.values())
+        mode, kv_format = self._layout(caches)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        s = self._scope
+        adapter = WorkerAdapter(
+            self._cfg["kvwarden.url"], s.model_name, s.world_size, get_tensor_model_parallel_rank(),
+            heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"], transfer_mode=mode,
+            request_timeout=self._cfg["kvwarden.request_timeout_s"],
+        )  # fmt: skip
+        registrar = Registrar(adapter, caches, kv_format.value, self._cfg["kvwarden.retry_s"])
+        registrar.start()
+        registrar.wait(self._cfg["kvwarden.connect_wait_s"])
+        if registrar.error is not None:
+            registrar.join()
+            adapter.close()
+            raise ValueError(f"kvwarden: registration refused: {registrar.error}") from registrar.error
+        self._adapter, self._registrar = adapter, registrar
+        self._saver = Saver(adapter)
+        self._saver.start()
+
+    def _layout(self, caches: list[torch.Tensor]) -> tuple[str, KVFormat]:
+        """The transfer mode and format of vLLM's tensors, checked against the scope the
+        scheduler looks up (a mismatch would make every lookup miss)."""
+        first, s = caches[0], self._scope
+        if first.dim() == 4 and first.device.type == "cpu":
+            kv_format, heads, bs, head_dim = (
+                KVFormat.VLLM_CPU,
+                first.shape[1],
+                first.shape[2],
+                first.shape[3] // 2,
+            )
+        elif first.dim() == 5 and first.shape[0] == 2:
+            kv_format, heads, bs, head_dim = (
+                KVFormat.TOKEN_MAJOR,
+                first.shape[3],
+                first.shape[2],
+                first.shape[4],
+            )
+        else:
+            raise ValueError(
+                f"kvwarden: KV cache tensors of shape {list(first.shape)} are not a layout it knows"
+            )
+        seen = (DTYPE_NAMES.get(first.dtype), len(caches), int(heads), int(head_dim), kv_format, int(bs))
+        want = (s.dtype, s.num_layers, s.heads, s.head_dim, s.kv_format, s.block_size)
+        if seen != want:
+            raise ValueError(
+                f"kvwarden: the KV tensors (dtype, layers, heads, head dim, format, block) {seen} "
+                f"differ from the engine's configuration {want}"
+            )
+        mode = self._cfg["kvwarden.transfer_mode"]
+        if mode == "auto":
+            mode = "server_driven" if first.device.type == "cuda" else "engine_driven"
+        return mode, kv_format
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVWardenConnectorMetadata)
+        for job in meta.plan.loads:
+            if self._adapter is None:
+                self._load_errors |= {int(b) for b in job.blocks[: -(-len(job.tokens) // self._block_size)]}
+                continue
+            self._load_errors |= load(self._adapter, job, self._block_size)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are whole before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:  # fmt: skip
+        return None  # stores take whole chunks after the forward pass
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVWardenConnectorMetadata)
+        if meta.plan.saves and self._saver is not None:
+            self._planned |= {s.req_id for s in meta.plan.saves}
+            self._saver.submit(meta.plan.saves)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVWardenConnectorMetadata)
+        if kv_connector_metadata.plan.preempted and self._saver is not None:
+            self._saver.drain(self._cfg["kvwarden.request_timeout_s"])  # their blocks are reused next
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._saver is None:
+            return None, None
+        done = self._saver.finished(finished_req_ids, self._planned)
+        self._planned -= done
+        return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.stop()
+            self._saver.join(self._cfg["kvwarden.request_timeout_s"])
+        if self._registrar is not None:
+            self._registrar.stop()
+            self._registrar.join()
+        if self._adapter is not None:
+            self._adapter.close()
+        if self._lookup is not None:
+            self._lookup.close()
+
+    # ---------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._planner is not None
+        return self._planner.matched(request.request_id, request.prompt_token_ids, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._planner is not None
+        self._planner.allocated(request.request_id, request.prompt_token_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._planner is not None
+        so = scheduler_output
+        new = [
+            (r.req_id, r.prompt_token_ids, list(r.block_ids[0]), r.num_computed_tokens,
+             so.num_scheduled_tokens[r.req_id])
+            for r in so.scheduled_new_reqs
+        ]  # fmt: skip
+        c = so.scheduled_cached_reqs
+        cached = [
+            (req_id, None if c.new_block_ids[i] is None else list(c.new_block_ids[i][0]),  # type: ignore[index]
+             req_id in c.resumed_req_ids, c.num_computed_tokens[i], so.num_scheduled_tokens[req_id])
+            for i, req_id in enumerate(c.req_ids)
+        ]  # fmt: skip
+        return KVWardenConnectorMetadata(self._planner.plan(new, cached, bool(so.preempted_req_ids)))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._planner is not None
+        return self._planner.finished(request.request_id), None

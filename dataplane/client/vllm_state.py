@@ -1,0 +1,215 @@
+"""The parts of kvwarden's vLLM connector that need no vLLM: what the scheduler plans and what the
+worker carries out (`dataplane.client.vllm` is the glue vLLM calls).
+
+Scheduler side: ``ScopeLookup`` asks the server how much of a prompt it holds (LOOKUP_SCOPE:
+the scheduler registers no memory, it names the scope its workers register) and ``Planner``
+turns vLLM's scheduling decisions into ``Plan``: which requests load which whole chunks before
+the forward pass, which store new full chunks after it. Worker side: ``Registrar`` registers
+the worker's KV memory, now or, when the server is not there yet, in the background until it
+is; ``Saver`` stores on a thread of its own (``kvwarden-vllm-saver``) so the step does not wait
+for it, and says which finished requests' blocks may be freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dataplane.client.channel import Channel
+from dataplane.wire.errors import KVWardenError, RequestError
+from dataplane.wire.messages import KVFormat, LookupScope
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a worker's ENGINE_REGISTER carries, as the scheduler can know it from the config."""
+
+    model_name: str
+    world_size: int
+    dtype: str
+    num_layers: int
+    heads: int
+    head_dim: int
+    kv_format: KVFormat
+    block_size: int
+
+
+class ScopeLookup:
+    """LOOKUP_SCOPE for the scheduler. Never stalls it: a request waits at most ``timeout_s``,
+    and after a failure the next ``retry_s`` seconds answer 0 without asking (one WARNING per
+    outage, one INFO when answers come back). ``_lock`` guards ``chunk_size``, ``_down_until``
+    and ``_down``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        scope: Scope,
+        timeout_s: float = 1.0,
+        retry_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scope = scope
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._chan = Channel(self._ctx, endpoint, reconnect_wait_s=min(0.05, timeout_s))
+        self._lock = threading.Lock()  # guards chunk_size, _down_until, _down
+        self.chunk_size: int | None = None
+        self._down_until = 0.0
+        self._down = False
+
+    def hit_tokens(self, token_ids: np.ndarray) -> int:
+        """Tokens of ``token_ids``' prefix that every rank's chunks hold (0 when unsure)."""
+        with self._lock:
+            if self._clock() < self._down_until:
+                return 0
+        s = self.scope
+        msg = LookupScope(
+            s.model_name, s.world_size, s.dtype, s.num_layers, s.heads, s.head_dim, s.kv_format,
+            s.block_size, np.asarray(token_ids, dtype=np.int64),
+        )  # fmt: skip
+        try:
+            reply = self._chan.request(msg, self.timeout_s)
+        except RequestError:
+            raise  # a request the server refuses is a bug to see, not an outage
+        except KVWardenError as exc:
+            with self._lock:
+                self._down_until = self._clock() + self.retry_s
+                first, self._down = not self._down, True
+            if first:
+                logger.warning("kvwarden: lookups answer 0 (recompute) until the server is back: %s", exc)
+            return 0
+        with self._lock:
+            self.chunk_size = int(reply["chunk_size"])
+            back, self._down = self._down, False
+        if back:
+            logger.info("kvwarden: lookups answered again")
+        return int(reply["hit_tokens"])
+
+    def close(self) -> None:
+        self._chan.close()
+        self._ctx.term()
+
+
+@dataclass
+class Load:
+    """Before the forward pass: write the held prefix ``tokens`` into ``blocks``."""
+
+    req_id: str
+    tokens: np.ndarray
+    blocks: np.ndarray
+
+
+@dataclass
+class Save:
+    """After the forward pass: store the full chunks of ``tokens`` (from ``blocks``)."""
+
+    req_id: str
+    tokens: np.ndarray
+    blocks: np.ndarray
+
+
+@dataclass
+class Plan:
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
+    preempted: bool = False  # blocks of some request go back this step: no save may still read them
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray  # the prompt
+    blocks: list[int]
+    saved: int = 0  # prompt tokens kvwarden holds or has been asked to store
+    load: int = 0  # tokens to load before the first forward pass
+    saving: bool = False  # a Save was planned: its blocks wait for the worker's word
+
+
+class Planner:
+    """The scheduler's bookkeeping (called on vLLM's scheduler thread only). Loads and stores
+    are whole chunks of the prompt; a load never covers the prompt's last token (vLLM must
+    compute at least one)."""
+
+    def __init__(self, lookup: Callable[[np.ndarray], int], block_size: int) -> None:
+        self.lookup = lookup
+        self.block_size = block_size
+        self.chunk_size: Callable[[], int | None] = lambda: None
+        self._hits: dict[str, int] = {}  # req id -> hit tokens (one LOOKUP per request)
+        self._reqs: dict[str, _Request] = {}
+
+    def matched(self, req_id: str, prompt: Sequence[int] | None, computed: int) -> int:
+        """Tokens beyond ``computed`` that kvwarden will load."""
+        if not prompt:
+            return 0
+        hit = self._hits.get(req_id)
+        if hit is None:
+            tokens = np.asarray(prompt, dtype=np.int64)
+            hit = self.lookup(tokens[: len(tokens) - 1])
+            cs = self.chunk_size()
+            hit = 0 if cs is None else min(hit, (len(tokens) - 1) // cs * cs)
+            self._hits[req_id] = hit
+        return max(0, hit - computed)
+
+    def allocated(self, req_id: str, prompt: Sequence[int] | None, external: int) -> None:
+        """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found."""
+        hit = self._hits.get(req_id, 0)
+        if external > 0 and prompt and hit:
+            self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], load=hit)
+
+    def plan(
+        self,
+        new: list[tuple[str, Sequence[int] | None, list[int], int, int]],
+        cached: list[tuple[str, list[int] | None, bool, int, int]],
+        preempted: bool,
+    ) -> Plan:
+        """``new``: (req id, prompt, block ids, computed, scheduled); ``cached``: (req id, new
+        block ids, resumed, computed, scheduled)."""
+        out = Plan(preempted=preempted)
+        for req_id, prompt, blocks, computed, scheduled in new:
+            r = self._reqs.get(req_id)
+            if r is None:
+                if not prompt:
+                    continue
+                r = self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [])
+            r.blocks = list(blocks)
+            if r.load:
+                out.loads.append(Load(req_id, r.tokens[: r.load], np.asarray(r.blocks, dtype=np.int64)))
+                r.saved, r.load = r.load, 0
+            self._save(out, req_id, r, computed + scheduled)
+        for req_id, new_blocks, resumed, computed, scheduled in cached:
+            r = self._reqs.get(req_id)
+            if r is None:
+                continue
+            if resumed:
+                r.blocks = list(new_blocks or [])
+            elif new_blocks:
+                r.blocks.extend(new_blocks)
+            self._save(out, req_id, r, computed + scheduled)
+        return out
+
+    def _save(self, out: Plan, req_id: str, r: _Request, done: int) -> None:
+        cs = self.chunk_size()
+        if cs is None:
+            return
+        full = min(done, len(r.tokens)) // cs * cs
+        if full > r.saved:
+            n_blocks = -(-full // self.block_size)
+            out.saves.append(Save(req_id, r.tokens[:full], np.asarray(r.blocks[:n_blocks], dtype=np.int64)))
+            r.saved, r.saving = full, True
+
+    def finished(self, req_id: str) -> bool:
+        """The request is done: True when a save was planned for it (its blocks are freed once
+        the worker says the save is over)."""
+        self._hits.pop(req_id, None)
+        r = self._reqs.pop(req_id, None)
+        return r is not None and r.saving

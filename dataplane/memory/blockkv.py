@@ -1,0 +1,95 @@
+"""A worker's paged KV memory laid out block-major, moved in whole blocks.
+
+vLLM's CPU backend keeps each layer as ``[num_blocks, kv_heads, block_size, 2 * head_dim]``: per
+block and head, K transposed (``[head_dim][block_size]``) then V (``[block_size][head_dim]``). A
+token's K is strided across the block, so such memory moves only in whole blocks, as bytes: a
+chunk is ``[layers, blocks, block_bytes]``, each block exactly as the engine keeps it (format
+``vllm_cpu``, `dataplane.wire.messages.KVFormat`). The same interface as
+`dataplane.memory.kvmemory.MappedKV` for the worker-side copies (``gather``, ``scatter``,
+``block_size``, ``num_blocks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dataplane.memory.copies import CopySplitter, whole_blocks
+from dataplane.memory.kvmemory import MappedKV
+
+
+@dataclass
+class BlockKV:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_bytes: int
+    layers: list[torch.Tensor]  # per layer: uint8 [num_blocks, block_bytes] (block stride as given)
+
+    @classmethod
+    def of_vllm_cpu(cls, caches: Sequence[torch.Tensor]) -> BlockKV:
+        """Per layer ``[num_blocks, heads, block_size, 2 * head_dim]``, each block contiguous
+        (ValueError naming what is not)."""
+        first = caches[0]
+        if first.dim() != 4 or first.shape[3] % 2:
+            raise ValueError(
+                f"vllm_cpu KV tensors must be [num_blocks, heads, block_size, 2 * head_dim], "
+                f"got {list(first.shape)}"
+            )
+        nb, heads, bs, two_d = (int(x) for x in first.shape)
+        layers = []
+        for i, t in enumerate(caches):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device.type != "cpu":
+                raise ValueError(f"layer {i}: shape/dtype/device differ from layer 0 (or not on the CPU)")
+            if not t[0].is_contiguous():
+                raise ValueError(f"layer {i}: a block is not contiguous (strides {list(t.stride())})")
+            layers.append(t.flatten(1).view(torch.uint8))
+        block_bytes = heads * bs * two_d * first.element_size()
+        return cls(len(caches), nb, bs, heads, two_d // 2, first.dtype, block_bytes, layers)
+
+    def chunk_nbytes(self, n_tokens: int) -> int:
+        return self.num_layers * (n_tokens // self.block_size) * self.block_bytes
+
+    def _blocks(self, slots: np.ndarray) -> np.ndarray:
+        blocks = whole_blocks(slots, self.block_size)
+        if blocks is None:
+            raise ValueError(f"vllm_cpu memory moves whole blocks of {self.block_size} tokens only")
+        return blocks
+
+    def gather(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
+        """The whole blocks ``slots`` covers, into the chunk ``buf`` (uint8)."""
+        blocks = self._blocks(slots)
+        out = buf.view(torch.uint8).view(self.num_layers, len(blocks), self.block_bytes)
+        idx = torch.from_numpy(blocks)
+
+        def layers(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                torch.index_select(self.layers[i], 0, idx, out=out[i])
+
+        self._run(layers, splitter)
+
+    def scatter(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
+        blocks = self._blocks(slots)
+        src = buf.view(torch.uint8).view(self.num_layers, len(blocks), self.block_bytes)
+
+        def layers(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                self.layers[i].numpy()[blocks] = src[i].numpy()
+
+        self._run(layers, splitter)
+
+    def _run(self, layers: Callable[[int, int], None], splitter: CopySplitter | None) -> None:
+        if splitter is None:
+            layers(0, self.num_layers)
+        else:
+            splitter.run(layers, self.num_layers)
+
+
+# a worker's own KV memory, as the worker-side copies see it
+LocalKV = MappedKV | BlockKV
