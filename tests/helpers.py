@@ -117,9 +117,11 @@ def dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
 class ServerProcess:
     """A real ``kvwarden serve`` process on free ports, its output in files under ``workdir``."""
 
-    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.http_port = free_port()
+    def __init__(
+        self, workdir: Path, *args: str, env: dict[str, str] | None = None, port: int = 0, http_port: int = 0
+    ) -> None:
+        self.port = port or free_port()  # a given port: a restart where the last server was
+        self.http_port = http_port or free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         workdir.mkdir(parents=True, exist_ok=True)
         self.stdout_path = workdir / f"server-{self.port}.out"

@@ -1,0 +1,68 @@
+"""A real vLLM engine (offline ``LLM``) that a test drives over stdin/stdout, one JSON line each.
+
+    python vllm_engine.py MODEL_DIR [KVWARDEN_URL]    (no URL: no connector)
+
+Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for each line
+``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "cached": n,
+"ttft_s": s}``; ``{"quit": true}`` (or end of input) shuts the engine down. Run with the Python of
+the vLLM environment (``.venv-vllm``); greedy sampling, so outputs are comparable token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def build(model: str, url: str | None, extra: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if url:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVWardenConnector",
+            kv_connector_module_path="dataplane.client.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"kvwarden.url": url, **extra},
+        )
+    prefix = os.environ.get("KVWARDEN_TEST_PREFIX_CACHING") == "1"
+    return LLM(
+        model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=prefix,
+        dtype="bfloat16", **kw,
+    )  # fmt: skip
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    model = sys.argv[1]
+    url = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
+    extra = json.loads(os.environ.get("KVWARDEN_TEST_CONNECTOR_EXTRA", "{}"))
+    from vllm import SamplingParams
+
+    llm = build(model, url, extra)
+    print("@kvw " + json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0, detokenize=False)
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - t0
+        answer = {
+            "tokens": list(out.outputs[0].token_ids),
+            "cached": int(out.num_cached_tokens or 0),
+            "s": elapsed,
+        }
+        print("@kvw " + json.dumps(answer), flush=True)
+    del llm
+
+
+if __name__ == "__main__":
+    main()
