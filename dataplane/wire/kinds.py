@@ -1,0 +1,46 @@
+"""The wire's enumerations: message types, memory kinds, KV formats, transfer modes
+(re-exported by `dataplane.wire.messages`, where the records that carry them live)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class MsgType(enum.StrEnum):
+    HELLO = "HELLO"
+    GET_SERVER_INFO = "GET_SERVER_INFO"
+    PING = "PING"
+    REGISTER_KV_CACHE = "REGISTER_KV_CACHE"
+    UNREGISTER_KV_CACHE = "UNREGISTER_KV_CACHE"
+    STORE = "STORE"
+    RETRIEVE = "RETRIEVE"
+    LOOKUP = "LOOKUP"
+    LOOKUP_SCOPE = "LOOKUP_SCOPE"
+    ENGINE_REGISTER = "ENGINE_REGISTER"
+    ENGINE_STORE = "ENGINE_STORE"
+    ENGINE_RETRIEVE = "ENGINE_RETRIEVE"
+    ENGINE_RESERVE = "ENGINE_RESERVE"
+    ENGINE_COMMIT = "ENGINE_COMMIT"
+    ENGINE_ACQUIRE = "ENGINE_ACQUIRE"
+    ENGINE_RELEASE = "ENGINE_RELEASE"
+
+
+class MemoryKind(enum.StrEnum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
+class KVFormat(enum.StrEnum):
+    """What a chunk's bytes are: the engine's own layout of a block's K and V, moved as is. A
+    chunk is only ever served to a worker of the same format (it is part of the key scope)."""
+
+    # per layer: K of every token, then V, each [tokens, heads * head_dim] (vLLM on CUDA)
+    TOKEN_MAJOR = "token_major"
+    # per layer and block: per head K transposed [head_dim][block_size], then V
+    # [block_size][head_dim] (vLLM's CPU backend); moves in whole blocks only
+    VLLM_CPU = "vllm_cpu"
+
+
+class TransferMode(enum.StrEnum):
+    SERVER_DRIVEN = "server_driven"  # the server maps the worker's memory and copies
+    ENGINE_DRIVEN = "engine_driven"  # the worker copies through a pool the server owns
