@@ -15,11 +15,11 @@ ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote")
 
 
 def modules() -> dict[str, ModuleType]:
-    from dataplane.bench import ping, reaper, remote, sidecar, startup, transfer
+    from dataplane.bench import ping, reaper, remote, sidecar, startup, transfer, vllm
 
     return {
         "startup": startup, "transfer": transfer, "ping": ping, "reaper": reaper, "http": sidecar,
-        "remote": remote,
+        "remote": remote, "vllm": vllm,
     }  # fmt: skip
 
 

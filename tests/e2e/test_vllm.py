@@ -8,10 +8,7 @@ vLLM's own prefix caching is off: a cached token can only have come from kvwarde
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, LineReader, ServerProcess, subprocess_env, wait_until
+from dataplane.bench.vllm import EngineProcess
+from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -34,61 +32,11 @@ PROMPT = [int(x) for x in rng.integers(3, 1000, 1100)]  # 4 full chunks may be l
 SHARES_ONE = PROMPT[:CHUNK] + [int(x) for x in rng.integers(3, 1000, 700)]  # only chunk 0 in common
 
 
-class Engine:
-    """One vLLM engine process (tests/e2e/vllm_engine.py), in a process group of its own."""
-
-    def __init__(self, model: Path, url: str | None, workdir: Path, **extra: Any) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log = workdir / f"engine-{time.monotonic_ns()}.log"
-        env = subprocess_env(KVWARDEN_TEST_CONNECTOR_EXTRA=json.dumps({"kvwarden.retry_s": 0.5, **extra}))
-        with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [str(VLLM_PYTHON), str(ROOT / "tests" / "e2e" / "vllm_engine.py"), str(model), url or ""],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=env,
-                start_new_session=True,
-            )  # fmt: skip
-        self.reader = LineReader(self.proc)
-        self.ready = self._answer(ENGINE_START_S)
-
-    def _answer(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.reader.readline(max(0.1, deadline - time.monotonic()))
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}\n--- engine log ---\n{self.tail()}") from None
-            if line.startswith("@kvw "):
-                answer: dict[str, Any] = json.loads(line[5:])
-                return answer
-
-    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._answer(120.0)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            self.proc.stdin.write(b'{"quit": true}\n')
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the engine and every process it started (engine core, worker)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+def Engine(model: Path, url: str | None, workdir: Path, **extra: Any) -> EngineProcess:
+    """A vLLM engine process; kvwarden's connector when ``url`` is given (retrying fast)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"engine-{time.monotonic_ns()}.log"
+    return EngineProcess(VLLM_PYTHON, model, url, log, {"kvwarden.retry_s": 0.5, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +62,8 @@ def expected(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 @pytest.fixture
-def engines(tmp_path: Path) -> Iterator[list[Engine]]:
-    started: list[Engine] = []
+def engines(tmp_path: Path) -> Iterator[list[EngineProcess]]:
+    started: list[EngineProcess] = []
     yield started
     for eng in started:
         eng.kill()
@@ -137,7 +85,7 @@ def serve(tmp: Path, port: int = 0, http_port: int = 0) -> ServerProcess:
 
 
 def test_engines_share_prompt_chunks_and_survive_the_server(
-    model: Path, expected: dict[str, list[int]], engines: list[Engine], tmp_path: Path
+    model: Path, expected: dict[str, list[int]], engines: list[EngineProcess], tmp_path: Path
 ) -> None:
     # an engine that starts before its server: correct output (recompute), then it registers
     srv = ServerProcess(tmp_path / "s0", "--chunk-size", str(CHUNK))  # only for its free ports

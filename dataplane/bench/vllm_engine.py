@@ -1,11 +1,14 @@
 """A real vLLM engine (offline ``LLM``) that a test drives over stdin/stdout, one JSON line each.
 
-    python vllm_engine.py MODEL_DIR [KVWARDEN_URL]    (no URL: no connector)
+    python -m dataplane.bench.vllm_engine MODEL_DIR [KVWARDEN_URL]    (no URL: no connector)
 
 Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for each line
 ``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "cached": n,
 "ttft_s": s}``; ``{"quit": true}`` (or end of input) shuts the engine down. Run with the Python of
 the vLLM environment (``.venv-vllm``); greedy sampling, so outputs are comparable token for token.
+``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by default);
+``KVWARDEN_ENGINE_CONNECTOR_EXTRA`` holds more ``kv_connector_extra_config`` keys, as JSON.
+Used by `dataplane.bench.vllm` and the vLLM tests.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def build(model: str, url: str | None, extra: dict[str, Any]) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kvwarden.url": url, **extra},
         )
-    prefix = os.environ.get("KVWARDEN_TEST_PREFIX_CACHING") == "1"
+    prefix = os.environ.get("KVWARDEN_ENGINE_PREFIX_CACHING") == "1"
     return LLM(
         model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=prefix,
         dtype="bfloat16", **kw,
@@ -42,7 +45,7 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     model = sys.argv[1]
     url = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
-    extra = json.loads(os.environ.get("KVWARDEN_TEST_CONNECTOR_EXTRA", "{}"))
+    extra = json.loads(os.environ.get("KVWARDEN_ENGINE_CONNECTOR_EXTRA", "{}"))
     from vllm import SamplingParams
 
     llm = build(model, url, extra)

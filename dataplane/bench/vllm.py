@@ -1,0 +1,226 @@
+"""`kvwarden bench vllm`: time to first token of real vLLM engines, with and without kvwarden.
+
+On a random-weight Llama built here where prefill dominates (`dataplane.bench.vllm_model`
+``PREFILL``: hidden 1,024, 8 layers, 8 KV heads, head dim 128), a prompt of ~2,900 tokens, one
+output token (so the time of a request is its time to first token). In one run, engines one
+after another, each prompt new to every cache:
+- **no connector**: an engine without kvwarden (nor its own prefix caching), a new prompt;
+- **vLLM prefix hit**: an engine without kvwarden, its own prefix caching on, a prompt it has
+  just served (the floor for any hit: nothing is copied); its first pass is shown too;
+- **kvwarden miss**: an engine with kvwarden (its own prefix caching off), a new prompt
+  (a LOOKUP that finds nothing, then its chunks stored off the step), on a server just started;
+- **kvwarden hit**: another engine process, the prompts the previous one stored.
+Every engine keeps the same cores from its worker (``--reserved-cpus``; vLLM otherwise reserves
+one more core for an engine with any KV connector, which on a 2-core machine gives that engine's
+worker both cores and the others one). Engines run with vLLM's CPU build in its own environment
+(``--vllm-python``, default
+``.venv-vllm/bin/python``: `make vllm-env`). ``EngineProcess`` is shared with the vLLM tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dataplane.bench.procs import bench_env, launch, wait_http
+from dataplane.bench.results import add_output_args, finish, resolve
+
+ENGINE_START_S = 300.0
+CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
+
+
+class EngineProcess:
+    """One vLLM engine (`dataplane.bench.vllm_engine`) driven over its stdin and stdout, in a
+    process group of its own (``kill`` takes its engine core and worker too)."""
+
+    def __init__(self, python: str | Path, model: Path, url: str | None, log: Path,
+                 extra: dict[str, Any] | None = None, prefix_caching: bool = False,
+                 env_extra: dict[str, str] | None = None) -> None:  # fmt: skip
+        env = {**os.environ, **(env_extra or {})}
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        env["KVWARDEN_ENGINE_CONNECTOR_EXTRA"] = json.dumps(extra or {})
+        env["KVWARDEN_ENGINE_PREFIX_CACHING"] = "1" if prefix_caching else "0"
+        self.log = log
+        cmd = [str(python), "-m", "dataplane.bench.vllm_engine", str(model), url or ""]
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=root,
+                start_new_session=True,
+            )  # fmt: skip
+        self._buf = b""
+        self.ready = self._answer(ENGINE_START_S)
+
+    def _answer(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                if line.startswith(b"@kvw "):
+                    answer: dict[str, Any] = json.loads(line[5:])
+                    return answer
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.proc.poll() is not None and not select.select([fd], [], [], 0)[0]):
+                raise RuntimeError(f"vLLM engine: no answer (exit {self.proc.poll()})\n{self.tail()}")
+            if select.select([fd], [], [], min(left, 0.5))[0]:
+                data = os.read(fd, 65536)
+                if not data:
+                    raise RuntimeError(
+                        f"vLLM engine closed its output (exit {self.proc.poll()})\n{self.tail()}"
+                    )
+                self._buf += data
+
+    def generate(self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def close(self) -> None:
+        """Quit (the connector shuts down: stores finish, the worker unregisters), else kill."""
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.write(b'{"quit": true}\n')
+                self.proc.stdin.flush()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(60)
+        self.kill()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def default_python() -> str:
+    env = os.environ.get("KVWARDEN_VLLM_PYTHON")
+    if env:
+        return env
+    local = Path.cwd() / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else sys.executable
+
+
+def add_args(sub: Any) -> None:
+    p = sub.add_parser(
+        "vllm", help="vLLM time to first token: no connector, kvwarden miss and hit, vLLM's own hit"
+    )
+    p.add_argument("--rounds", type=int, default=None, help="prompts per case (5; quick 2)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 2900")
+    p.add_argument("--vllm-python", default=None, help="the Python of vLLM's environment (.venv-vllm)")
+    p.add_argument(
+        "--reserved-cpus", type=int, default=1,
+        help="cores vLLM keeps from its worker (VLLM_CPU_NUM_OF_RESERVED_CPU), the same for every engine",
+    )  # fmt: skip
+    add_output_args(p)
+    p.set_defaults(func=run_vllm)
+
+
+def run_vllm(ns: argparse.Namespace) -> int:
+    resolve(ns, rounds=(5, 2, 1), prompt_tokens=(2900, 2900, 600))
+    python = ns.vllm_python or default_python()
+    if ns.rounds < 1 or ns.prompt_tokens < 2 * CHUNK:
+        print(f"bench: --rounds >= 1 and --prompt-tokens >= {2 * CHUNK}", file=sys.stderr)
+        return 2
+    from dataplane.bench.vllm_model import PREFILL, TINY
+
+    shape = TINY if ns.tiny else PREFILL
+    with tempfile.TemporaryDirectory(prefix="kvwarden-bench-vllm-") as tmp:
+        work = Path(tmp)
+        model = work / "model"
+        code = f"from dataplane.bench.vllm_model import *; build_model({str(model)!r}, {shape!r})"
+        subprocess.run([python, "-c", code], check=True, env=bench_env())
+        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ns.reserved_cpus)}
+        out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env)
+    out["params"] = {
+        "rounds": ns.rounds, "prompt_tokens": ns.prompt_tokens, "model": str(shape),
+        "reserved_cpus": ns.reserved_cpus,
+    }  # fmt: skip
+    finish(ns, "vllm", out, _show)
+    return 0
+
+
+def _prompts(seed: int, n: int, tokens: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(3, 1000, tokens)] for _ in range(n)]
+
+
+def _measure(python: str, model: Path, work: Path, rounds: int, tokens: int,
+             env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    own, ours = _prompts(1, rounds, tokens), _prompts(2, rounds, tokens)
+    keys = ("none", "vllm_miss", "vllm_hit", "miss", "hit")
+    cases: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
+    eng = EngineProcess(python, model, None, work / "none.log", env_extra=env)
+    try:
+        cases["none"] = [eng.generate(p, 1) for p in own]
+    finally:
+        eng.close()
+    eng = EngineProcess(python, model, None, work / "prefix.log", prefix_caching=True, env_extra=env)
+    try:
+        for p in own:
+            cases["vllm_miss"].append(eng.generate(p, 1))
+            cases["vllm_hit"].append(eng.generate(p, 1))
+    finally:
+        eng.close()
+    srv = launch("--chunk-size", str(CHUNK), "--l1-size-gb", "2")
+    try:
+        wait_http(srv)
+        for case, log in (("miss", "miss.log"), ("hit", "hit.log")):
+            eng = EngineProcess(python, model, srv.endpoint, work / log, env_extra=env)
+            try:
+                cases[case] = [eng.generate(p, 1) for p in ours]
+            finally:
+                eng.close()
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(30)
+    med = {k: statistics.median(r["s"] for r in v) for k, v in cases.items()}
+    return {
+        "ttft_s": med,
+        "cached_tokens": {k: statistics.median(r["cached"] for r in v) for k, v in cases.items()},
+        "hit_vs_vllm_hit": med["hit"] / med["vllm_hit"],
+        "miss_vs_none": med["miss"] / med["none"],
+        "same_output": all(
+            a["tokens"] == b["tokens"] for a, b in zip(cases["miss"], cases["hit"], strict=True)
+        ),
+        "runs": {k: [round(r["s"], 4) for r in v] for k, v in cases.items()},
+    }
+
+
+def _show(rep: dict[str, Any]) -> None:
+    t, c = rep["ttft_s"], rep["cached_tokens"]
+    rows = [
+        ("no connector", "none"),
+        ("vLLM prefix caching on: miss", "vllm_miss"),
+        ("vLLM prefix-cache hit", "vllm_hit"),
+        ("kvwarden miss (fresh server)", "miss"),
+        ("kvwarden hit (another engine)", "hit"),
+    ]
+    print(f"vLLM time to first token, {rep['params']['prompt_tokens']}-token prompt, medians of "
+          f"{rep['params']['rounds']}:")  # fmt: skip
+    for label, key in rows:
+        print(f"  {label:32s} {1000 * t[key]:9.1f} ms   cached {c[key]:.0f}   runs {rep['runs'][key]}")
+    print(f"  kvwarden hit / vLLM hit  {rep['hit_vs_vllm_hit']:.2f}x (target <= 1.1x)")
+    print(f"  kvwarden miss / none     {rep['miss_vs_none']:.3f}x (target <= 1.03x)")
+    print(f"  hit and miss outputs equal: {rep['same_output']}", flush=True)
