@@ -1,0 +1,38 @@
+"""`kvwarden bench vllm --tiny --json` end to end, with real vLLM engines (``.venv-vllm``): the
+harness runs every case and its report holds every figure. The model and prompts are tiny: the
+numbers mean nothing here, but a hit must load what the miss stored, with the same output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, subprocess_env
+
+pytestmark = pytest.mark.timeout(900)
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def test_bench_vllm_tiny(tmp_path: Path) -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
+    p = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", "vllm", "--tiny", "--json", "--results-dir", str(tmp_path),
+         "--vllm-python", str(VLLM_PYTHON)],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=850,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    (path,) = [line.split(": ", 1)[1] for line in p.stdout.splitlines() if line.startswith("results: ")]
+    rep = json.loads(Path(path).read_text())
+    assert rep["benchmark"] == "vllm" and rep["tier"] == "tiny"
+    cached = rep["cached_tokens"]
+    assert cached["none"] == cached["miss"] == cached["vllm_miss"] == 0
+    assert cached["hit"] == cached["vllm_hit"] == 512  # 600 tokens: two full chunks of 256
+    assert rep["same_output"] is True
+    assert set(rep["ttft_s"]) == {"none", "vllm_miss", "vllm_hit", "miss", "hit"}
+    assert rep["hit_vs_vllm_hit"] > 0 and rep["miss_vs_none"] > 0
+    assert "kvwarden hit / vLLM hit" in p.stdout
