@@ -124,20 +124,31 @@ def test_engines_share_prompt_chunks_and_survive_the_server(
         srv.proc.wait(10)
         out = second.generate(PROMPT)
         assert out["tokens"] == expected["prompt"] and out["cached"] == 0
-        # restarted where it was: the engine registers again, stores, and hits
+        # restarted where it was: the engine registers again, stores, and hits; so does the next engine
         srv = serve(tmp_path / "s2", srv.port, srv.http_port)
         wait_until(
             lambda: len(instances(srv)) == 1, 30, 0.2, what="the engine to register with the restarted server"
         )
+        (kept,) = [i["instance_id"] for i in instances(srv)]
         assert second.generate(PROMPT)["cached"] == 0  # L1 restarted empty: this stores
         out = second.generate(PROMPT)
         assert out["cached"] == 4 * CHUNK and out["tokens"] == expected["prompt"], out
+        third = Engine(model, srv.endpoint, tmp_path)
+        engines.append(third)
+        out = third.generate(PROMPT)
+        assert out["cached"] == 4 * CHUNK and out["tokens"] == expected["prompt"], out
+        assert len(instances(srv)) == 2  # both engines' workers, while they run
 
-        # the engine SIGKILLed: its worker is reaped within the disconnect grace
-        second.kill()
+        # an engine SIGKILLed: its worker is reaped within the disconnect grace, the other stays
+        third.kill()
         t0 = time.monotonic()
-        wait_until(lambda: not instances(srv), 30, 0.2, what="the killed engine's worker to be reaped")
+        wait_until(
+            lambda: [i["instance_id"] for i in instances(srv)] == [kept], 30, 0.2,
+            what="the killed engine's worker to be reaped",
+        )  # fmt: skip
         assert time.monotonic() - t0 < 2 + 5  # grace 2 s, reaper cadence and the poll
         assert "reaped" in srv.output()
+        second.close()
+        wait_until(lambda: not instances(srv), 30, 0.2, what="the second engine to unregister")
     finally:
         srv.stop()
