@@ -75,6 +75,11 @@ def instances(srv: ServerProcess) -> list[dict[str, Any]]:
     return out
 
 
+def l1_chunks(srv: ServerProcess) -> int:
+    r = httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10)
+    return int(r.json()["storage"]["l1"]["chunks"])
+
+
 def serve(tmp: Path, port: int = 0, http_port: int = 0) -> ServerProcess:
     srv = ServerProcess(
         tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", "0.5", "--worker-disconnect-grace-seconds", "2",
@@ -106,8 +111,9 @@ def test_engines_share_prompt_chunks_and_survive_the_server(
         assert inst["model_name"] == str(model) and inst["transfer_mode"] == "engine_driven"
         out = first.generate(PROMPT)  # a miss: stores the prompt's full chunks
         assert out["tokens"] == expected["prompt"] and out["cached"] == 0
-        first.close()
+        first.close()  # its stores are over before it unregisters
         wait_until(lambda: not instances(srv), 30, 0.2, what="the first engine to unregister")
+        assert l1_chunks(srv) == 4
 
         # a second engine process hits every stored chunk; same output
         second = Engine(model, srv.endpoint, tmp_path, **{"kvwarden.heartbeat_interval_s": 0.5})
@@ -131,6 +137,7 @@ def test_engines_share_prompt_chunks_and_survive_the_server(
         )
         (kept,) = [i["instance_id"] for i in instances(srv)]
         assert second.generate(PROMPT)["cached"] == 0  # L1 restarted empty: this stores
+        wait_until(lambda: l1_chunks(srv) == 4, 30, 0.1, what="the store (off the step) to land")
         out = second.generate(PROMPT)
         assert out["cached"] == 4 * CHUNK and out["tokens"] == expected["prompt"], out
         third = Engine(model, srv.endpoint, tmp_path)
