@@ -29,7 +29,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(PYPROJECT_HASH)
 
 # external programs the tests need: program -> Debian package
-REQUIRED_PROGRAMS := redis-server:redis-server redis-cli:redis-tools promtool:prometheus openssl:openssl
+REQUIRED_PROGRAMS := redis-server:redis-server redis-cli:redis-tools promtool:prometheus \
+  prometheus:prometheus openssl:openssl docker-compose:docker-compose
 
 .PHONY: vllm-env help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi clean
 
