@@ -11,20 +11,17 @@ fields (a rank below the world size, layers of the kind ``memory`` names) live i
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, TypeVar, get_type_hints
+from typing import Annotated, Any
 
 import numpy as np
 
 from dataplane.wire.checks import (
     INT64_MAX,
-    Check,
     array_of,
     blob,
     boolean,
     id_array,
-    ids_to_bytes,
     int_list,
     member_of,
     name,
@@ -39,6 +36,13 @@ from dataplane.wire.kinds import KVFormat as KVFormat
 from dataplane.wire.kinds import MemoryKind as MemoryKind
 from dataplane.wire.kinds import MsgType as MsgType
 from dataplane.wire.kinds import TransferMode as TransferMode
+from dataplane.wire.records import Message as Message
+from dataplane.wire.records import Record as Record
+from dataplane.wire.records import RecT as RecT
+from dataplane.wire.records import decode_record as decode_record
+from dataplane.wire.records import encode_payload as encode_payload
+from dataplane.wire.records import field_checks as field_checks
+from dataplane.wire.records import field_names as field_names
 
 MAX_TOKENS_PER_REQUEST = 1 << 21
 MAX_LAYERS = 1024
@@ -50,26 +54,6 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e
 
 
 # ------------------------------------------------------------------------------- records
-
-R = TypeVar("R", bound="Record")
-
-
-class Record:
-    """Base of every payload record: its fields are its positional payload fields."""
-
-    __slots__ = ()
-
-    def _checked(self: R, where: str) -> R:
-        """Cross-field rules, run after every field passed its own check."""
-        return self
-
-
-class Message(Record):
-    """A record that is a whole request's payload; ``TYPE`` names the message."""
-
-    __slots__ = ()
-    TYPE: ClassVar[MsgType]
-
 
 _IDS = id_array(MAX_TOKENS_PER_REQUEST)
 _RANKS = small_int(1, MAX_RANKS)
@@ -334,60 +318,8 @@ assert set(BY_TYPE) == set(MsgType), "every message type has exactly one record"
 # ------------------------------------------------------------------ derived: parse, encode
 
 
-def _spec_of(cls: type[Record]) -> tuple[tuple[str, Check], ...]:
-    hints = get_type_hints(cls, include_extras=True)
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    return tuple((f.name, hints[f.name].__metadata__[0]) for f in fields)
-
-
-# derived once, at import: read-only from then on (any thread may encode or decode)
-_SPECS = {cls: _spec_of(cls) for cls in (*MESSAGES, ShmLayer, CudaLayer)}
-
-
-def field_checks(cls: type[Record]) -> tuple[tuple[str, Check], ...]:
-    """``(field name, check)`` of every payload field of ``cls``, in wire order."""
-    spec = _SPECS.get(cls)
-    return spec if spec is not None else _spec_of(cls)
-
-
-def field_names(cls: type[Record]) -> tuple[str, ...]:
-    return tuple(n for n, _ in field_checks(cls))
-
-
-RecT = TypeVar("RecT", bound=Record)
-
-
-def decode_record(cls: type[RecT], v: Any, where: str) -> RecT:
-    """Check a positional payload against ``cls``'s declaration; the typed record."""
-    spec = field_checks(cls)
-    if not isinstance(v, list):
-        raise ProtocolError(f"{where}: payload must be an array, got {type_name(v)}")
-    if len(v) != len(spec):
-        names = ", ".join(n for n, _ in spec) or "nothing"
-        raise ProtocolError(f"{where}: expected {len(spec)} payload fields ({names}), got {len(v)}")
-    vals = [check(x, f"{where}.{fname}") for (fname, check), x in zip(spec, v, strict=True)]
-    return cls(*vals)._checked(where)
-
-
 def _parser(cls: type[Message]) -> Callable[[Any], Message]:
     return lambda v: decode_record(cls, v, cls.TYPE.value)
 
 
 PARSERS: dict[MsgType, Callable[[Any], Message]] = {t: _parser(c) for t, c in BY_TYPE.items()}
-
-
-def encode_payload(msg: Record) -> list[Any]:
-    """The positional payload of a record, as it travels (ids packed, enums as strings)."""
-    return [_encode_value(getattr(msg, n)) for n in field_names(type(msg))]
-
-
-def _encode_value(v: Any) -> Any:
-    if isinstance(v, Record):
-        return encode_payload(v)
-    if isinstance(v, np.ndarray):
-        return ids_to_bytes(v)
-    if isinstance(v, enum.Enum):
-        return v.value
-    if isinstance(v, tuple | list):
-        return [_encode_value(x) for x in v]
-    return v
