@@ -63,6 +63,7 @@ class WorkerLivenessPublic(BaseModel):
     disconnect_grace_seconds: float
     tracked_instances: int
     reaped_total: int
+    blend_instances: int = Field(0, description="instances holding blend state (their RoPE tables)")
 
 
 class InstancePublic(BaseModel):

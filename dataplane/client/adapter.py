@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import zmq
 
+from dataplane.client.args import check_args, check_copy_threads
 from dataplane.client.channel import Channel
 from dataplane.client.heartbeat import Heartbeat
 from dataplane.client.kvalloc import unlink_segments
@@ -49,9 +50,12 @@ from dataplane.client.transport import (
     ServerDrivenTransport,
     Transport,
 )
+from dataplane.memory.rope import RopeParams
 from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout
 from dataplane.wire.messages import (
-    MAX_POOL_CHUNKS,
+    BlendRegister,
+    BlendRetrieve,
+    BlendStore,
     Hello,
     KVFormat,
     Lookup,
@@ -60,56 +64,18 @@ from dataplane.wire.messages import (
     TransferMode,
     Unregister,
 )
-from dataplane.wire.protocol import REAP_TIMEOUT_FLOOR_S
 
 logger = logging.getLogger(__name__)
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 T = TypeVar("T")
 _NO_STORE = {"chunks": 0, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
-MAX_COPY_THREADS = 64
 
 
 def _id_array(x: TokenIds) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
     return np.asarray(x)
-
-
-def _check_args(
-    transfer_mode: str, pool_chunks: int, heartbeat_interval: float, world_size: int, worker_id: int
-) -> None:
-    modes = [m.value for m in TransferMode]
-    if transfer_mode not in modes:
-        raise ValueError(f"transfer_mode {transfer_mode!r}: use {' or '.join(map(repr, modes))}")
-    if not 1 <= pool_chunks <= MAX_POOL_CHUNKS:
-        raise ValueError(f"pool_chunks must be in [1, {MAX_POOL_CHUNKS}]")
-    if not heartbeat_interval > 0:
-        raise ValueError("heartbeat_interval must be > 0")
-    if not 0 <= worker_id < world_size:
-        raise ValueError(f"worker_id {worker_id} must be in [0, world_size {world_size})")
-    if 3 * heartbeat_interval > REAP_TIMEOUT_FLOOR_S:
-        logger.warning(
-            "kvwarden client: 3 x heartbeat_interval (%gs) exceeds the server's %gs reap floor: "
-            "a server at the floor may reap this live worker",
-            3 * heartbeat_interval,
-            REAP_TIMEOUT_FLOOR_S,
-        )
-
-
-def _check_copy_threads(transfer_mode: str, copy_threads: int | None) -> int:
-    """Threads an engine-driven worker splits its copies across (1 unless given: each copy then
-    runs on torch's own threads, as many as the engine set); a server-driven worker copies
-    nothing itself, so it takes none."""
-    if copy_threads is None:
-        return 1
-    if transfer_mode != TransferMode.ENGINE_DRIVEN.value:
-        raise ValueError(
-            "copy_threads applies to engine_driven workers: the server copies for server_driven ones"
-        )
-    if not 1 <= copy_threads <= MAX_COPY_THREADS:
-        raise ValueError(f"copy_threads must be in [1, {MAX_COPY_THREADS}]")
-    return copy_threads
 
 
 class WorkerAdapter:
@@ -137,8 +103,8 @@ class WorkerAdapter:
         pool_chunks: int = 4,
         copy_threads: int | None = None,
     ) -> None:
-        _check_args(transfer_mode, pool_chunks, heartbeat_interval, world_size, worker_id)
-        copy_threads = _check_copy_threads(transfer_mode, copy_threads)
+        check_args(transfer_mode, pool_chunks, heartbeat_interval, world_size, worker_id)
+        copy_threads = check_copy_threads(transfer_mode, copy_threads)
         self.endpoint = endpoint
         self.model_name = model_name
         self.world_size = world_size
@@ -174,6 +140,7 @@ class WorkerAdapter:
         )
         self._reg_lock = threading.Lock()  # guards _registration, registrations, refreshes
         self._registration: Message | None = None
+        self._blend: BlendRegister | None = None  # RoPE parameters given (re-sent on a fresh context)
         self.chunk_size: int | None = None
         self.registrations = 0  # REGISTERs that built a fresh server context
         self.refreshes = 0  # REGISTERs the server answered as a no-op refresh (created: false)
@@ -232,6 +199,8 @@ class WorkerAdapter:
         else:
             self.refreshes += 1
         self._transport.registered(result)
+        if self._blend is not None and result.get("created"):  # a fresh context: RoPE again
+            chan.request(self._blend, self.request_timeout)
 
     def start_heartbeat(self) -> None:
         self._heartbeat.start()
@@ -359,6 +328,41 @@ class WorkerAdapter:
         token = self._heartbeat.boot_token
         if token is not None:
             self._heartbeat.recover(token, failure_is_outage=False)
+
+    # ------------------------------------------------------------------ blend
+    def register_blend(self, rope: RopeParams | dict[str, Any]) -> None:
+        """Give the server this worker's RoPE parameters (`dataplane.memory.rope.RopeParams`:
+        rotary_dim, base, style "neox" or "interleaved", scaling, max_positions), for blend
+        transfers; sent again whenever the server builds a fresh context for this instance. A
+        bad parameter raises the server's RequestError naming it."""
+        p = rope if isinstance(rope, RopeParams) else RopeParams(**rope)
+        msg = BlendRegister(
+            self.instance_id, self._secret, int(p.rotary_dim), float(p.base), str(p.style), float(p.scaling),
+            int(p.max_positions),
+        )  # fmt: skip
+        with self._reg_lock:
+            if self._registration is None:
+                raise NotRegistered("register_kv_caches() first, then register_blend()")
+            self._chan.request(msg, self.request_timeout)
+            self._blend = msg
+
+    def store_blend(self, token_ids: TokenIds, block_ids: TokenIds, position: int) -> dict[str, int]:
+        """Store every full chunk independently of what precedes it; chunk i is at ``position +
+        i * chunk_size`` in this sequence. STORE's counts (all zero during an outage)."""
+        msg = BlendStore(self.instance_id, self._secret, _id_array(token_ids), _id_array(block_ids), position)
+        return self._unless_outage(lambda: dict(self._send(msg)), dict(_NO_STORE))
+
+    def retrieve_blend(
+        self, token_ids: TokenIds, block_ids: TokenIds, position: int
+    ) -> list[tuple[int, bool]]:
+        """Write each held chunk into its blocks, keys rotated to ``position + i * chunk_size``;
+        (chunk index, hit) for every full chunk, so the engine knows which to recompute."""
+        tokens = _id_array(token_ids)
+        msg = BlendRetrieve(self.instance_id, self._secret, tokens, _id_array(block_ids), position)
+        n = len(tokens) // (self.chunk_size or 1)
+        return self._unless_outage(
+            lambda: [(int(i), bool(h)) for i, h in self._send(msg)["chunks"]], [(i, False) for i in range(n)]
+        )
 
     # ------------------------------------------------------------------ close
     def close(self, unlink: bool = True) -> None:

@@ -90,6 +90,7 @@ class LivenessStatus:
     disconnect_grace_seconds: float
     tracked_instances: int
     reaped_total: int
+    blend_instances: int = 0  # instances holding blend state (RoPE tables)
 
 
 @dataclass(frozen=True, slots=True)

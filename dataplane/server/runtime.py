@@ -30,6 +30,7 @@ from dataplane.memory.copies import CopySplitter
 from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import ServerInfo
+from dataplane.modules.blend import BlendModule
 from dataplane.modules.direct import DirectTransferModule
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
@@ -124,6 +125,7 @@ class DataPlane:
             disconnect_grace_seconds=m.disconnect_grace_s,
             tracked_instances=m.releaser.tracked_instance_count(),
             reaped_total=m.releaser.reaped_total,
+            blend_instances=sum(t.instance_count() for t in m.releaser.targets if isinstance(t, BlendModule)),
         )
 
     def l1_stats(self) -> L1Stats:
@@ -208,7 +210,8 @@ def build_dataplane(
     engine = EngineDrivenTransferModule(
         l1, cs, metrics, clock, splitter=splitter, quota=quota, pool_budget=pools, descriptors=fds
     )
-    releaser = InstanceReleaser([transfer.registry, engine.registry, *extra_targets], metrics)
+    blend = BlendModule(transfer, engine)
+    releaser = InstanceReleaser([transfer.registry, engine.registry, blend, *extra_targets], metrics)
     management = ManagementModule(
         info,
         releaser,
@@ -224,6 +227,7 @@ def build_dataplane(
     server.add_module(transfer)
     server.add_module(engine)
     server.add_module(DirectTransferModule(engine, l1, metrics))
+    server.add_module(blend)
     server.add_module(LookupModule(l1, cs, metrics, [transfer.registry, engine.registry]))
     monitor = _monitor(settings, l1, remote, _self_checks(server, management), clock)
     if init_failure is not None:

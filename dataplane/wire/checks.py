@@ -63,6 +63,13 @@ def small_int(lo: int, hi: int) -> Check:
     return check
 
 
+def number(v: Any, where: str) -> float:
+    """An integer or a float (NaN and infinities pass: the receiver names them)."""
+    if type(v) not in (int, float):
+        raise ProtocolError(f"{where}: expected a number, got {type_name(v)}")
+    return float(v)
+
+
 def name(v: Any, where: str) -> str:
     if not isinstance(v, str):
         raise ProtocolError(f"{where}: expected a string, got {type_name(v)}")

@@ -25,6 +25,7 @@ from dataplane.wire.checks import (
     int_list,
     member_of,
     name,
+    number,
     one_of,
     opt_u63,
     small_int,
@@ -293,6 +294,43 @@ class EngineRelease(EngineLease):
     TYPE = MsgType.ENGINE_RELEASE
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlendRegister(Message):
+    """A worker's RoPE parameters, for blend transfers (checked by the blend module, which
+    names a bad one: rotary_dim even and <= head_dim, base and scaling finite and > 0, ...)."""
+
+    TYPE = MsgType.BLEND_REGISTER
+    instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
+    rotary_dim: Annotated[int, small_int(0, 1 << 16)]
+    base: Annotated[float, number]
+    style: Annotated[str, name]
+    scaling: Annotated[float, number]
+    max_positions: Annotated[int, small_int(0, INT64_MAX)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlendTransfer(Message):
+    """Chunks independent of what precedes them: chunk i of ``token_ids`` is at ``position +
+    i * chunk_size`` in the worker's sequence (``block_ids`` as for STORE)."""
+
+    instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
+    token_ids: Annotated[np.ndarray, _IDS]
+    block_ids: Annotated[np.ndarray, _IDS]
+    position: Annotated[int, small_int(0, 1 << 31)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlendStore(BlendTransfer):
+    TYPE = MsgType.BLEND_STORE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlendRetrieve(BlendTransfer):
+    TYPE = MsgType.BLEND_RETRIEVE
+
+
 MESSAGES: tuple[type[Message], ...] = (
     Hello,
     GetServerInfo,
@@ -310,6 +348,9 @@ MESSAGES: tuple[type[Message], ...] = (
     EngineCommit,
     EngineAcquire,
     EngineRelease,
+    BlendRegister,
+    BlendStore,
+    BlendRetrieve,
 )
 BY_TYPE: dict[MsgType, type[Message]] = {m.TYPE: m for m in MESSAGES}
 assert set(BY_TYPE) == set(MsgType), "every message type has exactly one record"

@@ -293,7 +293,7 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
             disconnected=True,
         ),
     }
-    fake.liveness = replace(fake.liveness, tracked_instances=2)
+    fake.liveness = replace(fake.liveness, tracked_instances=2, blend_instances=1)
     r = client.get("/status")
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
@@ -314,6 +314,7 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
             "disconnect_grace_seconds": 4.5,
             "tracked_instances": 2,
             "reaped_total": 17,
+            "blend_instances": 1,
         },
         "instances": [
             {

@@ -21,6 +21,9 @@ from dataplane.memory.shm import Segment
 from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import NotRegistered, RequestError
 from dataplane.wire.messages import (
+    BlendRegister,
+    BlendRetrieve,
+    BlendStore,
     CudaLayer,
     EngineAcquire,
     EngineCommit,
@@ -621,6 +624,9 @@ def fresh_message(mtype: str, w: WorkerAdapter) -> Message:
         "ENGINE_COMMIT": lambda: EngineCommit(FRESH, SECRET, 1),
         "ENGINE_ACQUIRE": lambda: EngineAcquire(FRESH, SECRET, toks, 0, 2),
         "ENGINE_RELEASE": lambda: EngineRelease(FRESH, SECRET, 1),
+        "BLEND_REGISTER": lambda: BlendRegister(FRESH, SECRET, 8, 10000.0, "neox", 1.0, 4096),
+        "BLEND_STORE": lambda: BlendStore(FRESH, SECRET, toks, np.array([0, 1, 2, 3]), 0),
+        "BLEND_RETRIEVE": lambda: BlendRetrieve(FRESH, SECRET, toks, np.array([0, 1, 2, 3]), 0),
     }
     msg = messages[mtype]()
     assert MsgType(mtype) is msg.TYPE
@@ -641,6 +647,9 @@ INSTANCE_TYPES = [
     "ENGINE_COMMIT",
     "ENGINE_ACQUIRE",
     "ENGINE_RELEASE",
+    "BLEND_REGISTER",
+    "BLEND_STORE",
+    "BLEND_RETRIEVE",
 ]
 
 

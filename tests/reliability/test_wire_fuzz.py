@@ -48,6 +48,9 @@ from dataplane.wire.messages import (
     BY_TYPE,
     MESSAGES,
     SUPPORTED_DTYPES,
+    BlendRegister,
+    BlendRetrieve,
+    BlendStore,
     CudaLayer,
     EngineAcquire,
     EngineCommit,
@@ -293,6 +296,12 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "first_chunk": st.one_of(st.integers(0, 4), st.integers(0, 24)),
     "n_chunks": st.one_of(st.integers(0, 4), st.integers(0, 9)),
     "kv_format": st.sampled_from([f.value for f in KVFormat]),
+    "rotary_dim": st.one_of(st.sampled_from([2, 8, 16]), st.integers(0, 1 << 16)),
+    "base": st.one_of(st.just(10000.0), st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 10)),
+    "style": st.sampled_from(["neox", "interleaved", "x"]),
+    "scaling": st.one_of(st.just(1.0), st.floats(allow_nan=True, allow_infinity=True)),
+    "max_positions": st.one_of(st.integers(1, 4096), st.integers(0, 2**63 - 1)),
+    "position": st.one_of(st.integers(0, 64), st.integers(0, 1 << 31)),
     "block_size": st.one_of(st.sampled_from([1, BLOCK, 2 * BLOCK]), st.integers(1, 1 << 16)),
 }
 
@@ -367,6 +376,9 @@ _OWN_ID = {
     MsgType.ENGINE_COMMIT: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
     MsgType.ENGINE_ACQUIRE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
     MsgType.ENGINE_RELEASE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
+    MsgType.BLEND_REGISTER: st.one_of(st.just(REG_ID), INSTANCE_IDS),
+    MsgType.BLEND_STORE: st.one_of(st.just(REG_ID), INSTANCE_IDS),
+    MsgType.BLEND_RETRIEVE: st.one_of(st.just(REG_ID), INSTANCE_IDS),
     MsgType.UNREGISTER_KV_CACHE: st.one_of(st.integers(0, 2**63 - 1), INSTANCE_IDS),
 }
 
@@ -656,6 +668,9 @@ def _valid_messages(geo: Geometry) -> list[Message]:
         EngineCommit(ENG_ID, SECRET, 1),
         EngineAcquire(ENG_ID, SECRET, tokens, 0, 2),
         EngineRelease(ENG_ID, SECRET, 2),
+        BlendRegister(REG_ID, SECRET, 8, 10000.0, "neox", 1.0, 4096),
+        BlendStore(REG_ID, SECRET, tokens, blocks, 0),
+        BlendRetrieve(REG_ID, SECRET, tokens, blocks, 16),
         Unregister(REG_ID, SECRET),
     ]
     assert {type(m) for m in msgs} == set(MESSAGES)

@@ -1,0 +1,177 @@
+"""Blend transfers with a real server: a chunk stored at one position and blend-retrieved at
+another has its keys re-rotated to the new position (equal to RoPE computed there, within bf16
+tolerance) and its values untouched; chunks are found independently of their prefix; the
+per-instance RoPE state is dropped by reap, admin reap and UNREGISTER; bad parameters and
+blend requests without them are refused, naming the problem."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.memory.rope import RopeParams, rope_at
+from dataplane.wire.errors import RequestError
+from tests.helpers import ServerProcess, subprocess_env
+
+CS, LAYERS, NB, BS, HEADS, HD = 32, 2, 64, 16, 2, 64
+ROPE = RopeParams(64, 10000.0, "neox", 1.0, 4096)
+TOKEN = "blend-test-admin-token"
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path, "--chunk-size", str(CS), env=subprocess_env(KVWARDEN_ADMIN_TOKEN=TOKEN))
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+def worker(srv: ServerProcess, mode: str = "server_driven") -> tuple[WorkerAdapter, list[torch.Tensor]]:
+    w = WorkerAdapter(srv.endpoint, "blend-model", transfer_mode=mode, heartbeat_interval=1.0)
+    caches = allocate_kv_caches(LAYERS, NB, BS, HEADS, HD, dtype=torch.bfloat16)
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def slots(blocks: list[int], n: int) -> torch.Tensor:
+    return torch.tensor([b * BS + o for b in blocks for o in range(BS)][:n])
+
+
+def kv_at(caches: list[torch.Tensor], layer: int, which: int, s: torch.Tensor) -> torch.Tensor:
+    return caches[layer][which].reshape(NB * BS, HEADS, HD)[s]
+
+
+def fill(
+    caches: list[torch.Tensor], blocks: list[int], raw_k: torch.Tensor, values: torch.Tensor, at: int
+) -> None:
+    """The worker's own prefill: K with RoPE at positions ``at ..``, V as given."""
+    s = slots(blocks, raw_k.shape[1])
+    for layer in range(LAYERS):
+        k = rope_at(raw_k[layer], torch.arange(raw_k.shape[1]) + at, ROPE).to(torch.bfloat16)
+        caches[layer][0].reshape(NB * BS, HEADS, HD)[s] = k
+        caches[layer][1].reshape(NB * BS, HEADS, HD)[s] = values[layer]
+
+
+def status(srv: ServerProcess) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10).json()
+    return body
+
+
+def blend_count(srv: ServerProcess) -> int:
+    return int(status(srv)["worker_liveness"]["blend_instances"])
+
+
+def test_a_chunk_stored_at_0_and_retrieved_at_512_equals_rope_at_512(server: ServerProcess) -> None:
+    g = torch.Generator().manual_seed(3)
+    tokens = np.arange(1000, 1000 + 2 * CS)
+    raw_k = torch.randn(LAYERS, 2 * CS, HEADS, HD, generator=g)
+    values = torch.randn(LAYERS, 2 * CS, HEADS, HD, generator=g).to(torch.bfloat16)
+    a, ca = worker(server)
+    b, cb = worker(server)
+    try:
+        fill(ca, [0, 1, 2, 3], raw_k, values, at=0)
+        a.register_blend(ROPE)
+        assert a.store_blend(tokens, [0, 1, 2, 3], position=0)["stored"] == 2
+        b.register_blend(
+            {"rotary_dim": 64, "base": 10000, "style": "neox", "scaling": 1.0, "max_positions": 4096}
+        )
+        assert blend_count(server) == 2
+        dst = [20, 21, 22, 23]
+        assert b.retrieve_blend(tokens, dst, position=512) == [(0, True), (1, True)]
+        s = slots(dst, 2 * CS)
+        for layer in range(LAYERS):
+            want = rope_at(raw_k[layer], torch.arange(2 * CS) + 512, ROPE).to(torch.bfloat16)
+            got = kv_at(cb, layer, 0, s)
+            err = (got.float() - want.float()).abs()
+            assert float(err.max()) <= 0.05, float(err.max())
+            assert (
+                float((kv_at(ca, layer, 0, slots([0, 1, 2, 3], 2 * CS)).float() - want.float()).abs().max())
+                > 0.5
+            )
+            assert torch.equal(kv_at(cb, layer, 1, s), values[layer])  # values untouched
+        # independent of the prefix: the second chunk after another first chunk, at 100
+        other = np.concatenate([np.arange(5000, 5000 + CS), tokens[CS:]])
+        assert b.retrieve_blend(other, [30, 31, 32, 33], position=100) == [(0, False), (1, True)]
+        s2 = slots([32, 33], CS)
+        want = rope_at(raw_k[0, CS:], torch.arange(CS) + 100 + CS, ROPE).to(torch.bfloat16)
+        assert float((kv_at(cb, 0, 0, s2).float() - want.float()).abs().max()) <= 0.05
+    finally:
+        a.close()
+        b.close()
+    assert blend_count(server) == 0  # UNREGISTER dropped both
+
+
+def test_reap_and_admin_reap_drop_only_that_instances_blend_state(server: ServerProcess) -> None:
+    url = f"http://127.0.0.1:{server.http_port}"
+    a, _ = worker(server)
+    b, _ = worker(server)
+    try:
+        a.register_blend(ROPE)
+        b.register_blend(ROPE)
+        assert blend_count(server) == 2
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        r = httpx.post(f"{url}/instances/{b.instance_id}/reap", headers=auth, timeout=10)
+        assert r.status_code == 200 and r.json()["reaped"] is True
+        assert blend_count(server) == 1  # b's tables went, a's stay
+        r = httpx.post(f"{url}/instances/{12345}/reap", headers=auth, timeout=10)
+        assert r.status_code == 404 and blend_count(server) == 1  # an unknown id: nothing
+        a.store_blend(np.arange(CS), [0, 1], position=0)  # a still blends
+    finally:
+        a.close()
+        b.close()
+    assert blend_count(server) == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"rotary_dim": 63}, "rotary_dim: 63 must be a positive even"),
+        ({"rotary_dim": 128}, "rotary_dim: 128 exceeds the head dim 64"),
+        ({"base": 0.0}, "base: 0.0 must be a finite number > 0"),
+        ({"base": math.nan}, "base: nan"),
+        ({"scaling": -1.0}, "scaling: -1.0"),
+        ({"style": "rotate-half"}, "style: 'rotate-half'"),
+        ({"max_positions": 10**12}, "max_positions: 1000000000000"),
+    ],
+)
+def test_bad_rope_parameters_are_named(server: ServerProcess, change: dict[str, Any], named: str) -> None:
+    w, _ = worker(server)
+    try:
+        params = {"rotary_dim": 64, "base": 10000.0, "style": "neox", "scaling": 1.0, "max_positions": 4096}
+        with pytest.raises(RequestError) as exc:
+            w.register_blend({**params, **change})
+        assert named in str(exc.value) and "BLEND_REGISTER" in str(exc.value)
+        assert blend_count(server) == 0
+    finally:
+        w.close()
+
+
+def test_blend_requests_without_rope_parameters_are_refused(server: ServerProcess) -> None:
+    w, _ = worker(server)
+    e, _ = worker(server, "engine_driven")
+    try:
+        for call in (
+            lambda: w.store_blend(np.arange(CS), [0, 1], 0),
+            lambda: w.retrieve_blend(np.arange(CS), [0, 1], 0),
+        ):
+            with pytest.raises(RequestError, match="has not registered its RoPE parameters"):
+                call()
+        with pytest.raises(
+            RequestError, match="engine_driven: blend transfers need a server_driven instance"
+        ):
+            e.register_blend(ROPE)
+        w.register_blend(ROPE)
+        with pytest.raises(RequestError, match="exceed the registered max_positions 4096"):
+            w.store_blend(np.arange(CS), [0, 1], position=4090)
+        assert status(server)["is_healthy"] is True  # none of it hurt the server
+    finally:
+        w.close()
+        e.close()
