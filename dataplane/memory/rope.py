@@ -62,15 +62,24 @@ def _pairs(x: torch.Tensor, style: str, rd: int) -> tuple[torch.Tensor, torch.Te
     return x[..., 0:rd:2], x[..., 1:rd:2]
 
 
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str, rd: int) -> torch.Tensor:
+    """Rotate each pair of ``x`` ([..., head_dim]) in place by the angle whose cos and sin are
+    given ([..., rd / 2], broadcast); the arithmetic in float32, one rounding back to ``x``'s
+    dtype. Returns ``x``."""
+    a, b = _pairs(x, style, rd)
+    af, bf = a.float(), b.float()  # (views when x is float32: both results are made first)
+    na = af * cos
+    na.addcmul_(bf, sin, value=-1.0)
+    nb = bf * cos
+    nb.addcmul_(af, sin)
+    a.copy_(na)
+    b.copy_(nb)
+    return x
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str, rd: int) -> torch.Tensor:
-    """``x`` ([..., head_dim]) with each pair rotated by the angle whose cos and sin are given
-    ([..., rd / 2], broadcast), computed in float32; a new tensor of ``x``'s dtype."""
-    out = x.to(torch.float32, copy=True)  # never the caller's tensor
-    a, b = _pairs(out, style, rd)
-    a0, b0 = a.clone(), b.clone()
-    a.copy_(a0 * cos - b0 * sin)
-    b.copy_(b0 * cos + a0 * sin)
-    return out.to(x.dtype)
+    """`rotate_` on a copy: the caller's tensor is never changed."""
+    return rotate_(x.clone(), cos, sin, style, rd)
 
 
 def rope_at(x: torch.Tensor, positions: torch.Tensor, p: RopeParams) -> torch.Tensor:
@@ -97,11 +106,15 @@ class RopeTables:
 
     def shift(self, keys: torch.Tensor, offset: int) -> torch.Tensor:
         """Keys ([..., head_dim], computed at some positions) as they are ``offset`` positions
-        later (earlier, when negative). ValueError past ``max_positions``."""
+        later (earlier, when negative), as a new tensor. ValueError past ``max_positions``."""
+        return self.shift_(keys.clone(), offset)
+
+    def shift_(self, keys: torch.Tensor, offset: int) -> torch.Tensor:
+        """`shift` in place (the chunk buffers of a blend transfer); returns ``keys``."""
         n = abs(offset)
         if n >= self.params.max_positions:
             raise ValueError(f"position offset {offset} is beyond max_positions {self.params.max_positions}")
         if offset == 0:
-            return keys.clone()
+            return keys
         sign = 1.0 if offset > 0 else -1.0
-        return rotate(keys, self.cos[n], sign * self.sin[n], self.params.style, self.params.rotary_dim)
+        return rotate_(keys, self.cos[n], sign * self.sin[n], self.params.style, self.params.rotary_dim)

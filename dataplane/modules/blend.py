@@ -132,6 +132,18 @@ class BlendModule(InstanceLivenessTarget):
         cs = self.chunk_size
         return buf.view(kv.dtype).view(kv.num_layers, 2, cs, kv.heads, kv.head_dim)[:, 0]
 
+    def _shift(self, tables: RopeTables, keys: torch.Tensor, offset: int) -> None:
+        """Rotate a chunk's keys ([layers, ...]) in place, split by layers across the copy threads."""
+        splitter = self.transfer.splitter
+
+        def part(lo: int, hi: int) -> None:
+            tables.shift_(keys[lo:hi], offset)
+
+        if splitter is None:
+            part(0, keys.shape[0])
+        else:
+            splitter.run(part, keys.shape[0])
+
     def _store(self, rctx: RequestContext, p: BlendStore) -> dict[str, Any]:
         self._refuse_engine_driven(rctx, p.instance_id, p.secret)
         tables, cs = self._tables_of(p.instance_id), self.chunk_size
@@ -144,8 +156,7 @@ class BlendModule(InstanceLivenessTarget):
 
             def fill(i: int, buf: torch.Tensor) -> None:
                 kv.gather(slots[i * cs : (i + 1) * cs], buf, self.transfer.splitter)
-                k = self._keys_view(kv, buf)
-                k.copy_(tables.shift(k, -(p.position + i * cs)))  # stored as if at position 0
+                self._shift(tables, self._keys_view(kv, buf), -(p.position + i * cs))  # as if at 0
 
             return self.transfer.write_chunks(p.instance_id, keys, kv.chunk_nbytes(cs), fill)
 
@@ -176,8 +187,7 @@ class BlendModule(InstanceLivenessTarget):
                         tmp.copy_(got[0])
                     finally:
                         l1.release([key])
-                    k = self._keys_view(kv, tmp)
-                    k.copy_(tables.shift(k, p.position + i * cs))
+                    self._shift(tables, self._keys_view(kv, tmp), p.position + i * cs)
                     kv.scatter(slots[i * cs : (i + 1) * cs], tmp, self.transfer.splitter)
                 hits.append([i, bool(got)])
         n_hit = sum(1 for _, h in hits if h)
