@@ -172,9 +172,6 @@ class KVWardenConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVWardenConnectorMetadata)
         for job in meta.plan.loads:
-            if self._adapter is None:
-                self._load_errors |= {int(b) for b in job.blocks[: -(-len(job.tokens) // self._block_size)]}
-                continue
             self._load_errors |= load(self._adapter, job, self._block_size)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

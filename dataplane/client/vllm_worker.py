@@ -176,12 +176,13 @@ class Saver:
         self.stored_chunks += int(r["stored"])
 
 
-def load(adapter: WorkerAdapter, job: Load, block_size: int) -> set[int]:
+def load(adapter: WorkerAdapter | None, job: Load, block_size: int) -> set[int]:
     """Retrieve ``job``'s prefix into its blocks; the blocks it could not fill (empty when all
-    came). A miss is not an error: the scheduler recomputes those blocks."""
+    came; all of them with no adapter or an unregistered one). A miss is not an error: the
+    scheduler recomputes those blocks."""
     want = len(job.tokens)
     got = 0
-    if adapter.registration is not None:
+    if adapter is not None and adapter.registration is not None:
         try:
             got = adapter.retrieve(job.tokens, job.blocks)
         except (KVWardenError, ValueError) as exc:

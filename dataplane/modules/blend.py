@@ -17,8 +17,10 @@ an error that says so.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -144,7 +146,12 @@ class BlendModule(InstanceLivenessTarget):
         else:
             splitter.run(part, keys.shape[0])
 
-    def _store(self, rctx: RequestContext, p: BlendStore) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _open(
+        self, rctx: RequestContext, p: BlendTransfer
+    ) -> Iterator[tuple[RopeTables, MappedKV, list[bytes], np.ndarray]]:
+        """What BLEND_STORE and BLEND_RETRIEVE both check and derive: the instance's tables, its
+        mapping (held in use meanwhile), each full chunk's key and the token slots they cover."""
         self._refuse_engine_driven(rctx, p.instance_id, p.secret)
         tables, cs = self._tables_of(p.instance_id), self.chunk_size
         with self.transfer.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
@@ -153,6 +160,11 @@ class BlendModule(InstanceLivenessTarget):
             keys = blend_keys(c.scope, p.token_ids, cs)
             slots = self._slots(kv, p, len(keys) * cs)
             self._check_span(tables, p.position, len(keys))
+            yield tables, kv, keys, slots
+
+    def _store(self, rctx: RequestContext, p: BlendStore) -> dict[str, Any]:
+        cs = self.chunk_size
+        with self._open(rctx, p) as (tables, kv, keys, slots):
 
             def fill(i: int, buf: torch.Tensor) -> None:
                 kv.gather(slots[i * cs : (i + 1) * cs], buf, self.transfer.splitter)
@@ -169,15 +181,8 @@ class BlendModule(InstanceLivenessTarget):
             )
 
     def _retrieve(self, rctx: RequestContext, p: BlendRetrieve) -> dict[str, Any]:
-        self._refuse_engine_driven(rctx, p.instance_id, p.secret)
-        tables, cs = self._tables_of(p.instance_id), self.chunk_size
-        l1 = self.transfer.l1
-        with self.transfer.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
-            kv = c.kv
-            assert kv is not None
-            keys = blend_keys(c.scope, p.token_ids, cs)
-            slots = self._slots(kv, p, len(keys) * cs)
-            self._check_span(tables, p.position, len(keys))
+        cs, l1 = self.chunk_size, self.transfer.l1
+        with self._open(rctx, p) as (tables, kv, keys, slots):
             hits: list[list[Any]] = []
             tmp = torch.empty(kv.chunk_nbytes(cs), dtype=torch.uint8)
             for i, key in enumerate(keys):
