@@ -15,7 +15,8 @@ ENV PIP_EXTRA_INDEX_URL=${TORCH_INDEX_URL} \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
     KVWARDEN_HOST=0.0.0.0 \
-    KVWARDEN_HTTP_HOST=0.0.0.0
+    KVWARDEN_HTTP_HOST=0.0.0.0 \
+    NUMBA_CACHE_DIR=/opt/kvwarden/.numba-cache
 
 RUN useradd --system --uid 10001 --home-dir /opt/kvwarden --shell /usr/sbin/nologin kvwarden
 WORKDIR /opt/kvwarden
@@ -24,6 +25,8 @@ COPY dataplane ./dataplane
 COPY app ./app
 # the same install as `make run` / `make install` (the Makefile's install recipe)
 RUN python -m pip install -e .
+# the blend rotation kernels compiled now, into NUMBA_CACHE_DIR: a server loads them, not compiles
+RUN python -c "from dataplane.memory import rope_jit; rope_jit.compile_all()"
 
 USER kvwarden
 # 5555: the ZMQ data plane; 8080: the HTTP sidecar (/livez, /health, /status, /metrics)

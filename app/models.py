@@ -64,6 +64,11 @@ class WorkerLivenessPublic(BaseModel):
     tracked_instances: int
     reaped_total: int
     blend_instances: int = Field(0, description="instances holding blend state (their RoPE tables)")
+    blend_kernel: str = Field(
+        "idle",
+        description="the compiled blend rotation: idle (no blend registration yet), compiling, ready, "
+        "or 'unavailable: <why>' (blend transfers then rotate with torch, slower)",
+    )
 
 
 class InstancePublic(BaseModel):

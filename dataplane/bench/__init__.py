@@ -1,6 +1,7 @@
 """`kvwarden bench`: the project's own benchmarks, each beside same-run baselines.
 
 `transfer` (STORE / RETRIEVE vs memcpy, raw ZMQ and Redis; both transfer modes; starting, fresh and warm),
+`blend` (BLEND_STORE / BLEND_RETRIEVE vs plain STORE / RETRIEVE, first requests and kernels ready),
 `ping` (PING vs a raw ZMQ echo, idle and under STORE load), `reaper` (reap cycles with up to
 100,000 tracked instances, PING meanwhile), `http` (`/status` and `/metrics` with 10,000
 tracked instances, PING under `/status` load), `startup` (server start to first PING, its

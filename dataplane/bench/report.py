@@ -3,6 +3,7 @@ Markdown by ``scripts/plot_bench.py``. Ratios come first; absolute figures after
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -225,7 +226,41 @@ def remote_tables(rep: dict[str, Any]) -> list[Table]:
     ]
 
 
+def blend_tables(rep: dict[str, Any]) -> list[Table]:
+    mib = rep["chunk_bytes"] / (1 << 20)
+    rows, first = [], []
+    for r in rep["rows"]:
+        mode, ms, x = r["mode"].replace("_", "-"), r["ms"], r["ratios"]
+        rows.append([f"{mode} RETRIEVE", f"{ms['retrieve']:.1f}", f"{ms['blend_retrieve']:.1f}"])
+        rows[-1].append(_x(x["blend_retrieve_vs_retrieve"]))
+        rows.append([f"{mode} STORE", f"{ms['store']:.1f}", f"{ms['blend_store']:.1f}"])
+        rows[-1].append(_x(x["blend_store_vs_store"]))
+        f = r["first"]
+        first.append(
+            [
+                mode,
+                f"{f['blend_store_ms']:.1f} ({f['kernel_at_first_store']})",
+                f"{f['blend_retrieve_ms']:.1f} ({f['kernel_at_first_retrieve']})",
+            ]
+        )
+    memcpy = statistics.median(r["ms"]["memcpy"] for r in rep["rows"])
+    return [
+        Table(
+            f"Blend vs plain, one {mib:g} MiB chunk a request, kernels ready "
+            f"(median ms; memcpy {memcpy:.1f})",
+            ["operation", "plain ms", "blend ms", "blend / plain"],
+            rows,
+        ),
+        Table(
+            "The first blend requests after BLEND_REGISTER on a fresh server (ms; the kernels' state then)",
+            ["mode", "first BLEND_STORE", "first BLEND_RETRIEVE"],
+            first,
+        ),
+    ]
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
+    "blend": blend_tables,
     "remote": remote_tables,
     "transfer": transfer_tables,
     "ping": ping_tables,

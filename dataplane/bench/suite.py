@@ -11,15 +11,15 @@ from typing import Any
 
 from dataplane.bench.results import add_output_args
 
-ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote")
+ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend")
 
 
 def modules() -> dict[str, ModuleType]:
-    from dataplane.bench import ping, reaper, remote, sidecar, startup, transfer, vllm
+    from dataplane.bench import blend, ping, reaper, remote, sidecar, startup, transfer, vllm
 
     return {
         "startup": startup, "transfer": transfer, "ping": ping, "reaper": reaper, "http": sidecar,
-        "remote": remote, "vllm": vllm,
+        "remote": remote, "blend": blend, "vllm": vllm,
     }  # fmt: skip
 
 

@@ -55,6 +55,7 @@ def verdicts(reports: dict[str, dict[str, Any]]) -> list[Verdict]:
         "http": _http,
         "startup": _startup,
         "remote": _remote,
+        "blend": _blend,
     }
     for name, check in checks.items():
         if name in reports:
@@ -144,4 +145,19 @@ def _remote(rep: dict[str, Any]) -> list[Verdict]:
     return [
         Verdict("remote RETRIEVE / redis-py GET (32 MiB)", rep["retrieve_ratio"], 1.5, "x", False),
         Verdict("STORE with Redis / without (32 MiB)", rep["store_ratio"], 1.1, "x", False),
+    ]
+
+
+def _blend(rep: dict[str, Any]) -> list[Verdict]:
+    if rep["chunk_bytes"] < 32 << 20:
+        return []
+    return [
+        Verdict(
+            f"BLEND_RETRIEVE / RETRIEVE ({r['mode'].replace('_', '-')}, 32 MiB)",
+            r["ratios"]["blend_retrieve_vs_retrieve"],
+            2.0,
+            "x",
+            False,
+        )
+        for r in rep["rows"]
     ]

@@ -54,8 +54,6 @@ from dataplane.memory.rope import RopeParams
 from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout
 from dataplane.wire.messages import (
     BlendRegister,
-    BlendRetrieve,
-    BlendStore,
     Hello,
     KVFormat,
     Lookup,
@@ -349,19 +347,22 @@ class WorkerAdapter:
     def store_blend(self, token_ids: TokenIds, block_ids: TokenIds, position: int) -> dict[str, int]:
         """Store every full chunk independently of what precedes it; chunk i is at ``position +
         i * chunk_size`` in this sequence. STORE's counts (all zero during an outage)."""
-        msg = BlendStore(self.instance_id, self._secret, _id_array(token_ids), _id_array(block_ids), position)
-        return self._unless_outage(lambda: dict(self._send(msg)), dict(_NO_STORE))
+        tokens, blocks = _id_array(token_ids), _id_array(block_ids)
+        return self._unless_outage(
+            lambda: self._transport.store_blend(self._send, tokens, blocks, position, self.chunk_size),
+            dict(_NO_STORE),
+        )
 
     def retrieve_blend(
         self, token_ids: TokenIds, block_ids: TokenIds, position: int
     ) -> list[tuple[int, bool]]:
         """Write each held chunk into its blocks, keys rotated to ``position + i * chunk_size``;
         (chunk index, hit) for every full chunk, so the engine knows which to recompute."""
-        tokens = _id_array(token_ids)
-        msg = BlendRetrieve(self.instance_id, self._secret, tokens, _id_array(block_ids), position)
+        tokens, blocks = _id_array(token_ids), _id_array(block_ids)
         n = len(tokens) // (self.chunk_size or 1)
         return self._unless_outage(
-            lambda: [(int(i), bool(h)) for i, h in self._send(msg)["chunks"]], [(i, False) for i in range(n)]
+            lambda: self._transport.retrieve_blend(self._send, tokens, blocks, position, self.chunk_size),
+            [(i, False) for i in range(n)],
         )
 
     # ------------------------------------------------------------------ close

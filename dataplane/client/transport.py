@@ -27,6 +27,8 @@ from dataplane.memory.kvmemory import DTYPE_NAMES, map_local_tensors
 from dataplane.memory.shm import Segment
 from dataplane.wire.errors import ClientError
 from dataplane.wire.messages import (
+    BlendRetrieve,
+    BlendStore,
     EngineRegister,
     EngineRetrieve,
     EngineStore,
@@ -40,6 +42,8 @@ from dataplane.wire.messages import (
 )
 
 Send = Callable[[Message], Any]  # a transfer request; its reply body
+Hits = list[tuple[int, bool]]  # (chunk index, hit) of a blend retrieve
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,14 @@ class Transport(Protocol):
     ) -> dict[str, int]: ...
 
     def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int: ...
+
+    def store_blend(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
+    ) -> dict[str, int]: ...
+
+    def retrieve_blend(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
+    ) -> Hits: ...
 
     def close(self) -> None: ...
 
@@ -109,6 +121,17 @@ class ServerDrivenTransport:
 
     def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int:
         return int(send(Retrieve(self.who.instance_id, self.who.secret, tokens, blocks))["retrieved_tokens"])
+
+    def store_blend(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
+    ) -> dict[str, int]:
+        return dict(send(BlendStore(self.who.instance_id, self.who.secret, tokens, blocks, position)))
+
+    def retrieve_blend(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
+    ) -> Hits:
+        r = send(BlendRetrieve(self.who.instance_id, self.who.secret, tokens, blocks, position))
+        return [(int(i), bool(h)) for i, h in r["chunks"]]
 
     def close(self) -> None:
         return None
@@ -243,6 +266,48 @@ class EngineDrivenTransport:
                 if got < k:
                     break
         return first * cs
+
+    def store_blend(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
+    ) -> dict[str, int]:
+        """Chunk i of a batch in pool slot i, as many chunks a request as the pool has slots."""
+        cs, local = self._require_local(chunk_size)
+        n_full = len(tokens) // cs
+        slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
+        total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
+        with self._lock:
+            pool = self._slots()
+            for first in range(0, n_full, len(pool)):
+                k = min(len(pool), n_full - first)
+                for i in range(k):
+                    c = first + i
+                    local.gather(slots[c * cs : (c + 1) * cs], pool[i], self._splitter)
+                batch = tokens[first * cs : (first + k) * cs]
+                at = position + first * cs
+                r = send(BlendStore(self.who.instance_id, self.who.secret, batch, _NO_BLOCKS, at))
+                for key in ("stored", "present", "rejected", "skipped"):
+                    total[key] += int(r.get(key, 0))
+        return total
+
+    def retrieve_blend(
+        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
+    ) -> Hits:
+        cs, local = self._require_local(chunk_size)
+        n_full = len(tokens) // cs
+        slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
+        hits: Hits = []
+        with self._lock:
+            pool = self._slots()
+            for first in range(0, n_full, len(pool)):
+                batch = tokens[first * cs : (first + min(len(pool), n_full - first)) * cs]
+                at = position + first * cs
+                msg = BlendRetrieve(self.who.instance_id, self.who.secret, batch, _NO_BLOCKS, at)
+                for i, hit in send(msg)["chunks"]:
+                    c = first + int(i)
+                    if hit:
+                        local.scatter(slots[c * cs : (c + 1) * cs], pool[int(i)], self._splitter)
+                    hits.append((c, bool(hit)))
+        return hits
 
     def close(self) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 STYLES = ("neox", "interleaved")
@@ -111,10 +112,25 @@ class RopeTables:
 
     def shift_(self, keys: torch.Tensor, offset: int) -> torch.Tensor:
         """`shift` in place (the chunk buffers of a blend transfer); returns ``keys``."""
+        if offset == 0:
+            self._index(offset)
+            return keys
+        cos, sin = self._angle(offset)
+        if cos.device != keys.device:  # (CUDA keys: the rotation runs where they are)
+            cos, sin = cos.to(keys.device), sin.to(keys.device)
+        return rotate_(keys, cos, sin, self.params.style, self.params.rotary_dim)
+
+    def angle(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin ([rotary_dim / 2] float32 arrays) of the rotation by ``offset`` positions."""
+        cos, sin = self._angle(offset)
+        return cos.numpy(), sin.numpy()
+
+    def _angle(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._index(offset)
+        return self.cos[n], (self.sin[n] if offset >= 0 else -self.sin[n])
+
+    def _index(self, offset: int) -> int:
         n = abs(offset)
         if n >= self.params.max_positions:
             raise ValueError(f"position offset {offset} is beyond max_positions {self.params.max_positions}")
-        if offset == 0:
-            return keys
-        sign = 1.0 if offset > 0 else -1.0
-        return rotate_(keys, self.cos[n], sign * self.sin[n], self.params.style, self.params.rotary_dim)
+        return n

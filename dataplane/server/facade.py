@@ -91,6 +91,7 @@ class LivenessStatus:
     tracked_instances: int
     reaped_total: int
     blend_instances: int = 0  # instances holding blend state (RoPE tables)
+    blend_kernel: str = "idle"  # the compiled rotation: idle, compiling, ready, unavailable: <why>
 
 
 @dataclass(frozen=True, slots=True)

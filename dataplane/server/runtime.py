@@ -118,6 +118,7 @@ class DataPlane:
 
     def liveness_status(self) -> LivenessStatus:
         m = self.management
+        blend = [t for t in m.releaser.targets if isinstance(t, BlendModule)]
         return LivenessStatus(
             enabled=m.reaper is not None,
             reap_timeout_seconds=m.reap_timeout_s,
@@ -125,7 +126,8 @@ class DataPlane:
             disconnect_grace_seconds=m.disconnect_grace_s,
             tracked_instances=m.releaser.tracked_instance_count(),
             reaped_total=m.releaser.reaped_total,
-            blend_instances=sum(t.instance_count() for t in m.releaser.targets if isinstance(t, BlendModule)),
+            blend_instances=sum(t.instance_count() for t in blend),
+            blend_kernel=blend[0].kernels.state if blend else "idle",
         )
 
     def l1_stats(self) -> L1Stats:

@@ -293,7 +293,7 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
             disconnected=True,
         ),
     }
-    fake.liveness = replace(fake.liveness, tracked_instances=2, blend_instances=1)
+    fake.liveness = replace(fake.liveness, tracked_instances=2, blend_instances=1, blend_kernel="ready")
     r = client.get("/status")
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
@@ -315,6 +315,7 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
             "tracked_instances": 2,
             "reaped_total": 17,
             "blend_instances": 1,
+            "blend_kernel": "ready",
         },
         "instances": [
             {

@@ -104,7 +104,19 @@ def check_remote(rep: dict[str, Any]) -> None:
     assert all(len(v) == n and min(v) > 0 for v in rep["samples_ms"].values())
 
 
+def check_blend(rep: dict[str, Any]) -> None:
+    assert rep["chunk_bytes"] > 0 and {r["mode"] for r in rep["rows"]} == {"server_driven", "engine_driven"}
+    for r in rep["rows"]:
+        assert set(r["ms"]) == {"memcpy", "retrieve", "blend_retrieve", "store", "blend_store"}
+        assert all(v > 0 for v in [*r["ms"].values(), *r["ratios"].values()])
+        assert all(len(v) == rep["params"]["rounds"] for v in r["samples_ms"].values())
+        f = r["first"]
+        assert f["blend_store_ms"] > 0 and f["blend_retrieve_ms"] > 0
+        assert f["kernel_at_first_store"] in ("compiling", "ready")
+
+
 CHECKS = {
+    "blend": check_blend,
     "remote": check_remote,
     "transfer": check_transfer,
     "ping": check_ping,

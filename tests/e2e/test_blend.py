@@ -1,8 +1,8 @@
-"""Blend transfers with a real server: a chunk stored at one position and blend-retrieved at
-another has its keys re-rotated to the new position (equal to RoPE computed there, within bf16
-tolerance) and its values untouched; chunks are found independently of their prefix; the
-per-instance RoPE state is dropped by reap, admin reap and UNREGISTER; bad parameters and
-blend requests without them are refused, naming the problem."""
+"""Blend transfers with a real server, both transfer modes: a chunk stored at one position and
+blend-retrieved at another has its keys re-rotated to the new position (equal to RoPE computed
+there, within bf16 tolerance) and its values untouched; chunks are found independently of their
+prefix; the per-instance RoPE state is dropped by reap, admin reap and UNREGISTER; bad
+parameters and blend requests without them are refused, naming the problem."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import torch
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.memory.rope import RopeParams, rope_at
 from dataplane.wire.errors import RequestError
-from tests.helpers import ServerProcess, subprocess_env
+from dataplane.wire.messages import BlendStore
+from tests.helpers import ServerProcess, subprocess_env, wait_until
 
 CS, LAYERS, NB, BS, HEADS, HD = 32, 2, 64, 16, 2, 64
 ROPE = RopeParams(64, 10000.0, "neox", 1.0, 4096)
@@ -34,8 +35,12 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
     srv.stop()
 
 
-def worker(srv: ServerProcess, mode: str = "server_driven") -> tuple[WorkerAdapter, list[torch.Tensor]]:
-    w = WorkerAdapter(srv.endpoint, "blend-model", transfer_mode=mode, heartbeat_interval=1.0)
+def worker(
+    srv: ServerProcess, mode: str = "server_driven", pool_chunks: int = 4
+) -> tuple[WorkerAdapter, list[torch.Tensor]]:
+    w = WorkerAdapter(
+        srv.endpoint, "blend-model", transfer_mode=mode, heartbeat_interval=1.0, pool_chunks=pool_chunks
+    )
     caches = allocate_kv_caches(LAYERS, NB, BS, HEADS, HD, dtype=torch.bfloat16)
     w.register_kv_caches(caches)
     return w, caches
@@ -69,16 +74,31 @@ def blend_count(srv: ServerProcess) -> int:
     return int(status(srv)["worker_liveness"]["blend_instances"])
 
 
-def test_a_chunk_stored_at_0_and_retrieved_at_512_equals_rope_at_512(server: ServerProcess) -> None:
+def kernel_state(srv: ServerProcess) -> str:
+    return str(status(srv)["worker_liveness"]["blend_kernel"])
+
+
+def wait_for_kernels(srv: ServerProcess) -> None:
+    """The compiled rotation is built after the first BLEND_REGISTER; until then torch serves."""
+    wait_until(lambda: kernel_state(srv) != "compiling", 120.0, 0.1, what="the blend kernels")
+    assert kernel_state(srv) == "ready"
+
+
+@pytest.mark.parametrize("mode", ["server_driven", "engine_driven"])
+def test_a_chunk_stored_at_0_and_retrieved_at_512_equals_rope_at_512(
+    server: ServerProcess, mode: str
+) -> None:
     g = torch.Generator().manual_seed(3)
     tokens = np.arange(1000, 1000 + 2 * CS)
     raw_k = torch.randn(LAYERS, 2 * CS, HEADS, HD, generator=g)
     values = torch.randn(LAYERS, 2 * CS, HEADS, HD, generator=g).to(torch.bfloat16)
-    a, ca = worker(server)
-    b, cb = worker(server)
+    a, ca = worker(server, mode)
+    b, cb = worker(server, mode)
     try:
         fill(ca, [0, 1, 2, 3], raw_k, values, at=0)
+        assert kernel_state(server) == "idle"  # nothing compiled before blend is used
         a.register_blend(ROPE)
+        wait_for_kernels(server)
         assert a.store_blend(tokens, [0, 1, 2, 3], position=0)["stored"] == 2
         b.register_blend(
             {"rotary_dim": 64, "base": 10000, "style": "neox", "scaling": 1.0, "max_positions": 4096}
@@ -156,22 +176,55 @@ def test_bad_rope_parameters_are_named(server: ServerProcess, change: dict[str, 
 
 def test_blend_requests_without_rope_parameters_are_refused(server: ServerProcess) -> None:
     w, _ = worker(server)
-    e, _ = worker(server, "engine_driven")
+    e, _ = worker(server, "engine_driven", pool_chunks=2)
     try:
         for call in (
             lambda: w.store_blend(np.arange(CS), [0, 1], 0),
             lambda: w.retrieve_blend(np.arange(CS), [0, 1], 0),
+            lambda: e.store_blend(np.arange(CS), [0, 1], 0),
         ):
             with pytest.raises(RequestError, match="has not registered its RoPE parameters"):
                 call()
-        with pytest.raises(
-            RequestError, match="engine_driven: blend transfers need a server_driven instance"
-        ):
-            e.register_blend(ROPE)
         w.register_blend(ROPE)
+        e.register_blend(ROPE)
         with pytest.raises(RequestError, match="exceed the registered max_positions 4096"):
             w.store_blend(np.arange(CS), [0, 1], position=4090)
+        # on the wire, an engine_driven request names what it must not carry and what it may
+        blocks = np.array([0, 1], dtype=np.int64)
+        with pytest.raises(RequestError, match="block_ids: an engine_driven instance copies its own blocks"):
+            e._send(BlendStore(e.instance_id, e._secret, np.arange(CS), blocks, 0))
+        none = np.zeros(0, dtype=np.int64)
+        with pytest.raises(RequestError, match="token_ids: 3 chunks exceed the pool's 2 slots"):
+            e._send(BlendStore(e.instance_id, e._secret, np.arange(3 * CS), none, 0))
         assert status(server)["is_healthy"] is True  # none of it hurt the server
     finally:
         w.close()
         e.close()
+
+
+def test_engine_driven_blend_moves_more_chunks_than_its_pool_in_batches(server: ServerProcess) -> None:
+    """Six chunks through a pool of four slots: two requests each way, every chunk where it
+    belongs (a hit pattern with a gap proves the batches keep their chunk indices)."""
+    g = torch.Generator().manual_seed(5)
+    n = 6
+    tokens = np.arange(7000, 7000 + n * CS)
+    raw_k = torch.randn(LAYERS, n * CS, HEADS, HD, generator=g)
+    values = torch.randn(LAYERS, n * CS, HEADS, HD, generator=g).to(torch.bfloat16)
+    src_blocks = list(range(0, 2 * n))
+    a, ca = worker(server, "engine_driven")
+    try:
+        fill(ca, src_blocks, raw_k, values, at=64)
+        a.register_blend(ROPE)
+        r = a.store_blend(tokens, src_blocks, position=64)
+        assert (r["chunks"], r["stored"]) == (n, n)
+        mixed = tokens.copy()
+        mixed[4 * CS : 5 * CS] = 1  # chunk 4 was never stored
+        dst = list(range(20, 20 + 2 * n))
+        assert a.retrieve_blend(mixed, dst, position=1000) == [(i, i != 4) for i in range(n)]
+        for c in (0, 3, 5):
+            s = slots(dst, n * CS)[c * CS : (c + 1) * CS]
+            want = rope_at(raw_k[1, c * CS : (c + 1) * CS], torch.arange(CS) + 1000 + c * CS, ROPE)
+            assert float((kv_at(ca, 1, 0, s).float() - want).abs().max()) <= 0.05
+            assert torch.equal(kv_at(ca, 1, 1, s), values[1, c * CS : (c + 1) * CS])
+    finally:
+        a.close()

@@ -1,0 +1,119 @@
+"""Compiled blend copies (numba): rows of a KV cache moved between two tensors in one pass, the
+keys rotated on the way.
+
+``rotate_rows(src, src_rows, dst, dst_rows, cos, sin, heads, head_dim, rotary_dim, neox)``
+writes row ``src_rows[t]`` of ``src`` ([rows, heads * head_dim], contiguous) into row
+``dst_rows[t]`` of ``dst``, each head's pairs rotated by the angle whose cos and sin are given
+([rotary_dim / 2] float32) and the features past ``rotary_dim`` copied. ``copy_rows`` moves the
+values the same way, untouched. The arithmetic is float32, rounded once to the tensor's dtype
+(bfloat16, round to nearest even, as torch does; float32). Reading, rotating and writing a row
+while it is in cache costs little more than the copy itself; the same in torch takes a dozen
+passes over memory.
+
+Compiled on first use (about a second per dtype and style; cached on disk when the package
+directory is writable): `KernelWarmup` compiles them on a thread of its own, and callers use
+torch until ``ready``. Other dtypes (float16: numba has no half type) and CUDA tensors are not
+handled here (``supported`` says False).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_BITS = {torch.bfloat16: np.uint16, torch.float32: np.float32}
+_kernels: dict[str, Any] = {}  # name -> compiled function; filled once by _compile()
+
+
+def supported(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in _BITS
+
+
+def _as_array(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _compile() -> dict[str, Any]:
+    from dataplane.memory import rope_jit  # numba: imported only now
+
+    return rope_jit.compile_all()
+
+
+def rotate_rows(
+    src: torch.Tensor,
+    src_rows: np.ndarray,
+    dst: torch.Tensor,
+    dst_rows: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    neox: bool,
+) -> None:
+    """See the module docstring; `KernelWarmup.ready` first. Releases the GIL."""
+    _kernels["rotate_rows"](
+        _as_array(src), src_rows, _as_array(dst), dst_rows, cos, sin, heads, head_dim, rotary_dim, neox
+    )
+
+
+def copy_rows(src: torch.Tensor, src_rows: np.ndarray, dst: torch.Tensor, dst_rows: np.ndarray) -> None:
+    _kernels["copy_rows"](_as_array(src), src_rows, _as_array(dst), dst_rows)
+
+
+class KernelWarmup:
+    """Compiles the kernels on thread ``kvwarden-rope-jit``, once: ``start`` (idempotent) begins,
+    ``ready`` says they can be used, ``state`` is "idle", "compiling", "ready" or "unavailable:
+    <why>" (numba missing or failing: callers keep using torch). ``_lock`` guards ``_thread``
+    and ``_state``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._state = "ready" if _kernels else "idle"
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            return self._state
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def start(self) -> None:
+        with self._lock:
+            if self._state != "idle":
+                return
+            self._state = "compiling"
+            self._thread = threading.Thread(target=self._run, name="kvwarden-rope-jit", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        return None  # a compile cannot be interrupted; join() waits for it
+
+    def join(self, timeout: float | None = None) -> None:
+        with self._lock:
+            t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            if not _kernels:
+                _kernels.update(_compile())
+            state = "ready"
+            logger.info("blend: compiled RoPE kernels ready")
+        except Exception as exc:  # any failure leaves the torch path, said once
+            state = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logger.warning("blend: compiled RoPE kernels %s; rotating with torch", state)
+        with self._lock:
+            self._state = state
