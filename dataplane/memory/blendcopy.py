@@ -22,6 +22,8 @@ from dataplane.memory.copies import CopySplitter
 from dataplane.memory.kvmemory import MappedKV
 from dataplane.memory.rope import RopeTables
 
+_CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -41,6 +43,7 @@ class Side:
     halves: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [rows, row]
     rows: np.ndarray  # int64, one per token of the chunk
     buf: torch.Tensor | None = None  # a chunk buffer's bytes (None: a worker's mapped cache)
+    device: torch.device = _CPU  # where its memory is
 
     @property
     def fast(self) -> bool:
@@ -61,7 +64,7 @@ def cache_side(kv: MappedKV, slots: np.ndarray) -> Side:
         t = kv.stacked[layer] if kv.stacked is not None else kv.layers[layer]
         return t[0], t[1]
 
-    return Side(halves, np.ascontiguousarray(slots, dtype=np.int64))
+    return Side(halves, np.ascontiguousarray(slots, dtype=np.int64), device=kv.device)
 
 
 def keys_of(buf: torch.Tensor, g: Geometry) -> torch.Tensor:
@@ -96,13 +99,13 @@ def move(
 ) -> None:
     """One chunk from ``src`` to ``dst``, keys rotated by ``offset`` positions. Without the
     kernels: ``fill(work)`` copies the chunk's bytes into ``work`` (``dst``'s buffer when it has
-    one, else a private one), the keys are rotated there, and ``drain(work)`` writes a private
-    buffer to ``dst``."""
+    one, else a private one on ``dst``'s device: a CUDA worker's keys are rotated on its GPU),
+    the keys are rotated there, and ``drain(work)`` writes a private buffer to ``dst``."""
     if kernels_ready and src.fast and dst.fast:
         _move_fast(tables, src, dst, offset, g, splitter)
         return
     nbytes = g.num_layers * 2 * g.tokens * g.row * _item(g)
-    work = dst.buf if dst.buf is not None else torch.empty(nbytes, dtype=torch.uint8)
+    work = dst.buf if dst.buf is not None else torch.empty(nbytes, dtype=torch.uint8, device=dst.device)
     fill(work)
     shift_keys(tables, keys_of(work, g), offset, splitter)
     if dst.buf is None:
