@@ -4,10 +4,12 @@ For each transfer mode a fresh server is started; this process is the worker (Ll
 chunks, 32 MiB at 256 tokens; RoPE theta 500,000, NeoX pairs, full rotary dim). What a user
 meets first is measured first: the very first BLEND_STORE and BLEND_RETRIEVE right after
 BLEND_REGISTER, while the server may still be compiling its rotation kernels (the state is
-recorded beside each). Then, the kernels ready and L1's arena faulted in, each round takes one
-sample of every figure in turn: memcpy of the chunk, plain RETRIEVE of a resident chunk, blend
-RETRIEVE of a resident blend chunk at a new position, plain STORE and blend STORE of new chunks.
-The report gives medians and their ratios (blend time / plain time: the cost of the rotation).
+recorded beside each; an engine-driven worker whose server shares L1 rotates itself, with
+kernels of its own, compiled in this process after its first blend registration). Then, all
+kernels ready and L1's arena faulted in, each round takes one sample of every figure in turn:
+memcpy of the chunk, plain RETRIEVE of a resident chunk, blend RETRIEVE of a resident blend
+chunk at a new position, plain STORE and blend STORE of new chunks. The report gives medians
+and their ratios (blend time / plain time: the cost of the rotation).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataplane.bench import report
 from dataplane.bench.movers import Baselines, Mover, Shape
 from dataplane.bench.procs import Server, launch, wait_arena_ready, wait_ready, wait_server
 from dataplane.bench.results import add_output_args, finish, resolve
+from dataplane.memory import rope_kernel
 from dataplane.memory.rope import RopeParams
 
 MODES = ("server_driven", "engine_driven")
@@ -89,6 +92,7 @@ def _run_mode(ns: argparse.Namespace, base: Baselines, mode: str, shape: Shape) 
         w, n = mover.adapter, shape.blocks
         w.register_blend(_rope())
         first: dict[str, Any] = {"kernel_at_first_store": _kernel_state(server)}
+        first["worker_kernels_at_first_store"] = rope_kernel.compiled()  # (engine-driven: it rotates)
         blend_prompt = mover.prompt()
         took, r = _timed(lambda: w.store_blend(blend_prompt, mover.rng.permutation(n), 0))
         first["blend_store_ms"] = took * 1e3
@@ -100,11 +104,18 @@ def _run_mode(ns: argparse.Namespace, base: Baselines, mode: str, shape: Shape) 
         wait_ready(lambda: _compiled(server), server.proc, 300.0)
         if (state := _kernel_state(server)) != "ready":
             raise RuntimeError(f"blend: the server's rotation kernels are {state}")
+        if mode == "engine_driven":  # this process is the worker, and rotates for one-copy blend
+            wait_ready(_worker_compiled, server.proc, 300.0)
         wait_arena_ready(server)
         return {"mode": mode, "first": first, **_rounds(ns, base, mover)}
     finally:
         mover.close()
         server.stop()
+
+
+def _worker_compiled() -> None:
+    if not rope_kernel.compiled():
+        raise RuntimeError("this worker's blend kernels are compiling")
 
 
 def _compiled(server: Server) -> None:

@@ -343,6 +343,7 @@ class WorkerAdapter:
                 raise NotRegistered("register_kv_caches() first, then register_blend()")
             self._chan.request(msg, self.request_timeout)
             self._blend = msg
+        self._transport.set_rope(p)
 
     def store_blend(self, token_ids: TokenIds, block_ids: TokenIds, position: int) -> dict[str, int]:
         """Store every full chunk independently of what precedes it; chunk i is at ``position +

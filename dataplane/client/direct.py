@@ -24,11 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataplane.client.blend import WorkerRope
 from dataplane.memory.blockkv import LocalKV
 from dataplane.memory.copies import CopySplitter, token_slots
-from dataplane.wire.errors import KVWardenError, RequestAborted, RequestError
+from dataplane.memory.kvmemory import MappedKV
+from dataplane.wire.errors import ClientError, KVWardenError, RequestAborted, RequestError
 from dataplane.wire.messages import (
     MAX_POOL_CHUNKS,
+    BlendAcquire,
+    BlendReserve,
     EngineAcquire,
     EngineCommit,
     EngineRelease,
@@ -117,6 +121,12 @@ class ArenaToucher:
                 self._done = hi
 
 
+def _as_mapped(local: LocalKV) -> MappedKV:
+    if not isinstance(local, MappedKV):
+        raise ClientError("blend transfers need KV caches registered with the token_major layout")
+    return local
+
+
 class ArenaCopier:
     def __init__(self, instance_id: int, secret: bytes, arena: torch.Tensor, usable: int = 0) -> None:
         self.instance_id = instance_id
@@ -175,6 +185,55 @@ class ArenaCopier:
             if len(offsets) < k:
                 break
         return first * cs
+
+    # ------------------------------------------------------------------ blend
+    def store_blend(self, send: Send, rope: WorkerRope, local: LocalKV, tokens: np.ndarray,
+                    blocks: np.ndarray, position: int, cs: int,
+                    splitter: CopySplitter) -> dict[str, int]:  # fmt: skip
+        """BLEND_RESERVE, each missing chunk written with its keys as if at 0, ENGINE_COMMIT."""
+        kv, n_full = _as_mapped(local), len(tokens) // cs
+        rope.end_of(position, n_full, cs)
+        slots = token_slots(blocks, kv.block_size, kv.num_blocks, n_full * cs)
+        total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
+        for first in range(0, n_full, MAX_POOL_CHUNKS):
+            batch = tokens[first * cs : (first + MAX_POOL_CHUNKS) * cs]
+            r = send(BlendReserve(self.instance_id, self.secret, batch))
+            cb = int(r["slot_bytes"])
+            self.toucher.want(max((int(off) + cb for _, off in r["slots"]), default=0), int(r["usable"]))
+            with self._lease(send, int(r["lease"]), commit=True) as done:
+                for idx, off in r["slots"]:
+                    c = first + int(idx)
+                    self.toucher.ensure(off, off + cb)
+                    chunk = slots[c * cs : (c + 1) * cs]
+                    rope.into_chunk(kv, chunk, self.arena[off : off + cb], position + c * cs, cs, splitter)
+            for key in ("present", "rejected", "skipped"):
+                total[key] += int(r[key])
+            total["stored"] += done["stored"]
+        return total
+
+    def retrieve_blend(self, send: Send, rope: WorkerRope, local: LocalKV, tokens: np.ndarray,
+                       blocks: np.ndarray, position: int, cs: int,
+                       splitter: CopySplitter) -> list[tuple[int, bool]]:  # fmt: skip
+        """BLEND_ACQUIRE, each held chunk copied out with its keys rotated, ENGINE_RELEASE."""
+        kv, n_full = _as_mapped(local), len(tokens) // cs
+        rope.end_of(position, n_full, cs)
+        slots = token_slots(blocks, kv.block_size, kv.num_blocks, n_full * cs)
+        hits: list[tuple[int, bool]] = []
+        for first in range(0, n_full, MAX_POOL_CHUNKS):
+            batch = tokens[first * cs : (first + MAX_POOL_CHUNKS) * cs]
+            r = send(BlendAcquire(self.instance_id, self.secret, batch))
+            cb = int(r["slot_bytes"])
+            self.toucher.want(max((int(off) + cb for _, off in r["chunks"]), default=0), int(r["usable"]))
+            with self._lease(send, int(r["lease"]), commit=False):
+                for idx, off in r["chunks"]:
+                    c = first + int(idx)
+                    if off >= 0:
+                        chunk = slots[c * cs : (c + 1) * cs]
+                        rope.out_of_chunk(
+                            self.arena[off : off + cb], kv, chunk, position + c * cs, cs, splitter
+                        )
+                    hits.append((c, off >= 0))
+        return hits
 
     @contextlib.contextmanager
     def _lease(self, send: Send, lease: int, commit: bool) -> Iterator[dict[str, int]]:

@@ -19,11 +19,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from dataplane.client.blend import WorkerRope
 from dataplane.client.direct import ArenaCopier
 from dataplane.client.kvalloc import describe_caches
 from dataplane.memory.blockkv import BlockKV, LocalKV
 from dataplane.memory.copies import CopySplitter, token_slots
 from dataplane.memory.kvmemory import DTYPE_NAMES, map_local_tensors
+from dataplane.memory.rope import RopeParams
 from dataplane.memory.shm import Segment
 from dataplane.wire.errors import ClientError
 from dataplane.wire.messages import (
@@ -70,6 +72,9 @@ class Transport(Protocol):
     ) -> dict[str, int]: ...
 
     def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int: ...
+
+    def set_rope(self, params: RopeParams) -> None:
+        """The RoPE parameters the server accepted (for a worker that rotates itself)."""
 
     def store_blend(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
@@ -122,6 +127,9 @@ class ServerDrivenTransport:
     def retrieve(self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None) -> int:
         return int(send(Retrieve(self.who.instance_id, self.who.secret, tokens, blocks))["retrieved_tokens"])
 
+    def set_rope(self, params: RopeParams) -> None:
+        return None  # the server rotates
+
     def store_blend(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
     ) -> dict[str, int]:
@@ -151,6 +159,7 @@ class EngineDrivenTransport:
         self._pool: tuple[Segment, list[torch.Tensor]] | None = None
         # the server's L1 arena, when it is shared memory: one-copy transfers (client/direct.py)
         self._arena: tuple[Segment, ArenaCopier] | None = None
+        self._rope: WorkerRope | None = None  # one-copy blend transfers rotate here
 
     def registration(self, caches: Sequence[torch.Tensor], kv_format: KVFormat) -> EngineRegister:
         who, first = self.who, caches[0]
@@ -270,8 +279,14 @@ class EngineDrivenTransport:
     def store_blend(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
     ) -> dict[str, int]:
-        """Chunk i of a batch in pool slot i, as many chunks a request as the pool has slots."""
+        """One copy through L1's arena when the server shares it (this worker rotating), else
+        chunk i of a batch in pool slot i, as many chunks a request as the pool has slots."""
         cs, local = self._require_local(chunk_size)
+        with self._lock:
+            if self._arena is not None and self._rope is not None:
+                return self._arena[1].store_blend(
+                    send, self._rope, local, tokens, blocks, position, cs, self._splitter
+                )
         n_full = len(tokens) // cs
         slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
         total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
@@ -293,6 +308,12 @@ class EngineDrivenTransport:
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, position: int, chunk_size: int | None
     ) -> Hits:
         cs, local = self._require_local(chunk_size)
+        with self._lock:
+            if self._arena is not None and self._rope is not None:
+                rope, splitter = self._rope, self._splitter
+                return self._arena[1].retrieve_blend(
+                    send, rope, local, tokens, blocks, position, cs, splitter
+                )
         n_full = len(tokens) // cs
         slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
         hits: Hits = []
@@ -309,10 +330,19 @@ class EngineDrivenTransport:
                     hits.append((c, bool(hit)))
         return hits
 
+    def set_rope(self, params: RopeParams) -> None:
+        with self._lock:
+            old, self._rope = self._rope, WorkerRope(params)
+        if old is not None:
+            old.close()
+
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
             arena, self._arena = self._arena, None
+            rope, self._rope = self._rope, None
+        if rope is not None:
+            rope.close()
         if pool is not None:
             _close_pool(pool)
         if arena is not None:

@@ -31,6 +31,11 @@ _BITS = {torch.bfloat16: np.uint16, torch.float32: np.float32}
 _kernels: dict[str, Any] = {}  # name -> compiled function; filled once by _compile()
 
 
+def compiled() -> bool:
+    """Whether this process has the kernels (any `KernelWarmup` of it finished compiling)."""
+    return bool(_kernels)
+
+
 def supported(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in _BITS
 

@@ -167,7 +167,7 @@ class BlendModule(InstanceLivenessTarget):
         self.kernels.start()  # (once: compiled on its own thread, torch until then)
         return {"table_bytes": tables.nbytes}
 
-    def _tables_of(self, iid: int) -> RopeTables:
+    def tables_of(self, iid: int) -> RopeTables:
         with self._lock:
             t = self._tables.get(iid)
         if t is None:
@@ -180,7 +180,7 @@ class BlendModule(InstanceLivenessTarget):
     def _open(self, rctx: RequestContext, p: BlendTransfer) -> Iterator[_Opened]:
         """What BLEND_STORE and BLEND_RETRIEVE both check and derive (the instance held in use
         meanwhile)."""
-        tables, cs = self._tables_of(p.instance_id), self.chunk_size
+        tables, cs = self.tables_of(p.instance_id), self.chunk_size
         if self._is_engine_driven(rctx, p.instance_id, p.secret):
             with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as e:
                 assert e.reg is not None and e.strategy is not None

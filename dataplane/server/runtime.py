@@ -31,6 +31,7 @@ from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import ServerInfo
 from dataplane.modules.blend import BlendModule
+from dataplane.modules.blend_direct import BlendDirectModule
 from dataplane.modules.direct import DirectTransferModule
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
@@ -230,6 +231,7 @@ def build_dataplane(
     server.add_module(engine)
     server.add_module(DirectTransferModule(engine, l1, metrics))
     server.add_module(blend)
+    server.add_module(BlendDirectModule(blend, engine, l1, metrics))
     server.add_module(LookupModule(l1, cs, metrics, [transfer.registry, engine.registry]))
     monitor = _monitor(settings, l1, remote, _self_checks(server, management), clock)
     if init_failure is not None:

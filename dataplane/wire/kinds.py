@@ -26,6 +26,8 @@ class MsgType(enum.StrEnum):
     BLEND_REGISTER = "BLEND_REGISTER"
     BLEND_STORE = "BLEND_STORE"
     BLEND_RETRIEVE = "BLEND_RETRIEVE"
+    BLEND_RESERVE = "BLEND_RESERVE"
+    BLEND_ACQUIRE = "BLEND_ACQUIRE"
 
 
 class MemoryKind(enum.StrEnum):

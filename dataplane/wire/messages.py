@@ -331,6 +331,26 @@ class BlendRetrieve(BlendTransfer):
     TYPE = MsgType.BLEND_RETRIEVE
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlendLease(Message):
+    """One copy, engine-driven, the worker rotating: each full chunk of ``token_ids`` on its own
+    (at most MAX_POOL_CHUNKS); finished by ENGINE_COMMIT / ENGINE_RELEASE of the lease."""
+
+    instance_id: Annotated[int, u63]
+    secret: Annotated[bytes, _secret]
+    token_ids: Annotated[np.ndarray, _IDS]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlendReserve(BlendLease):
+    TYPE = MsgType.BLEND_RESERVE  # L1 buffers for the chunks not held
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlendAcquire(BlendLease):
+    TYPE = MsgType.BLEND_ACQUIRE  # the held chunks pinned, their offsets
+
+
 MESSAGES: tuple[type[Message], ...] = (
     Hello,
     GetServerInfo,
@@ -351,6 +371,8 @@ MESSAGES: tuple[type[Message], ...] = (
     BlendRegister,
     BlendStore,
     BlendRetrieve,
+    BlendReserve,
+    BlendAcquire,
 )
 BY_TYPE: dict[MsgType, type[Message]] = {m.TYPE: m for m in MESSAGES}
 assert set(BY_TYPE) == set(MsgType), "every message type has exactly one record"

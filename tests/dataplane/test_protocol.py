@@ -101,6 +101,9 @@ def instance_messages() -> list[m.Message]:
         engine_register_message(IID),
         m.EngineStore(IID, SECRET, tok, 0, 2),
         m.EngineRetrieve(IID, SECRET, tok, 0, 2),
+        m.BlendStore(IID, SECRET, tok, np.array([3, 1]), 16),
+        m.BlendReserve(IID, SECRET, tok),
+        m.BlendAcquire(IID, SECRET, tok),
     ]
 
 

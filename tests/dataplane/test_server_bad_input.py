@@ -21,7 +21,9 @@ from dataplane.memory.shm import Segment
 from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import NotRegistered, RequestError
 from dataplane.wire.messages import (
+    BlendAcquire,
     BlendRegister,
+    BlendReserve,
     BlendRetrieve,
     BlendStore,
     CudaLayer,
@@ -627,6 +629,8 @@ def fresh_message(mtype: str, w: WorkerAdapter) -> Message:
         "BLEND_REGISTER": lambda: BlendRegister(FRESH, SECRET, 8, 10000.0, "neox", 1.0, 4096),
         "BLEND_STORE": lambda: BlendStore(FRESH, SECRET, toks, np.array([0, 1, 2, 3]), 0),
         "BLEND_RETRIEVE": lambda: BlendRetrieve(FRESH, SECRET, toks, np.array([0, 1, 2, 3]), 0),
+        "BLEND_RESERVE": lambda: BlendReserve(FRESH, SECRET, toks),
+        "BLEND_ACQUIRE": lambda: BlendAcquire(FRESH, SECRET, toks),
     }
     msg = messages[mtype]()
     assert MsgType(mtype) is msg.TYPE
@@ -650,6 +654,8 @@ INSTANCE_TYPES = [
     "BLEND_REGISTER",
     "BLEND_STORE",
     "BLEND_RETRIEVE",
+    "BLEND_RESERVE",
+    "BLEND_ACQUIRE",
 ]
 
 

@@ -7,6 +7,7 @@ parameters and blend requests without them are refused, naming the problem."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.memory.rope import RopeParams, rope_at
+from dataplane.memory.rope_kernel import KernelWarmup
 from dataplane.wire.errors import RequestError
-from dataplane.wire.messages import BlendStore
+from dataplane.wire.messages import BlendAcquire, BlendReserve, BlendStore
 from tests.helpers import ServerProcess, subprocess_env, wait_until
 
 CS, LAYERS, NB, BS, HEADS, HD = 32, 2, 64, 16, 2, 64
@@ -27,10 +29,35 @@ ROPE = RopeParams(64, 10000.0, "neox", 1.0, 4096)
 TOKEN = "blend-test-admin-token"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def worker_kernels() -> None:
+    """This process is the workers': its rotation kernels compiled (one-copy engine-driven
+    workers rotate themselves; `tests/dataplane/test_blendcopy.py` covers the torch path)."""
+    warm = KernelWarmup()
+    warm.start()
+    warm.join(300.0)
+    assert warm.ready, warm.state
+
+
+def start_server(tmp_path: Path, *args: str) -> ServerProcess:
+    env = subprocess_env(KVWARDEN_ADMIN_TOKEN=TOKEN)
+    srv = ServerProcess(tmp_path, "--chunk-size", str(CS), *args, env=env)
+    srv.wait_ready()
+    return srv
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path, "--chunk-size", str(CS), env=subprocess_env(KVWARDEN_ADMIN_TOKEN=TOKEN))
-    srv.wait_ready()
+    srv = start_server(tmp_path)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["shm", "private"])
+def engine_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """A server whose L1 engine-driven workers map (one copy, the worker rotating), or not
+    (through the pool, the server rotating)."""
+    srv = start_server(tmp_path, "--l1-backing", str(request.param))
     yield srv
     srv.stop()
 
@@ -84,10 +111,19 @@ def wait_for_kernels(srv: ServerProcess) -> None:
     assert kernel_state(srv) == "ready"
 
 
-@pytest.mark.parametrize("mode", ["server_driven", "engine_driven"])
+@pytest.mark.parametrize(("mode", "backing"), [("server_driven", "auto"), ("engine_driven", "shm"),
+                                             ("engine_driven", "private")])  # fmt: skip
 def test_a_chunk_stored_at_0_and_retrieved_at_512_equals_rope_at_512(
-    server: ServerProcess, mode: str
+    tmp_path: Path, mode: str, backing: str
 ) -> None:
+    server = start_server(tmp_path, "--l1-backing", backing)
+    try:
+        _stored_at_0_retrieved_at_512(server, mode)
+    finally:
+        server.stop()
+
+
+def _stored_at_0_retrieved_at_512(server: ServerProcess, mode: str) -> None:
     g = torch.Generator().manual_seed(3)
     tokens = np.arange(1000, 1000 + 2 * CS)
     raw_k = torch.randn(LAYERS, 2 * CS, HEADS, HD, generator=g)
@@ -182,6 +218,8 @@ def test_blend_requests_without_rope_parameters_are_refused(server: ServerProces
             lambda: w.store_blend(np.arange(CS), [0, 1], 0),
             lambda: w.retrieve_blend(np.arange(CS), [0, 1], 0),
             lambda: e.store_blend(np.arange(CS), [0, 1], 0),
+            lambda: e._send(BlendReserve(e.instance_id, e._secret, np.arange(CS))),
+            lambda: e._send(BlendAcquire(e.instance_id, e._secret, np.arange(CS))),
         ):
             with pytest.raises(RequestError, match="has not registered its RoPE parameters"):
                 call()
@@ -202,9 +240,11 @@ def test_blend_requests_without_rope_parameters_are_refused(server: ServerProces
         e.close()
 
 
-def test_engine_driven_blend_moves_more_chunks_than_its_pool_in_batches(server: ServerProcess) -> None:
-    """Six chunks through a pool of four slots: two requests each way, every chunk where it
-    belongs (a hit pattern with a gap proves the batches keep their chunk indices)."""
+def test_engine_driven_blend_moves_more_chunks_than_its_pool(engine_server: ServerProcess) -> None:
+    """Six chunks, a pool of four slots: through the pool, two requests each way; one copy, one
+    request; every chunk where it belongs (a hit pattern with a gap proves the batches keep
+    their chunk indices)."""
+    server = engine_server
     g = torch.Generator().manual_seed(5)
     n = 6
     tokens = np.arange(7000, 7000 + n * CS)
@@ -226,5 +266,17 @@ def test_engine_driven_blend_moves_more_chunks_than_its_pool_in_batches(server: 
             want = rope_at(raw_k[1, c * CS : (c + 1) * CS], torch.arange(CS) + 1000 + c * CS, ROPE)
             assert float((kv_at(ca, 1, 0, s).float() - want).abs().max()) <= 0.05
             assert torch.equal(kv_at(ca, 1, 1, s), values[1, c * CS : (c + 1) * CS])
+        one_copy = status(server)["storage"]["l1"]["arena"]["backing"] == "shm"
+        # the way the bytes went: one copy (the worker rotating) or the pool (the server rotating)
+        assert ok_requests(server, "BLEND_RESERVE") == (1 if one_copy else 0)
+        assert ok_requests(server, "BLEND_ACQUIRE") == (1 if one_copy else 0)
+        assert ok_requests(server, "BLEND_STORE") == (0 if one_copy else 2)
+        assert ok_requests(server, "BLEND_RETRIEVE") == (0 if one_copy else 2)
     finally:
         a.close()
+
+
+def ok_requests(srv: ServerProcess, kind: str) -> int:
+    text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+    m = re.search(rf'kvwarden_requests_total{{outcome="ok",type="{kind}"}} (\S+)', text)
+    return int(float(m.group(1))) if m else 0

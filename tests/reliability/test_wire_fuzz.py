@@ -48,7 +48,9 @@ from dataplane.wire.messages import (
     BY_TYPE,
     MESSAGES,
     SUPPORTED_DTYPES,
+    BlendAcquire,
     BlendRegister,
+    BlendReserve,
     BlendRetrieve,
     BlendStore,
     CudaLayer,
@@ -379,6 +381,8 @@ _OWN_ID = {
     MsgType.BLEND_REGISTER: st.one_of(st.just(REG_ID), INSTANCE_IDS),
     MsgType.BLEND_STORE: st.one_of(st.just(REG_ID), INSTANCE_IDS),
     MsgType.BLEND_RETRIEVE: st.one_of(st.just(REG_ID), INSTANCE_IDS),
+    MsgType.BLEND_RESERVE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
+    MsgType.BLEND_ACQUIRE: st.one_of(st.just(ENG_ID), INSTANCE_IDS),
     MsgType.UNREGISTER_KV_CACHE: st.one_of(st.integers(0, 2**63 - 1), INSTANCE_IDS),
 }
 
@@ -671,6 +675,8 @@ def _valid_messages(geo: Geometry) -> list[Message]:
         BlendRegister(REG_ID, SECRET, 8, 10000.0, "neox", 1.0, 4096),
         BlendStore(REG_ID, SECRET, tokens, blocks, 0),
         BlendRetrieve(REG_ID, SECRET, tokens, blocks, 16),
+        BlendReserve(ENG_ID, SECRET, tokens),
+        BlendAcquire(ENG_ID, SECRET, tokens),
         Unregister(REG_ID, SECRET),
     ]
     assert {type(m) for m in msgs} == set(MESSAGES)

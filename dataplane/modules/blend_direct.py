@@ -1,0 +1,117 @@
+"""One-copy blend transfers of engine-driven workers: the worker rotates while it copies.
+
+When L1's arena is shared memory (the worker maps it, as for one-copy ENGINE transfers), a blend
+transfer's destination is the worker's own memory on the way out and an L1 buffer on the way in,
+and the rotation runs where the copy does, in the worker: BLEND_RESERVE hands out L1 buffers for
+the blend chunks not held (the worker writes each with its keys rotated back to position 0,
+then ENGINE_COMMIT publishes them); BLEND_ACQUIRE pins each held blend chunk, looked up on its
+own, and hands out its offset (the worker copies it out with its keys rotated to their new
+position, then ENGINE_RELEASE). Both need the instance's BLEND_REGISTER first, as every blend
+request does. The buffers are the instance's leases, aborted with it as for ENGINE transfers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.blend import BlendModule, blend_keys
+from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
+from dataplane.modules.leases import Lease
+from dataplane.storage.l1 import L1Store
+from dataplane.wire.errors import RequestError
+from dataplane.wire.messages import MAX_POOL_CHUNKS, BlendAcquire, BlendReserve, MsgType
+
+
+class BlendDirectModule:
+    name = "blend_direct"
+
+    def __init__(
+        self, blend: BlendModule, engine: EngineDrivenTransferModule, l1: L1Store, metrics: DataPlaneMetrics
+    ) -> None:
+        self.blend = blend
+        self.engine = engine
+        self.l1 = l1
+        self.metrics = metrics
+
+    def handlers(self) -> dict[MsgType, Handler]:
+        key = self.engine.order_key  # in arrival order with the instance's other transfers
+        return {
+            MsgType.BLEND_RESERVE: Handler(HandlerKind.TRANSFER, self._reserve, key),
+            MsgType.BLEND_ACQUIRE: Handler(HandlerKind.TRANSFER, self._acquire, key),
+        }
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def _keys(self, c: EngineContext, p: BlendReserve | BlendAcquire) -> list[bytes]:
+        if self.l1.arena.segment is None:
+            raise RequestError("one-copy transfers need L1's arena in shared memory; use BLEND_STORE")
+        self.blend.tables_of(p.instance_id)  # (BLEND_REGISTER first, as for every blend request)
+        keys = blend_keys(c.scope, p.token_ids, self.engine.chunk_size)
+        if len(keys) > MAX_POOL_CHUNKS:
+            raise RequestError(f"token_ids: {len(keys)} chunks exceed {MAX_POOL_CHUNKS} a request")
+        return keys
+
+    def _offsets(self, bufs: list[Any]) -> list[int]:
+        return [self.l1.arena.offset_of(b) for b in bufs]
+
+    def _reserve(self, rctx: RequestContext, p: BlendReserve) -> dict[str, Any]:
+        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
+            keys = self._keys(c, p)
+            c.leases.room(self.l1)
+            lease = Lease()
+            missing, lease.pinned = self.l1.pin_present(keys)
+            rejected = skipped = 0
+            if missing and not self.l1.writable():  # unhealthy: nothing is handed out to write
+                missing, skipped = [], len(missing)
+            for n, i in enumerate(missing):
+                buf = self.l1.reserve(c.chunk_bytes)
+                if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
+                    rejected = len(missing) - n
+                    break
+                lease.keys.append(keys[i])
+                lease.bufs.append(buf)
+            try:
+                lid = c.leases.add(lease)
+            except BaseException:
+                lease.abort(self.l1)
+                raise
+            slots = [[missing[k], off] for k, off in enumerate(self._offsets(lease.bufs))]
+            present = len(lease.pinned)
+        if rejected:
+            self.metrics.rejected_chunks.inc(rejected)
+        return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": present,
+                "rejected": rejected, "skipped": skipped, "chunks": len(keys),
+                "usable": self.l1.arena.growth()[0]}  # fmt: skip
+
+    def _acquire(self, rctx: RequestContext, p: BlendAcquire) -> dict[str, Any]:
+        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
+            keys = self._keys(c, p)
+            c.leases.room(self.l1)
+            lease = Lease()
+            chunks: list[list[int]] = []
+            try:
+                for i, key in enumerate(keys):  # each chunk on its own, not a prefix
+                    got = self.l1.acquire_prefix([key])
+                    if got:
+                        lease.pinned.append(key)
+                    chunks.append([i, self.l1.arena.offset_of(got[0]) if got else -1])
+                lid = c.leases.add(lease)
+            except BaseException:
+                lease.abort(self.l1)
+                raise
+        self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(lease.pinned) * c.chunk_bytes)
+        return {
+            "lease": lid,
+            "chunks": chunks,
+            "slot_bytes": c.chunk_bytes,
+            "usable": self.l1.arena.growth()[0],
+        }
