@@ -226,13 +226,12 @@ def build_dataplane(
     )
     server.add_connection_listener(management.on_connection)
     server.add_connection_listener(quota.on_connection)
-    server.add_module(management)
-    server.add_module(transfer)
-    server.add_module(engine)
-    server.add_module(DirectTransferModule(engine, l1, metrics))
-    server.add_module(blend)
-    server.add_module(BlendDirectModule(blend, engine, l1, metrics))
-    server.add_module(LookupModule(l1, cs, metrics, [transfer.registry, engine.registry]))
+    lookup = LookupModule(l1, cs, metrics, [transfer.registry, engine.registry])
+    for module in (
+        management, transfer, engine, DirectTransferModule(engine, l1, metrics), blend,
+        BlendDirectModule(blend, engine, l1, metrics), lookup,
+    ):  # fmt: skip
+        server.add_module(module)
     monitor = _monitor(settings, l1, remote, _self_checks(server, management), clock)
     if init_failure is not None:
         monitor.mark_init_failed(init_failure)
