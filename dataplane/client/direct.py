@@ -149,14 +149,11 @@ class ArenaCopier:
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
             r = send(EngineReserve(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k))
-            cb = int(r["slot_bytes"])
-            self.toucher.want(max((int(off) + cb for _, off in r["slots"]), default=0), int(r["usable"]))
-            with self._lease(send, int(r["lease"]), commit=True) as done:
-                for idx, off in r["slots"]:
-                    c = first + int(idx)
-                    self.toucher.ensure(off, off + cb)
-                    local.gather(slots[c * cs : (c + 1) * cs], self.arena[off : off + cb], splitter)
-            total["stored"] += done["stored"]
+
+            def write(c: int, buf: torch.Tensor) -> None:
+                local.gather(slots[c * cs : (c + 1) * cs], buf, splitter)
+
+            total["stored"] += self._write_reserved(send, r, first, write)
             total["present"] += int(r["present"])
             total["rejected"] += int(r["rejected"])
             if r["rejected"]:
@@ -198,17 +195,13 @@ class ArenaCopier:
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             batch = tokens[first * cs : (first + MAX_POOL_CHUNKS) * cs]
             r = send(BlendReserve(self.instance_id, self.secret, batch))
-            cb = int(r["slot_bytes"])
-            self.toucher.want(max((int(off) + cb for _, off in r["slots"]), default=0), int(r["usable"]))
-            with self._lease(send, int(r["lease"]), commit=True) as done:
-                for idx, off in r["slots"]:
-                    c = first + int(idx)
-                    self.toucher.ensure(off, off + cb)
-                    chunk = slots[c * cs : (c + 1) * cs]
-                    rope.into_chunk(kv, chunk, self.arena[off : off + cb], position + c * cs, cs, splitter)
+
+            def write(c: int, buf: torch.Tensor) -> None:
+                rope.into_chunk(kv, slots[c * cs : (c + 1) * cs], buf, position + c * cs, cs, splitter)
+
+            total["stored"] += self._write_reserved(send, r, first, write)
             for key in ("present", "rejected", "skipped"):
                 total[key] += int(r[key])
-            total["stored"] += done["stored"]
         return total
 
     def retrieve_blend(self, send: Send, rope: WorkerRope, local: LocalKV, tokens: np.ndarray,
@@ -234,6 +227,19 @@ class ArenaCopier:
                         )
                     hits.append((c, off >= 0))
         return hits
+
+    def _write_reserved(
+        self, send: Send, r: dict[str, Any], first: int, write: Callable[[int, torch.Tensor], None]
+    ) -> int:
+        """``write(chunk, buffer)`` for every buffer a reserve handed out (chunk ``first`` + its
+        index), then commit; the chunks stored."""
+        cb = int(r["slot_bytes"])
+        self.toucher.want(max((int(off) + cb for _, off in r["slots"]), default=0), int(r["usable"]))
+        with self._lease(send, int(r["lease"]), commit=True) as done:
+            for idx, off in r["slots"]:
+                self.toucher.ensure(off, off + cb)
+                write(first + int(idx), self.arena[off : off + cb])
+        return done["stored"]
 
     @contextlib.contextmanager
     def _lease(self, send: Send, lease: int, commit: bool) -> Iterator[dict[str, int]]:

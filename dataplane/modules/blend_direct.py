@@ -18,7 +18,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.blend import BlendModule, blend_keys
 from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
-from dataplane.modules.leases import Lease
+from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MAX_POOL_CHUNKS, BlendAcquire, BlendReserve, MsgType
@@ -68,24 +68,13 @@ class BlendDirectModule:
             keys = self._keys(c, p)
             c.leases.room(self.l1)
             lease = Lease()
-            missing, lease.pinned = self.l1.pin_present(keys)
-            rejected = skipped = 0
-            if missing and not self.l1.writable():  # unhealthy: nothing is handed out to write
-                missing, skipped = [], len(missing)
-            for n, i in enumerate(missing):
-                buf = self.l1.reserve(c.chunk_bytes)
-                if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
-                    rejected = len(missing) - n
-                    break
-                lease.keys.append(keys[i])
-                lease.bufs.append(buf)
             try:
+                handed, present, rejected, skipped = reserve_into(lease, self.l1, keys, c.chunk_bytes)
                 lid = c.leases.add(lease)
             except BaseException:
                 lease.abort(self.l1)
                 raise
-            slots = [[missing[k], off] for k, off in enumerate(self._offsets(lease.bufs))]
-            present = len(lease.pinned)
+            slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
         return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": present,

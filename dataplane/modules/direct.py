@@ -17,7 +17,7 @@ from typing import Any
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
-from dataplane.modules.leases import Lease
+from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import chunk_keys
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import RequestError
@@ -80,27 +80,16 @@ class DirectTransferModule:
             c.leases.room(self.l1)
             lease = Lease()
             _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
-            missing, held = self.l1.pin_present(wanted)
-            lease.pinned += held
-            rejected = skipped = 0
-            if missing and not self.l1.writable():  # unhealthy: nothing is handed out to write
-                missing, skipped = [], len(missing)
-            for n, i in enumerate(missing):
-                buf = self.l1.reserve(c.chunk_bytes)
-                if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
-                    rejected = len(missing) - n
-                    break
-                lease.keys.append(wanted[i])
-                lease.bufs.append(buf)
             try:
+                handed, present, rejected, skipped = reserve_into(lease, self.l1, wanted, c.chunk_bytes)
                 lid = c.leases.add(lease)
             except BaseException:
                 lease.abort(self.l1)
                 raise
-            slots = [[missing[k], off] for k, off in enumerate(self._offsets(lease.bufs))]
+            slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
-        return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": len(held),
+        return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": present,
                 "rejected": rejected, "skipped": skipped, "chunks": len(wanted),
                 "usable": self.l1.arena.growth()[0]}  # fmt: skip
 

@@ -52,6 +52,28 @@ class Lease:
         self.pinned = []
 
 
+def reserve_into(
+    lease: Lease, l1: L1Store, keys: list[bytes], nbytes: int
+) -> tuple[list[int], int, int, int]:
+    """A reserve: pin the chunks of ``keys`` L1 holds and take a buffer of ``nbytes`` for each
+    of the others, into ``lease``. Returns (the indices of ``keys`` handed a buffer, how many
+    were held, how many were rejected: L1 full of pinned chunks, how many skipped: L1 is not
+    writable now, unhealthy)."""
+    missing, held = l1.pin_present(keys)
+    lease.pinned += held
+    rejected = skipped = 0
+    if missing and not l1.writable():  # unhealthy: nothing is handed out to write
+        missing, skipped = [], len(missing)
+    for n, i in enumerate(missing):
+        buf = l1.reserve(nbytes)
+        if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
+            rejected = len(missing) - n
+            break
+        lease.keys.append(keys[i])
+        lease.bufs.append(buf)
+    return missing[: len(lease.bufs)], len(held), rejected, skipped
+
+
 class Leases:
     """The open leases of one instance."""
 
