@@ -145,7 +145,25 @@ class ServerProcess:
         return self.stdout_path.read_text(errors="replace") + self.stderr_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Poll HELLO until the server answers; returns its server info."""
+        """Until the server answers HELLO (it does while it starts) and says it is serving (its
+        data plane built, its HTTP sidecar up); returns its server info."""
+        info = self._hello(timeout)
+        wait_until(
+            lambda: (
+                "kvwarden serving on" in self.stdout_path.read_text(errors="replace")
+                or self.proc.poll() is not None
+            ),
+            timeout,
+            0.02,
+            what="the server's 'serving on' line",
+        )
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"server exited with {self.proc.returncode} while starting:\n" + self.output()
+            )
+        return info
+
+    def _hello(self, timeout: float) -> dict[str, Any]:
         ctx: zmq.Context[Any] = zmq.Context()
         sock = dealer(ctx, self.endpoint)
         try:

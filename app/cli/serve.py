@@ -79,6 +79,17 @@ def _run(settings: Settings, limiters: list[logs.RateLimitFilter]) -> int:
     raise_fd_limit()
     warn_if_descriptors_short(settings.max_instances)
     warn_if_exposed(settings)
+    # bound and answering HELLO and PING before torch is even imported (a staged start:
+    # `dataplane.server.early`); every other request waits for the data plane
+    from dataplane.metrics import DataPlaneMetrics
+    from dataplane.server.early import StartGate, new_server
+
+    try:
+        server = new_server(settings, DataPlaneMetrics())
+    except OSError as exc:
+        print(f"kvwarden serve: cannot start: {exc}", file=sys.stderr)
+        return 1
+    server.start_early(StartGate(server.info(settings.chunk_size), server.metrics))
     # imported here, not at the top: `kvwarden status` and `reap` start without torch
     from app.server import Sidecar
     from dataplane.server.gcfreeze import CollectorFreezer
@@ -86,8 +97,9 @@ def _run(settings: Settings, limiters: list[logs.RateLimitFilter]) -> int:
 
     _tune_process()
     try:
-        dp = build_dataplane(settings)
+        dp = build_dataplane(settings, server=server)
     except Exception as exc:
+        server.stop()
         print(f"kvwarden serve: cannot start: {exc}", file=sys.stderr)
         return 1
     stop = _stop_on_signals()

@@ -34,6 +34,7 @@ from dataplane import __version__
 from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
+from dataplane.server.early import StartGate, open_router
 from dataplane.server.ordered import KeyedSerialExecutor
 from dataplane.wire.errors import (
     KVWardenError,
@@ -62,23 +63,10 @@ ConnListener = Callable[[int, bool], None]  # (fd, connected)
 
 class Lifecycle(enum.Enum):
     CREATED = "created"
+    STARTING = "starting"  # start_early: HELLO, GET_SERVER_INFO and PING answered, the rest held
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
-
-
-def _bind(sock: zmq.Socket[Any], endpoint: str) -> None:
-    """Bind; an ``ipc://`` socket file is created readable and writable by this user only (the
-    umask is set around the bind, so it never exists with wider permissions), so only processes
-    of the server's user can connect."""
-    if not endpoint.startswith("ipc://"):
-        sock.bind(endpoint)
-        return
-    old = os.umask(0o177)
-    try:
-        sock.bind(endpoint)
-    finally:
-        os.umask(old)
 
 
 class Server:
@@ -103,22 +91,8 @@ class Server:
         self._handlers: dict[MsgType, Handler] = {}
         self._modules: list[Module] = []
         self._conn_listeners: list[ConnListener] = []
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 1000)  # let the last replies leave on close
-        # a hard cap: frames up to 4x the limit still get a FRAME_TOO_LARGE reply; beyond it
-        # libzmq drops the peer's connection rather than buffer an unbounded frame
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max(4 * max_frame_bytes, max_frame_bytes + (1 << 20)))
-        try:
-            _bind(self._sock, endpoint)
-        except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            self._ctx.term()
-            raise OSError(f"cannot bind {endpoint}: {exc}") from None
+        self._ctx, self._sock, self._monitor = open_router(endpoint, max_frame_bytes)
         self.bound_endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-        )
         self._pool_sizes = (max_cpu_workers, max_transfer_workers)
         self._normal = ThreadPoolExecutor(max_cpu_workers, thread_name_prefix="kvwarden-normal")
         self._transfer_pool = ThreadPoolExecutor(max_transfer_workers, thread_name_prefix="kvwarden-transfer")
@@ -134,6 +108,7 @@ class Server:
         self._inflight = 0  # loop thread only
         self._thread: threading.Thread | None = None
         self.loop_error: BaseException | None = None
+        self._gate: StartGate | None = None  # while STARTING (loop thread only, once started)
 
     # ------------------------------------------------------------------ wiring
     def add_module(self, module: Module) -> None:
@@ -172,18 +147,50 @@ class Server:
         return not self._pools_shut.is_set()
 
     # --------------------------------------------------------------- lifecycle
-    def start(self) -> None:
+    def start_early(self, gate: StartGate) -> None:
+        """Run the loop now, answering through ``gate`` until `start` opens it
+        (`dataplane.server.early`)."""
         with self._state_lock:
             if self._state is not Lifecycle.CREATED:
                 raise RuntimeError(f"server is {self._state.value}")
-            self._state = Lifecycle.RUNNING
+            self._state = Lifecycle.STARTING
+            self._gate = gate
+        self._run_thread()
+
+    def start(self) -> None:
+        with self._state_lock:
+            if self._state not in (Lifecycle.CREATED, Lifecycle.STARTING):
+                raise RuntimeError(f"server is {self._state.value}")
+            early = self._state is Lifecycle.STARTING
+            if not early:
+                self._state = Lifecycle.RUNNING
         spawn_all(self._normal, self._pool_sizes[0])
         spawn_all(self._transfer_pool, self._pool_sizes[1])
         for m in self._modules:
             m.start()
+        if self._gate is not None:  # the loop serves what it held, then runs
+            self._gate.open()
+            self._wake()
+        else:
+            self._run_thread()
+
+    def _run_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvwarden-loop", daemon=True)
         self._thread.start()
         logger.info("server: listening on %s (boot token %d)", self.bound_endpoint, self.boot_token)
+
+    def _open_gate(self, gate: StartGate) -> None:
+        """Loop thread: the connection events and the requests held while starting, in order."""
+        with self._state_lock:
+            if self._state is Lifecycle.STARTING:
+                self._state = Lifecycle.RUNNING
+        self._gate = None
+        for fd, connected in gate.events:
+            for fn in self._conn_listeners:
+                fn(fd, connected)
+        for frames in gate.held:
+            self._on_frames(frames)
+        logger.info("server: open (%d request(s) held while starting)", len(gate.held))
 
     def stop(self, timeout_s: float | None = None) -> bool:
         """Drain and stop; True when every thread ended within the bound."""
@@ -193,7 +200,7 @@ class Server:
                 self._close_resources()
                 self._close_wake()
                 return True
-            if self._state is not Lifecycle.RUNNING:
+            if self._state not in (Lifecycle.RUNNING, Lifecycle.STARTING):
                 return True
             self._state = Lifecycle.DRAINING
         bound = self._drain_timeout_s if timeout_s is None else timeout_s
@@ -230,6 +237,9 @@ class Server:
                 events = dict(poller.poll(100))
                 if wake_fd in events:
                     self._drain_wake()
+                gate = self._gate
+                if gate is not None and (gate.opening or self._state is Lifecycle.DRAINING):
+                    self._open_gate(gate)  # (draining: what it held is answered SHUTTING_DOWN)
                 self._send_replies()
                 if self._monitor in events:
                     self._on_monitor()
@@ -294,7 +304,9 @@ class Server:
             event = int.from_bytes(msg[0][:2], "little")
             fd = int.from_bytes(msg[0][2:6], "little", signed=True)
             connected = event == zmq.EVENT_ACCEPTED
-            if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
+            if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED) and self._gate is not None:
+                self._gate.events.append((fd, connected))  # for the listeners, once open
+            elif event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
                 for fn in self._conn_listeners:
                     fn(fd, connected)
 
@@ -331,10 +343,16 @@ class Server:
             logger.exception("server: a request could not be validated")
             self._send(envelope, encode_error(rid, ProtocolError(f"invalid request ({type(exc).__name__})")))
             return
-        if self._state is not Lifecycle.RUNNING:
+        gate = self._gate
+        if gate is not None and req.type not in gate.handlers:
+            refused = gate.hold(frames)
+            if refused is not None:
+                self._send(envelope, encode_error(req.request_id, refused))
+            return
+        if gate is None and self._state is not Lifecycle.RUNNING:
             self._send(envelope, encode_error(req.request_id, ShuttingDown("server is stopping")))
             return
-        handler = self._handlers.get(req.type)
+        handler = gate.handlers[req.type] if gate is not None else self._handlers.get(req.type)
         if handler is None:
             err = Unsupported(f"{req.type} has no handler on this server")
             self._send(envelope, encode_error(req.request_id, err))

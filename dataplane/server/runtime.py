@@ -38,6 +38,7 @@ from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
 from dataplane.server.config import L1Backing, Settings
+from dataplane.server.early import new_server
 from dataplane.server.facade import ComponentState, LivenessStatus, MonitorCheck, MonitorState, RemoteState
 from dataplane.server.loop import Server
 from dataplane.storage.arena import Arena
@@ -183,23 +184,20 @@ def build_dataplane(
     settings: Settings,
     clock: Callable[[], float] = time.monotonic,
     extra_targets: Sequence[InstanceLivenessTarget] = (),
+    server: Server | None = None,
 ) -> DataPlane:
     """``extra_targets``: more liveness targets (modules holding per-instance state) beside
-    the transfer modules' registries; PING touches them and every release reaches them."""
+    the transfer modules' registries; PING touches them and every release reaches them.
+    ``server``: one already bound and answering (`dataplane.server.early`), else a new one."""
     sweep_orphans()
-    metrics = DataPlaneMetrics()
+    metrics = server.metrics if server is not None else DataPlaneMetrics()
     shared = {L1Backing.AUTO: None, L1Backing.SHM: True, L1Backing.PRIVATE: False}[settings.l1_backing]
     arena = Arena(settings.l1_capacity_bytes, shared=shared, pin_memory=torch.cuda.is_available())
     logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
     remote, init_failure = _remote_backend(settings)
     l1 = TieredStore(settings.l1_capacity_bytes, hot_cache=settings.local_cpu, arena=arena, remote=remote)
-    server = Server(
-        settings.zmq_endpoint,
-        max_cpu_workers=settings.max_cpu_workers,
-        max_transfer_workers=settings.max_transfer_workers,
-        max_frame_bytes=settings.max_frame_bytes,
-        metrics=metrics,
-    )
+    if server is None:
+        server = new_server(settings, metrics)
     info = server.info(settings.chunk_size)
     splitter = CopySplitter(min(os.cpu_count() or 1, 4))
     cs = settings.chunk_size
