@@ -1,4 +1,5 @@
-"""`kvwarden serve` start-up, end to end: the sweep of orphaned shared-memory segments.
+"""`kvwarden serve` start-up, end to end: the sweep of orphaned shared-memory segments, and the
+staged start (PING answered before the data plane is built, other requests held until it is).
 
 A real orphan (a segment whose creating process has exited: its flock is gone) and a live
 segment (owned by this test process, flock held) wait in a private directory on the shm tmpfs
@@ -15,13 +16,18 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import zmq
 
 from dataplane.memory import shm
 from dataplane.memory.shm import Segment, owner_alive
+from dataplane.wire.messages import Lookup, Ping
+from dataplane.wire.protocol import decode_reply, encode_message
 from tests.conftest import ServerFactory
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import ROOT, ServerProcess, free_port, subprocess_env
 
 CREATE_AND_EXIT = """
 from dataplane.memory.shm import Segment
@@ -81,3 +87,34 @@ def test_serve_sweeps_orphaned_segments_at_start_and_keeps_live_ones(
     finally:
         assert live.close()
         live.unlink()
+
+
+def test_ping_is_answered_while_the_data_plane_is_built_and_held_requests_after(tmp_path: Path) -> None:
+    """A worker's LOOKUP and PING queued before `kvwarden serve` starts: the PING is answered
+    first (the server answers it before importing torch), with the boot token HELLO gives later;
+    the LOOKUP, held meanwhile, is answered once the data plane is up, as it would have been
+    (the instance is unknown: NOT_REGISTERED), not refused for arriving early."""
+    port = free_port()
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RECONNECT_IVL, 2)  # ms: connected as soon as the server binds
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(encode_message(1, Lookup(77, bytes(16), np.arange(8, dtype="<i4"))))
+    sock.send(encode_message(2, Ping(77, bytes(16))))
+    srv = ServerProcess(tmp_path, port=port)
+    try:
+        order = []
+        for _ in range(2):
+            assert sock.poll(60_000), "no reply:\n" + srv.output()
+            r = decode_reply(sock.recv())
+            order.append(r)
+        ping, held = order
+        assert ping.request_id == 2 and ping.ok and ping.body["tracked"] is False
+        assert held.request_id == 1 and not held.ok and held.body["code"] == "NOT_REGISTERED"
+        info = srv.wait_ready()
+        assert info["boot_token"] == ping.body["boot_token"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        assert srv.stop() == 0
