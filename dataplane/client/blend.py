@@ -34,12 +34,7 @@ class WorkerRope:
 
     def end_of(self, position: int, chunks: int, chunk_size: int) -> None:
         """ValueError when chunks from ``position`` on pass ``max_positions``."""
-        end = position + chunks * chunk_size
-        if end > self.params.max_positions:
-            raise ValueError(
-                f"position: chunks up to position {end} exceed the registered max_positions "
-                f"{self.params.max_positions}"
-            )
+        self.params.check_span(position, chunks * chunk_size)
 
     def into_chunk(
         self, local: MappedKV, slots: np.ndarray, buf: torch.Tensor, at: int, cs: int, splitter: CopySplitter

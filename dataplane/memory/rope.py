@@ -51,6 +51,15 @@ class RopeParams:
             raise ValueError(f"max_positions: {mp!r} must be an integer in [1, {MAX_POSITIONS}]")
         return self
 
+    def check_span(self, position: int, n_tokens: int) -> None:
+        """ValueError when ``n_tokens`` from ``position`` on pass ``max_positions``."""
+        end = position + n_tokens
+        if end > self.max_positions:
+            raise ValueError(
+                f"position: chunks up to position {end} exceed the registered max_positions "
+                f"{self.max_positions}"
+            )
+
     def inv_freq(self) -> torch.Tensor:
         exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
         return 1.0 / (float(self.base) ** exps)

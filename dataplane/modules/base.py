@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from dataplane.wire.messages import MsgType
@@ -51,6 +51,10 @@ class ServerInfo:
     endpoint: str  # the bound ZMQ endpoint
     chunk_size: int
     max_frame_bytes: int
+
+    def hello_body(self) -> dict[str, Any]:
+        """What HELLO and GET_SERVER_INFO answer: everything but the start time and endpoint."""
+        return {k: v for k, v in asdict(self).items() if k not in ("started_at", "endpoint")}
 
 
 class Module(Protocol):

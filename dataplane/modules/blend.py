@@ -213,12 +213,10 @@ class BlendModule(InstanceLivenessTarget):
             yield _Opened(tables, g, keys, kv.chunk_nbytes(cs), kv=kv, slots=slots)
 
     def _check_span(self, tables: RopeTables, position: int, chunks: int) -> None:
-        end = position + chunks * self.chunk_size
-        if end > tables.params.max_positions:
-            raise RequestError(
-                f"position: chunks up to position {end} exceed the registered max_positions "
-                f"{tables.params.max_positions}"
-            )
+        try:
+            tables.params.check_span(position, chunks * self.chunk_size)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def _store(self, rctx: RequestContext, p: BlendStore) -> dict[str, Any]:
         cs, splitter = self.chunk_size, self.transfer.splitter

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from dataplane.liveness.reaper import WorkerReaper
@@ -49,7 +48,7 @@ class ManagementModule:
             self.reaper = WorkerReaper(
                 releaser, reap_timeout_s, registration_grace_s, self.disconnect_grace_s, clock
             )
-        self._hello_body = {k: v for k, v in asdict(info).items() if k not in ("started_at", "endpoint")}
+        self._hello_body = info.hello_body()
 
     def handlers(self) -> dict[MsgType, Handler]:
         # PING runs on the loop: it is a dict lookup under leaf locks, nothing on the loop can

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -39,7 +38,7 @@ class StartGate:
     thread: an Event)."""
 
     def __init__(self, info: ServerInfo, metrics: DataPlaneMetrics) -> None:
-        self._hello = {k: v for k, v in asdict(info).items() if k not in ("started_at", "endpoint")}
+        self._hello = info.hello_body()
         self._boot_token = info.boot_token
         self._metrics = metrics
         self.handlers = {
