@@ -30,6 +30,8 @@ START, END = "<!-- table -->", "<!-- /table -->"
 MODE_COLOURS = {"server_driven": "tab:blue", "engine_driven": "tab:orange"}
 BASELINES = {  # key: (label, colour, line style)
     "memcpy": ("memcpy, 1 thread", "black", "-"),
+    "gather": ("the same copy without a server (gather)", "tab:purple", "-."),
+    "scatter": ("the same copy without a server (scatter)", "tab:purple", "-."),
     "zmq": ("the bytes over ZMQ", "tab:green", ":"),
     "redis_set": ("Redis SET", "tab:red", ":"),
     "redis_get": ("Redis GET", "tab:red", ":"),
@@ -65,8 +67,10 @@ def plot(rep: dict[str, Any], out: Path) -> None:
     cprs = sorted({r["chunks_per_request"] for r in rows})
     fig, axes = plt.subplots(len(cprs), 2, figsize=(12, 4.2 * len(cprs)), squeeze=False, sharex=True)
     for i, cpr in enumerate(cprs):
-        for j, (op, other) in enumerate((("store", "redis_set"), ("retrieve", "redis_get"))):
-            _panel(axes[i][j], rows, op, other, cpr)
+        for j, (op, floor, other) in enumerate(
+            (("store", "gather", "redis_set"), ("retrieve", "scatter", "redis_get"))
+        ):
+            _panel(axes[i][j], rows, op, (floor, other), cpr)
     m = rep["machine"]
     fig.suptitle(
         f"kvwarden bench transfer, {rep['date'][:10]}, {m['cores']} cores ({m['cpu'] or 'unknown CPU'}); "
@@ -79,7 +83,7 @@ def plot(rep: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
-def _panel(ax: Any, rows: list[dict[str, Any]], op: str, other: str, cpr: int) -> None:
+def _panel(ax: Any, rows: list[dict[str, Any]], op: str, baselines: tuple[str, str], cpr: int) -> None:
     for mode, colour in MODE_COLOURS.items():
         for phase, style in (("warm", "-"), ("fresh", "--"), ("starting", ":")):
             x, y = _series(rows, op, mode=mode, phase=phase, chunks_per_request=cpr)
@@ -92,7 +96,7 @@ def _panel(ax: Any, rows: list[dict[str, Any]], op: str, other: str, cpr: int) -
                     marker="o",
                     label=f"{op.upper()} {mode.replace('_', '-')} {phase}",
                 )
-    for key in ("memcpy", "zmq", other):
+    for key in ("memcpy", baselines[0], "zmq", baselines[1]):
         x, y = _series(rows, key, phase="warm", chunks_per_request=cpr)
         if x:
             label, colour, style = BASELINES[key]

@@ -23,7 +23,8 @@ import zmq
 
 from dataplane.bench.procs import free_port
 from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
-from dataplane.memory.kvmemory import TORCH_DTYPES
+from dataplane.memory.copies import CopySplitter, server_copy_ways, token_slots
+from dataplane.memory.kvmemory import TORCH_DTYPES, map_local_tensors
 
 # An engine-driven worker of the benchmark copies on threads of its own (`copy_threads`), torch's
 # intra-op threads at 1 in this process (as in the server): toggling torch's thread count around
@@ -126,6 +127,54 @@ class Mover:
             self.w.close()
         else:  # never registered: its segment is still ours to unlink
             free_kv_caches(self.caches)
+
+
+# the copy floor's destination buffers rotate over at least this many bytes, several times a
+# server CPU's L3 cache: each copy writes memory the last ones did not, as STOREs write L1
+_FLOOR_BYTES = 256 << 20
+
+
+class CopyFloor:
+    """The copy a request makes, made here without a server or a request: the request's blocks
+    gathered out of (scattered back into) the worker's caches, chunk by chunk, on as many threads
+    as the server copies with (`server_copy_ways`), into buffers that rotate. This machine's own
+    limit for that copy: random blocks of a paged cache, not one contiguous run as memcpy copies.
+    STORE / gather and RETRIEVE / scatter show what the request itself costs. CPU caches only."""
+
+    def __init__(self, mover: Mover) -> None:
+        self.shape = mover.shape
+        self.local = map_local_tensors(mover.caches)
+        self.rng = np.random.default_rng(1)  # not the mover's: its prompts stay the same
+        self.splitter = CopySplitter(server_copy_ways())
+        self.splitter.start()
+        n = max(2, _FLOOR_BYTES // self.shape.request_bytes)
+        self.bufs = [torch.zeros(self.shape.request_bytes, dtype=torch.uint8) for _ in range(n)]
+        self.turn = 0
+
+    def _timed_copy(self, first_block: int, to_chunks: bool) -> float:
+        sh, local = self.shape, self.local
+        blocks = first_block + self.rng.permutation(sh.blocks)
+        slots = token_slots(blocks, local.block_size, local.num_blocks, sh.tokens)
+        buf = self.bufs[self.turn % len(self.bufs)]
+        self.turn += 1
+        move = local.gather if to_chunks else local.scatter
+        ct, cb = sh.chunk_tokens, sh.chunk_bytes
+        t0 = time.perf_counter()
+        for c in range(sh.chunks_per_request):
+            move(slots[c * ct : (c + 1) * ct], buf[c * cb : (c + 1) * cb], self.splitter)
+        return sh.request_bytes / (time.perf_counter() - t0)
+
+    def gather(self) -> float:
+        """As a STORE copies: from the blocks the mover stores from."""
+        return self._timed_copy(0, True)
+
+    def scatter(self) -> float:
+        """As a RETRIEVE copies: into the blocks the mover retrieves into."""
+        return self._timed_copy(self.shape.blocks, False)
+
+    def close(self) -> None:
+        self.splitter.stop()
+        self.bufs = []
 
 
 class _ZmqSink:

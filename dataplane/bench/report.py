@@ -48,6 +48,8 @@ def transfer_tables(rep: dict[str, Any]) -> list[Table]:
     ratio_keys = [
         "store_vs_memcpy",
         "retrieve_vs_memcpy",
+        "store_vs_gather",
+        "retrieve_vs_scatter",
         "store_vs_zmq",
         "retrieve_vs_zmq",
         "store_vs_redis_set",
@@ -56,6 +58,8 @@ def transfer_tables(rep: dict[str, Any]) -> list[Table]:
     names = [
         "STORE/memcpy",
         "RETRIEVE/memcpy",
+        "STORE/gather",
+        "RETRIEVE/scatter",
         "STORE/ZMQ",
         "RETRIEVE/ZMQ",
         "STORE/Redis SET",
@@ -66,7 +70,7 @@ def transfer_tables(rep: dict[str, Any]) -> list[Table]:
         _WHERE + names,
         [_where(r) + [_x(r["ratios"].get(k)) for k in ratio_keys] for r in rows],
     )
-    gb_keys = ["store", "retrieve", "memcpy", "zmq", "redis_set", "redis_get"]
+    gb_keys = ["store", "retrieve", "memcpy", "gather", "scatter", "zmq", "redis_set", "redis_get"]
     gbps = Table(
         "Throughput, GB/s (medians; starting and fresh rows: also the very first request's)",
         [
@@ -74,6 +78,8 @@ def transfer_tables(rep: dict[str, Any]) -> list[Table]:
             "STORE",
             "RETRIEVE",
             "memcpy",
+            "gather",
+            "scatter",
             "ZMQ",
             "Redis SET",
             "Redis GET",

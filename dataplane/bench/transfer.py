@@ -15,6 +15,8 @@ on free ports; this process is the worker. Three phases follow on that server:
 - **warm**: L1 filled once, so buffers recycle (steady state). Each round: memcpy, STORE of a
   new prompt, RETRIEVE of a resident one, the chunk over ZMQ, Redis SET and GET of it.
 
+The fresh and warm rounds also take the copy floor (`CopyFloor`): the request's copy made in this
+process without a server, so a report separates what the request costs from what the memory does.
 Samples of all figures alternate within each round, so machine noise hits them alike; the
 report gives medians and, first, their ratios. Unit of work: a chunk of a Llama-3-8B-shaped KV
 cache (32 layers x K,V x 8 heads x 128 head dim x bf16 = 128 KiB per token: 64 tokens are 8 MiB,
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from dataplane.bench import report
-from dataplane.bench.movers import Baselines, Mover, Shape, start_redis
+from dataplane.bench.movers import Baselines, CopyFloor, Mover, Shape, start_redis
 from dataplane.bench.procs import Server, arena_view, launch, wait_arena_ready, wait_http, wait_server
 from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.wire.messages import SUPPORTED_DTYPES
@@ -131,6 +133,7 @@ def _run_config(
         raise RuntimeError(f"a request of {shape.request_bytes} bytes does not fit half an L1 of {l1_bytes}")
     base.resize(shape.chunk_bytes)
     mover = Mover(ns, shape, mode)  # its memory written before the server starts
+    floor = CopyFloor(mover) if ns.device == "cpu" else None
     server = launch("--chunk-size", str(shape.chunk_tokens), "--l1-size-gb", str(ns.l1_size_gb))
     try:
         wait_server(server.proc, server.endpoint)
@@ -142,14 +145,18 @@ def _run_config(
                 continue
             if phase == "fresh":
                 wait_arena_ready(server)
-            samples = _first_fill(mover, base, rounds)
+            samples = _first_fill(mover, base, rounds, floor if phase == "fresh" else None)
             first = {k: v[0] / 1e9 for k, v in samples.items()}  # the very first request's
             extra = {"register_s": mover.register_s, "first_gbps": first, "arena": _arena_after(server)}
             rows.append(_row(mode, phase, shape, rounds, samples, **extra))
         if "warm" in phases:
-            rows.append(_row(mode, "warm", shape, ns.rounds, _warm(server, mover, base, l1_bytes, ns.rounds)))
+            rows.append(
+                _row(mode, "warm", shape, ns.rounds, _warm(server, mover, base, l1_bytes, ns.rounds, floor))
+            )
         return rows
     finally:
+        if floor is not None:
+            floor.close()
         mover.close()
         server.stop()
 
@@ -160,11 +167,18 @@ def _arena_after(server: Server) -> dict[str, Any]:
     return arena_view(server)
 
 
-def _first_fill(mover: Mover, base: Baselines, rounds: int) -> dict[str, list[float]]:
+def _first_fill(
+    mover: Mover, base: Baselines, rounds: int, floor: CopyFloor | None
+) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {"memcpy": [], "store": [], "retrieve": []}
+    if floor is not None:
+        samples |= {"gather": [], "scatter": []}
     prev = None
     for _ in range(rounds):
         samples["memcpy"].append(base.memcpy())
+        if floor is not None:
+            samples["gather"].append(floor.gather())
+            samples["scatter"].append(floor.scatter())
         prompt = mover.prompt()
         samples["store"].append(mover.store(prompt))
         samples["retrieve"].append(mover.retrieve(prompt if prev is None else prev))
@@ -173,7 +187,7 @@ def _first_fill(mover: Mover, base: Baselines, rounds: int) -> dict[str, list[fl
 
 
 def _warm(
-    server: Server, mover: Mover, base: Baselines, l1_bytes: int, rounds: int
+    server: Server, mover: Mover, base: Baselines, l1_bytes: int, rounds: int, floor: CopyFloor | None
 ) -> dict[str, list[float]]:
     wait_arena_ready(server)
     for _ in range(math.ceil(l1_bytes / mover.shape.request_bytes) + 1):  # L1 full: buffers recycle
@@ -184,6 +198,7 @@ def _warm(
     resident = mover.prompt()
     fns: dict[str, Callable[[], float]] = {
         "memcpy": base.memcpy,
+        **({} if floor is None else {"gather": floor.gather, "scatter": floor.scatter}),
         "store": lambda: mover.store(mover.prompt()),
         "retrieve": lambda: mover.retrieve(resident),
         **others,
@@ -204,6 +219,9 @@ def _row(
         "store_vs_memcpy": med["store"] / med["memcpy"],
         "retrieve_vs_memcpy": med["retrieve"] / med["memcpy"],
     }
+    if "gather" in med:
+        ratios["store_vs_gather"] = med["store"] / med["gather"]
+        ratios["retrieve_vs_scatter"] = med["retrieve"] / med["scatter"]
     if "zmq" in med:
         ratios["store_vs_zmq"] = med["store"] / med["zmq"]
         ratios["retrieve_vs_zmq"] = med["retrieve"] / med["zmq"]

@@ -9,6 +9,7 @@ once instead of at the first request.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,11 @@ def spawn_all(pool: ThreadPoolExecutor, workers: int) -> None:
     for _ in range(workers):
         pool.submit(barrier.wait, 10.0)
     barrier.wait(10.0)
+
+
+def server_copy_ways() -> int:
+    """How many threads the server splits a chunk copy across: one per core, at most 4."""
+    return min(os.cpu_count() or 1, 4)
 
 
 class CopySplitter:

@@ -9,7 +9,6 @@ the management module to the loop's connection events.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from dataplane.liveness.registry import LivenessRegistry
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget
 from dataplane.memory.budget import ByteBudget, DescriptorReserve
-from dataplane.memory.copies import CopySplitter
+from dataplane.memory.copies import CopySplitter, server_copy_ways
 from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import ServerInfo
@@ -199,7 +198,7 @@ def build_dataplane(
     if server is None:
         server = new_server(settings, metrics)
     info = server.info(settings.chunk_size)
-    splitter = CopySplitter(min(os.cpu_count() or 1, 4))
+    splitter = CopySplitter(server_copy_ways())
     cs = settings.chunk_size
     quota = InstanceQuota(settings.max_instances, settings.max_instances_per_connection)
     mapped = ByteBudget("worker memory mapped", int(settings.max_mapped_gb * (1 << 30)), "max_mapped_gb")
