@@ -70,7 +70,7 @@ def plot(rep: dict[str, Any], out: Path) -> None:
         for j, (op, floor, other) in enumerate(
             (("store", "gather", "redis_set"), ("retrieve", "scatter", "redis_get"))
         ):
-            _panel(axes[i][j], rows, op, (floor, other), cpr)
+            _panel(axes[i][j], rows, op, floor, other, cpr)
     m = rep["machine"]
     fig.suptitle(
         f"kvwarden bench transfer, {rep['date'][:10]}, {m['cores']} cores ({m['cpu'] or 'unknown CPU'}); "
@@ -83,7 +83,7 @@ def plot(rep: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
-def _panel(ax: Any, rows: list[dict[str, Any]], op: str, baselines: tuple[str, str], cpr: int) -> None:
+def _panel(ax: Any, rows: list[dict[str, Any]], op: str, floor: str, other: str, cpr: int) -> None:
     for mode, colour in MODE_COLOURS.items():
         for phase, style in (("warm", "-"), ("fresh", "--"), ("starting", ":")):
             x, y = _series(rows, op, mode=mode, phase=phase, chunks_per_request=cpr)
@@ -96,7 +96,7 @@ def _panel(ax: Any, rows: list[dict[str, Any]], op: str, baselines: tuple[str, s
                     marker="o",
                     label=f"{op.upper()} {mode.replace('_', '-')} {phase}",
                 )
-    for key in ("memcpy", baselines[0], "zmq", baselines[1]):
+    for key in ("memcpy", floor, "zmq", other):
         x, y = _series(rows, key, phase="warm", chunks_per_request=cpr)
         if x:
             label, colour, style = BASELINES[key]

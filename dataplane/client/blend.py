@@ -32,10 +32,6 @@ class WorkerRope:
         g = Geometry(local.dtype, local.num_layers, chunk_size, local.heads, local.head_dim)
         return self._tables, g
 
-    def end_of(self, position: int, chunks: int, chunk_size: int) -> None:
-        """ValueError when chunks from ``position`` on pass ``max_positions``."""
-        self.params.check_span(position, chunks * chunk_size)
-
     def into_chunk(
         self, local: MappedKV, slots: np.ndarray, buf: torch.Tensor, at: int, cs: int, splitter: CopySplitter
     ) -> None:

@@ -189,7 +189,7 @@ class ArenaCopier:
                     splitter: CopySplitter) -> dict[str, int]:  # fmt: skip
         """BLEND_RESERVE, each missing chunk written with its keys as if at 0, ENGINE_COMMIT."""
         kv, n_full = _as_mapped(local), len(tokens) // cs
-        rope.end_of(position, n_full, cs)
+        rope.params.check_span(position, n_full * cs)
         slots = token_slots(blocks, kv.block_size, kv.num_blocks, n_full * cs)
         total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
         for first in range(0, n_full, MAX_POOL_CHUNKS):
@@ -209,7 +209,7 @@ class ArenaCopier:
                        splitter: CopySplitter) -> list[tuple[int, bool]]:  # fmt: skip
         """BLEND_ACQUIRE, each held chunk copied out with its keys rotated, ENGINE_RELEASE."""
         kv, n_full = _as_mapped(local), len(tokens) // cs
-        rope.end_of(position, n_full, cs)
+        rope.params.check_span(position, n_full * cs)
         slots = token_slots(blocks, kv.block_size, kv.num_blocks, n_full * cs)
         hits: list[tuple[int, bool]] = []
         for first in range(0, n_full, MAX_POOL_CHUNKS):
