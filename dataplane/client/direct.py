@@ -26,7 +26,7 @@ import torch
 
 from dataplane.client.blend import WorkerRope
 from dataplane.memory.blockkv import LocalKV
-from dataplane.memory.copies import CopySplitter, token_slots
+from dataplane.memory.copies import ChunkMap, CopySplitter, token_slots
 from dataplane.memory.kvmemory import MappedKV
 from dataplane.wire.errors import ClientError, KVWardenError, RequestAborted, RequestError
 from dataplane.wire.messages import (
@@ -144,14 +144,14 @@ class ArenaCopier:
     def store(self, send: Send, local: LocalKV, tokens: np.ndarray, blocks: np.ndarray, cs: int,
               splitter: CopySplitter | None = None) -> dict[str, int]:  # fmt: skip
         n_full = len(tokens) // cs
-        slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
+        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
         total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
             r = send(EngineReserve(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k))
 
             def write(c: int, buf: torch.Tensor) -> None:
-                local.gather(slots[c * cs : (c + 1) * cs], buf, splitter)
+                local.gather(chunks[c], buf, splitter)
 
             total["stored"] += self._write_reserved(send, r, first, write)
             total["present"] += int(r["present"])
@@ -174,10 +174,10 @@ class ArenaCopier:
             offsets, cb = [int(o) for o in r["offsets"]], int(r["slot_bytes"])
             self.toucher.want(max(offsets, default=-cb) + cb, int(r["usable"]))
             with self._lease(send, int(r["lease"]), commit=False):
-                slots = token_slots(blocks, local.block_size, local.num_blocks, (first + len(offsets)) * cs)
+                chunks = ChunkMap(blocks, local.block_size, local.num_blocks, first + len(offsets), cs)
                 for i, off in enumerate(offsets):
                     c = first + i
-                    local.scatter(slots[c * cs : (c + 1) * cs], self.arena[off : off + cb], splitter)
+                    local.scatter(chunks[c], self.arena[off : off + cb], splitter)
             first += len(offsets)
             if len(offsets) < k:
                 break

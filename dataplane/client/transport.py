@@ -23,7 +23,7 @@ from dataplane.client.blend import WorkerRope
 from dataplane.client.direct import ArenaCopier
 from dataplane.client.kvalloc import describe_caches
 from dataplane.memory.blockkv import BlockKV, LocalKV
-from dataplane.memory.copies import CopySplitter, token_slots
+from dataplane.memory.copies import ChunkMap, CopySplitter
 from dataplane.memory.kvmemory import DTYPE_NAMES, map_local_tensors
 from dataplane.memory.rope import RopeParams
 from dataplane.memory.shm import Segment
@@ -228,7 +228,7 @@ class EngineDrivenTransport:
         present = (
             int(send(Lookup(self.who.instance_id, self.who.secret, tokens))["hit_tokens"]) // cs
         )  # those need no copy
-        slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
+        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
         total = {"chunks": n_full, "stored": 0, "present": present, "rejected": 0, "skipped": 0}
         first = present
         with self._lock:
@@ -237,7 +237,7 @@ class EngineDrivenTransport:
                 k = min(len(pool), n_full - first)
                 for i in range(k):
                     c = first + i
-                    local.gather(slots[c * cs : (c + 1) * cs], pool[i], self._splitter)
+                    local.gather(chunks[c], pool[i], self._splitter)
                 r = send(
                     EngineStore(self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k)
                 )
@@ -267,10 +267,10 @@ class EngineDrivenTransport:
                     self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k
                 )
                 got = int(send(msg)["chunks"])
-                slots = token_slots(blocks, local.block_size, local.num_blocks, (first + got) * cs)
+                chunks = ChunkMap(blocks, local.block_size, local.num_blocks, first + got, cs)
                 for i in range(got):
                     c = first + i
-                    local.scatter(slots[c * cs : (c + 1) * cs], pool[i], self._splitter)
+                    local.scatter(chunks[c], pool[i], self._splitter)
                 first += got
                 if got < k:
                     break
@@ -288,7 +288,7 @@ class EngineDrivenTransport:
                     send, self._rope, local, tokens, blocks, position, cs, self._splitter
                 )
         n_full = len(tokens) // cs
-        slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
+        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
         total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
         with self._lock:
             pool = self._slots()
@@ -296,7 +296,7 @@ class EngineDrivenTransport:
                 k = min(len(pool), n_full - first)
                 for i in range(k):
                     c = first + i
-                    local.gather(slots[c * cs : (c + 1) * cs], pool[i], self._splitter)
+                    local.gather(chunks[c], pool[i], self._splitter)
                 batch = tokens[first * cs : (first + k) * cs]
                 at = position + first * cs
                 r = send(BlendStore(self.who.instance_id, self.who.secret, batch, _NO_BLOCKS, at))
@@ -315,7 +315,7 @@ class EngineDrivenTransport:
                     send, rope, local, tokens, blocks, position, cs, splitter
                 )
         n_full = len(tokens) // cs
-        slots = token_slots(blocks, local.block_size, local.num_blocks, n_full * cs)
+        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
         hits: Hits = []
         with self._lock:
             pool = self._slots()
@@ -326,7 +326,7 @@ class EngineDrivenTransport:
                 for i, hit in send(msg)["chunks"]:
                     c = first + int(i)
                     if hit:
-                        local.scatter(slots[c * cs : (c + 1) * cs], pool[int(i)], self._splitter)
+                        local.scatter(chunks[c], pool[int(i)], self._splitter)
                     hits.append((c, bool(hit)))
         return hits
 

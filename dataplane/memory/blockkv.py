@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dataplane.memory.copies import CopySplitter, whole_blocks
+from dataplane.memory.copies import Blocks, CopySplitter, Placement, whole_blocks
 from dataplane.memory.kvmemory import MappedKV
 
 
@@ -56,15 +56,17 @@ class BlockKV:
     def chunk_nbytes(self, n_tokens: int) -> int:
         return self.num_layers * (n_tokens // self.block_size) * self.block_bytes
 
-    def _blocks(self, slots: np.ndarray) -> np.ndarray:
-        blocks = whole_blocks(slots, self.block_size)
+    def _blocks(self, where: Placement) -> np.ndarray:
+        if isinstance(where, Blocks):
+            return where.ids
+        blocks = whole_blocks(where, self.block_size)
         if blocks is None:
             raise ValueError(f"vllm_cpu memory moves whole blocks of {self.block_size} tokens only")
         return blocks
 
-    def gather(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
-        """The whole blocks ``slots`` covers, into the chunk ``buf`` (uint8)."""
-        blocks = self._blocks(slots)
+    def gather(self, where: Placement, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
+        """The whole blocks ``where`` covers, into the chunk ``buf`` (uint8)."""
+        blocks = self._blocks(where)
         out = buf.view(torch.uint8).view(self.num_layers, len(blocks), self.block_bytes)
         idx = torch.from_numpy(blocks)
 
@@ -74,8 +76,8 @@ class BlockKV:
 
         self._run(layers, splitter)
 
-    def scatter(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
-        blocks = self._blocks(slots)
+    def scatter(self, where: Placement, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
+        blocks = self._blocks(where)
         src = buf.view(torch.uint8).view(self.num_layers, len(blocks), self.block_bytes)
 
         def layers(lo: int, hi: int) -> None:

@@ -2,7 +2,9 @@
 
 `token_slots` maps a chunk's tokens to slots (block * block_size + offset); a copy moves them as
 runs of consecutive slots (`slot_runs`) or, when they are whole blocks (`whole_blocks`, what a
-chunk always is when its size is a multiple of the block size), block by block.
+chunk always is when its size is a multiple of the block size), block by block. `ChunkMap` gives
+each chunk of a request its `Placement`: whole `Blocks` straight from the block ids when chunks
+are whole blocks, so a copy skips the per-token slots.
 `CopySplitter` splits one copy across threads by layers; `spawn_all` starts a pool's threads at
 once instead of at the first request.
 """
@@ -13,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,9 +23,9 @@ import numpy as np
 _MAX_RUNS = 32
 
 
-def token_slots(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
-    """Slot (block * block_size + offset) of each of the first ``n_tokens`` tokens, where token
-    i lives in block ``block_ids[i // block_size]``. ValueError names a bad or missing block."""
+def _needed_blocks(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
+    """The blocks holding the first ``n_tokens`` tokens (int64); ValueError names a bad or
+    missing block."""
     need = -(-n_tokens // block_size)
     if len(block_ids) < need:
         raise ValueError(
@@ -30,14 +33,66 @@ def token_slots(block_ids: np.ndarray, block_size: int, num_blocks: int, n_token
             f"(block size {block_size} needs {need})"
         )
     blocks = np.asarray(block_ids[:need], dtype=np.int64)
-    bad = np.flatnonzero((blocks < 0) | (blocks >= num_blocks))
-    if len(bad):
-        i = int(bad[0])
+    if need and (blocks.min() < 0 or blocks.max() >= num_blocks):
+        i = int(np.flatnonzero((blocks < 0) | (blocks >= num_blocks))[0])
         raise ValueError(
             f"block_ids[{i}]: block {int(blocks[i])} is outside the registered cache [0, {num_blocks})"
         )
-    offsets = np.tile(np.arange(block_size, dtype=np.int64), need)
+    return blocks
+
+
+def token_slots(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
+    """Slot (block * block_size + offset) of each of the first ``n_tokens`` tokens, where token
+    i lives in block ``block_ids[i // block_size]``. ValueError names a bad or missing block."""
+    blocks = _needed_blocks(block_ids, block_size, num_blocks, n_tokens)
+    offsets = np.tile(np.arange(block_size, dtype=np.int64), len(blocks))
     return np.asarray((np.repeat(blocks * block_size, block_size) + offsets)[:n_tokens])
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Whole blocks, each block's tokens in order: where a chunk lives when its size is a
+    multiple of the block size. A copy moves them block by block without working out, and
+    checking, every token's slot."""
+
+    ids: np.ndarray  # int64, validated against the cache
+    block_size: int
+
+    def slots(self) -> np.ndarray:
+        offsets = np.arange(self.block_size, dtype=np.int64)
+        return np.asarray((self.ids[:, None] * self.block_size + offsets).reshape(-1))
+
+
+# where a chunk's tokens live: one slot per token, or whole blocks
+Placement = np.ndarray | Blocks
+
+
+class ChunkMap:
+    """Where each of ``n_chunks`` chunks of ``chunk_size`` tokens lives in a worker's blocks,
+    token i in block ``block_ids[i // block_size]``; ValueError (at construction) names a bad or
+    missing block. ``map[i]`` is chunk i's `Placement`: whole `Blocks` when the chunk size is a
+    multiple of the block size, else token slots."""
+
+    def __init__(
+        self, block_ids: np.ndarray, block_size: int, num_blocks: int, n_chunks: int, chunk_size: int
+    ) -> None:
+        self.chunk_size = chunk_size
+        n_tokens = n_chunks * chunk_size
+        self._blocks: np.ndarray | None = None
+        self._slots: np.ndarray | None = None
+        self._block_size = block_size
+        if chunk_size % block_size == 0:
+            self._blocks = _needed_blocks(block_ids, block_size, num_blocks, n_tokens)
+        else:
+            self._slots = token_slots(block_ids, block_size, num_blocks, n_tokens)
+
+    def __getitem__(self, i: int) -> Placement:
+        cs = self.chunk_size
+        if self._blocks is not None:
+            per = cs // self._block_size
+            return Blocks(self._blocks[i * per : (i + 1) * per], self._block_size)
+        assert self._slots is not None
+        return self._slots[i * cs : (i + 1) * cs]
 
 
 def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:

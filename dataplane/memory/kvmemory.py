@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dataplane.memory.copies import _MAX_RUNS, CopySplitter, slot_runs, whole_blocks
+from dataplane.memory.copies import _MAX_RUNS, Blocks, CopySplitter, Placement, slot_runs, whole_blocks
 from dataplane.memory.shm import Segment
 from dataplane.wire.errors import InvalidLayout, LimitExceeded
 from dataplane.wire.messages import CudaLayer, MemoryKind, Register, ShmLayer
@@ -76,19 +76,27 @@ class MappedKV:
     def _views(self, buf: torch.Tensor, n_tokens: int) -> torch.Tensor:
         return buf.view(self.dtype).view(self.num_layers, 2, n_tokens, self.token_row)
 
-    def gather(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
-        """Copy the token slots ``slots`` (block * block_size + offset) into the chunk ``buf``."""
-        out = self._views(buf, len(slots))
-        self._move(slots, out, True, splitter)
+    def gather(self, where: Placement, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
+        """Copy the chunk at ``where`` (token slots, block * block_size + offset, or whole
+        `Blocks`) into the chunk ``buf``."""
+        self._move(where, buf, True, splitter)
 
-    def scatter(self, slots: np.ndarray, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
-        src = self._views(buf, len(slots))
-        self._move(slots, src, False, splitter)
+    def scatter(self, where: Placement, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
+        self._move(where, buf, False, splitter)
 
     def _move(
-        self, slots: np.ndarray, chunk: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
+        self, where: Placement, buf: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
     ) -> None:
-        blocks = whole_blocks(slots, self.block_size) if self.device.type == "cpu" else None
+        cpu = self.device.type == "cpu"
+        if isinstance(where, Blocks):
+            if cpu:
+                chunk = self._views(buf, len(where.ids) * self.block_size)
+                self._move_blocks(where.ids, chunk, to_chunk, splitter)
+                return
+            where = where.slots()
+        slots = where
+        chunk = self._views(buf, len(slots))
+        blocks = whole_blocks(slots, self.block_size) if cpu else None
         if blocks is not None:
             self._move_blocks(blocks, chunk, to_chunk, splitter)
             return

@@ -25,7 +25,7 @@ from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
 from dataplane.memory.budget import ByteBudget, DescriptorReserve
-from dataplane.memory.copies import CopySplitter, token_slots
+from dataplane.memory.copies import ChunkMap, CopySplitter
 from dataplane.memory.kvmemory import TORCH_DTYPES, MappedKV, map_registration
 from dataplane.memory.shm import unlink_if_owner_gone
 from dataplane.metrics import DataPlaneMetrics
@@ -131,39 +131,36 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             kv=kv, mapped_bytes=nbytes,
         )  # fmt: skip
 
-    def _slots(self, c: CacheContext, p: Transfer, n_tokens: int) -> np.ndarray:
-        """Token slots (block * block_size + offset) of the first ``n_tokens`` tokens."""
-        assert c.kv is not None
+    def _chunks(self, kv: MappedKV, p: Transfer, n_chunks: int) -> ChunkMap:
+        """Where each of the first ``n_chunks`` chunks lives in the worker's blocks."""
         try:
-            return token_slots(p.block_ids, c.kv.block_size, c.kv.num_blocks, n_tokens)
+            return ChunkMap(p.block_ids, kv.block_size, kv.num_blocks, n_chunks, self.chunk_size)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 
     def _store(self, rctx: RequestContext, p: Store) -> dict[str, Any]:
-        cs = self.chunk_size
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
-            keys = chunk_keys(c.scope, p.token_ids, cs)
-            slots = self._slots(c, p, len(keys) * cs)
+            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
+            chunks = self._chunks(kv, p, len(keys))
 
             def fill(i: int, buf: torch.Tensor) -> None:
-                kv.gather(slots[i * cs : (i + 1) * cs], buf, self.splitter)
+                kv.gather(chunks[i], buf, self.splitter)
 
-            return self.write_chunks(p.instance_id, keys, kv.chunk_nbytes(cs), fill)
+            return self.write_chunks(p.instance_id, keys, kv.chunk_nbytes(self.chunk_size), fill)
 
     @staticmethod
     def _check_blocks(kv: MappedKV, p: Transfer) -> None:
         """Every block id given must lie in the registered cache, hit or miss."""
-        if len(p.block_ids):
-            bad = np.flatnonzero((p.block_ids < 0) | (p.block_ids >= kv.num_blocks))
-            if len(bad):
-                i = int(bad[0])
-                raise RequestError(
-                    f"block_ids[{i}]: block {int(p.block_ids[i])} is outside the "
-                    f"registered cache [0, {kv.num_blocks})"
-                )
+        ids = p.block_ids
+        if not len(ids) or (ids.min() >= 0 and ids.max() < kv.num_blocks):  # two reductions
+            return
+        i = int(np.flatnonzero((ids < 0) | (ids >= kv.num_blocks))[0])
+        raise RequestError(
+            f"block_ids[{i}]: block {int(ids[i])} is outside the registered cache [0, {kv.num_blocks})"
+        )
 
     def _retrieve(self, rctx: RequestContext, p: Retrieve) -> dict[str, Any]:
         cs = self.chunk_size
@@ -175,9 +172,9 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             bufs = self.l1.acquire_prefix(keys)
             held = keys[: len(bufs)]
             try:
-                slots = self._slots(c, p, len(bufs) * cs)
+                chunks = self._chunks(kv, p, len(bufs))
                 for i, buf in enumerate(bufs):
-                    kv.scatter(slots[i * cs : (i + 1) * cs], buf, self.splitter)
+                    kv.scatter(chunks[i], buf, self.splitter)
             finally:
                 self.l1.release(held)
             nbytes = kv.chunk_nbytes(cs) * len(bufs)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane.memory.copies import CopySplitter, token_slots, whole_blocks
+from dataplane.memory.copies import Blocks, ChunkMap, CopySplitter, token_slots, whole_blocks
 from dataplane.memory.kvmemory import MappedKV, map_local_tensors
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
@@ -86,3 +86,57 @@ def test_gather_and_scatter_match_plain_indexing(
         untouched = torch.ones(NB * BS, dtype=torch.bool)
         untouched[idx] = False
         assert torch.equal(flat[:, untouched], old[:, untouched])  # nothing else was written
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    blocks=st.lists(st.integers(0, NB - 1), min_size=1, max_size=NB, unique=True),
+    per_chunk=st.sampled_from([BS, 2 * BS, BS // 2, BS + 2]),  # whole blocks, or not
+)
+def test_chunk_map_places_each_chunk_where_its_tokens_live(blocks: list[int], per_chunk: int) -> None:
+    ids = np.array(blocks, dtype=np.int32)  # as block ids arrive off the wire
+    n_chunks = len(blocks) * BS // per_chunk
+    chunks = ChunkMap(ids, BS, NB, n_chunks, per_chunk)
+    slots = token_slots(ids, BS, NB, n_chunks * per_chunk)
+    for i in range(n_chunks):
+        where = chunks[i]
+        assert isinstance(where, Blocks) == (per_chunk % BS == 0)
+        got = where.slots() if isinstance(where, Blocks) else where
+        assert got.tolist() == slots[i * per_chunk : (i + 1) * per_chunk].tolist()
+
+
+@pytest.mark.parametrize("per_chunk", [BS, BS + 2])
+def test_chunk_map_names_a_missing_or_bad_block_as_token_slots_does(per_chunk: int) -> None:
+    for ids, n_chunks in ((np.array([1, 2]), 3), (np.array([1, NB, 2]), 2), (np.array([-1, 2, 3]), 1)):
+        with pytest.raises(ValueError) as want:
+            token_slots(ids, BS, NB, n_chunks * per_chunk)
+        with pytest.raises(ValueError, match="block_ids") as got:
+            ChunkMap(ids, BS, NB, n_chunks, per_chunk)
+        assert str(got.value) == str(want.value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layout=st.sampled_from(["separate", "stacked", "gapped"]),
+    blocks=st.lists(st.integers(0, NB - 1), min_size=1, max_size=NB, unique=True),
+    split=st.booleans(),
+)
+def test_whole_blocks_move_the_same_bytes_as_their_slots(
+    layout: str, blocks: list[int], split: bool, splitter: CopySplitter
+) -> None:
+    src = caches(layout)
+    kv = map_local_tensors(src)
+    where = Blocks(np.array(blocks, dtype=np.int64), BS)
+    sp = splitter if split else None
+    by_blocks, by_slots = (torch.empty(kv.chunk_nbytes(len(blocks) * BS), dtype=torch.uint8) for _ in "ab")
+    kv.gather(where, by_blocks, sp)
+    kv.gather(where.slots(), by_slots, sp)
+    assert torch.equal(by_blocks, by_slots)
+    dst_a, dst_b = caches(layout), caches(layout)
+    for t_a, t_b in zip(dst_a, dst_b, strict=True):
+        t_b.copy_(t_a)
+    map_local_tensors(dst_a).scatter(where, by_blocks, sp)
+    map_local_tensors(dst_b).scatter(where.slots(), by_blocks, sp)
+    assert all(
+        torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(dst_a, dst_b, strict=True)
+    )
