@@ -23,7 +23,7 @@ import zmq
 
 from dataplane.bench.procs import free_port
 from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
-from dataplane.memory.copies import CopySplitter, server_copy_ways, token_slots
+from dataplane.memory.copies import ChunkMap, CopySplitter, server_copy_ways
 from dataplane.memory.kvmemory import TORCH_DTYPES, map_local_tensors
 
 # An engine-driven worker of the benchmark copies on threads of its own (`copy_threads`), torch's
@@ -154,14 +154,14 @@ class CopyFloor:
     def _timed_copy(self, first_block: int, to_chunks: bool) -> float:
         sh, local = self.shape, self.local
         blocks = first_block + self.rng.permutation(sh.blocks)
-        slots = token_slots(blocks, local.block_size, local.num_blocks, sh.tokens)
+        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, sh.chunks_per_request, sh.chunk_tokens)
         buf = self.bufs[self.turn % len(self.bufs)]
         self.turn += 1
         move = local.gather if to_chunks else local.scatter
-        ct, cb = sh.chunk_tokens, sh.chunk_bytes
+        cb = sh.chunk_bytes
         t0 = time.perf_counter()
         for c in range(sh.chunks_per_request):
-            move(slots[c * ct : (c + 1) * ct], buf[c * cb : (c + 1) * cb], self.splitter)
+            move(chunks[c], buf[c * cb : (c + 1) * cb], self.splitter)
         return sh.request_bytes / (time.perf_counter() - t0)
 
     def gather(self) -> float:

@@ -44,9 +44,7 @@ def _needed_blocks(block_ids: np.ndarray, block_size: int, num_blocks: int, n_to
 def token_slots(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
     """Slot (block * block_size + offset) of each of the first ``n_tokens`` tokens, where token
     i lives in block ``block_ids[i // block_size]``. ValueError names a bad or missing block."""
-    blocks = _needed_blocks(block_ids, block_size, num_blocks, n_tokens)
-    offsets = np.tile(np.arange(block_size, dtype=np.int64), len(blocks))
-    return np.asarray((np.repeat(blocks * block_size, block_size) + offsets)[:n_tokens])
+    return Blocks(_needed_blocks(block_ids, block_size, num_blocks, n_tokens), block_size).slots()[:n_tokens]
 
 
 @dataclass(frozen=True, slots=True)

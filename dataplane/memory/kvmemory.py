@@ -88,18 +88,15 @@ class MappedKV:
         self, where: Placement, buf: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
     ) -> None:
         cpu = self.device.type == "cpu"
-        if isinstance(where, Blocks):
-            if cpu:
-                chunk = self._views(buf, len(where.ids) * self.block_size)
-                self._move_blocks(where.ids, chunk, to_chunk, splitter)
-                return
-            where = where.slots()
-        slots = where
-        chunk = self._views(buf, len(slots))
+        if isinstance(where, Blocks) and cpu:
+            self._move_blocks(where.ids, buf, to_chunk, splitter)
+            return
+        slots = where.slots() if isinstance(where, Blocks) else where
         blocks = whole_blocks(slots, self.block_size) if cpu else None
         if blocks is not None:
-            self._move_blocks(blocks, chunk, to_chunk, splitter)
+            self._move_blocks(blocks, buf, to_chunk, splitter)
             return
+        chunk = self._views(buf, len(slots))
         runs = slot_runs(slots)
         idx = torch.from_numpy(slots.astype(np.int64)).to(self.device) if len(runs) > _MAX_RUNS else None
 
@@ -130,7 +127,7 @@ class MappedKV:
             torch.cuda.synchronize(self.device)
 
     def _move_blocks(
-        self, blocks: np.ndarray, chunk: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
+        self, blocks: np.ndarray, buf: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
     ) -> None:
         """Whole blocks on the CPU, as bytes: a gather is one ``index_select`` per layer (or per
         range of stacked layers), a scatter one numpy indexed assignment; both copy each block's
@@ -138,7 +135,7 @@ class MappedKV:
         which halved the throughput of 16-token blocks)."""
         bb = self.block_size * self.token_row * _itemsize(self.dtype)
         nb = self.num_blocks
-        out = chunk.view(torch.uint8).view(self.num_layers, 2, len(blocks), bb)
+        out = buf.view(torch.uint8).view(self.num_layers, 2, len(blocks), bb)
         idx = torch.from_numpy(blocks)
 
         def layers(lo: int, hi: int) -> None:
