@@ -35,6 +35,7 @@ from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
 from dataplane.server.early import StartGate, open_router
+from dataplane.server.frames import has_message, recv_message, send_message
 from dataplane.server.ordered import KeyedSerialExecutor
 from dataplane.wire.errors import (
     KVWardenError,
@@ -290,9 +291,7 @@ class Server:
             self._send(envelope, data)
 
     def _send(self, envelope: list[bytes], data: bytes) -> None:
-        try:
-            self._sock.send_multipart([*envelope, data], zmq.NOBLOCK)
-        except zmq.Again:
+        if not send_message(self._sock, envelope, data):
             logger.warning("server: reply dropped, peer not reading (high-water mark)")
 
     def _on_monitor(self) -> None:
@@ -312,11 +311,12 @@ class Server:
 
     def _recv_batch(self) -> None:
         for _ in range(_RECV_BATCH):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = recv_message(self._sock)
+            if frames is None:
                 return
             self._on_frames(frames)
+            if not has_message(self._sock):
+                return
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         envelope = [f.bytes for f in frames[:-1]]
