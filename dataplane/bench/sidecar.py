@@ -42,14 +42,14 @@ def add_args(sub: Any) -> None:
     )
     p.add_argument("--load-instances", type=int, default=None, help="tracked in the load phase (1,000)")
     p.add_argument("--rate", type=float, default=50.0, help="/status requests per second in the load phase")
-    p.add_argument("--pings", type=int, default=None, help="PINGs per block (3,000; quick 1,000)")
+    p.add_argument("--pings", type=int, default=None, help="PINGs per block (3,000; quick 600)")
     p.add_argument("--ping-interval-ms", type=float, default=2.0)
     add_output_args(p)
     p.set_defaults(func=run_http)
 
 
 def run_http(ns: argparse.Namespace) -> int:
-    resolve(ns, instances=(10_000, 5_000, 300), load_instances=(1000, 1000, 100), pings=(3000, 1000, 150))
+    resolve(ns, instances=(10_000, 5_000, 300), load_instances=(1000, 1000, 100), pings=(3000, 600, 150))
     if ns.load_instances < 1 or ns.instances < 0 or ns.pings < 10 or ns.rate <= 0:
         print("bench: --load-instances >= 1, --instances >= 0, --pings >= 10, --rate > 0", file=sys.stderr)
         return 2
