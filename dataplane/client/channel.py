@@ -33,7 +33,8 @@ from dataplane.wire.messages import Message
 from dataplane.wire.protocol import decode_reply, encode_message
 
 ABORT_POLL_S = 0.1
-_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 Abort = Callable[[], bool] | None
 
@@ -58,7 +59,7 @@ class Channel:
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue onto a dead connection
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)  # a restarted server is found fast
-        self._monitor = self.sock.get_monitor_socket(_EVENTS)  # before connect: sees the first one
+        self._monitor = self.sock.get_monitor_socket(_WATCHED)  # before connect: sees the first one
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._replies = zmq.Poller()
         self._replies.register(self.sock, zmq.POLLIN)
@@ -89,7 +90,8 @@ class Channel:
     def _events(self, in_flight: str | None) -> None:
         """Consume the monitor's events; lock held. While a request of type ``in_flight`` is
         out, a closed connection ends it: its reply can no longer come."""
-        while True:
+        # EVENTS first: a receive that fails raises (3.5 us against 1.7 us, warm) every request
+        while int(self._monitor.get(_EVENTS)) & _POLLIN:
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

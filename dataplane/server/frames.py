@@ -2,8 +2,9 @@
 
 Frame by frame with plain-int flags, not pyzmq's `recv_multipart` / `send_multipart`, and the
 socket's EVENTS asked before each next message instead of a receive that fails: the failed
-receive's `zmq.Again` and the enum arithmetic of the sugar layer cost the loop thread ~40 us a
-wake-up, with the GIL held (PING is answered on that thread).
+receive's `zmq.Again` and the enum arithmetic of the sugar layer took a request received and
+answered alone on a wake-up from 9-10 us to 15-18 us (in-process, warm caches), all of it with
+the GIL held on the thread that answers PING.
 """
 
 from __future__ import annotations
