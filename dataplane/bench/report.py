@@ -183,14 +183,14 @@ def http_tables(rep: dict[str, Any]) -> list[Table]:
 def startup_tables(rep: dict[str, Any]) -> list[Table]:
     rows = []
     for i, run in enumerate(rep["runs"]):
-        a, b = run["memory_at_first_ping"], run["memory_arena_ready"]
+        a, b, ready = run["memory_at_first_ping"], run["memory_arena_ready"], run["arena_ready_s"]
         rows.append(
             [
                 str(i + 1),
                 f"{run['first_ping_s']:.2f}",
-                f"{run['arena_ready_s']:.2f}",
-                f"{a['rss_bytes'] / (1 << 20):.0f} / {a['shm_bytes'] / (1 << 20):.0f}",
-                f"{b['rss_bytes'] / (1 << 20):.0f} / {b['shm_bytes'] / (1 << 20):.0f}",
+                "not waited for" if ready is None else f"{ready:.2f}",
+                _rss_shm(a),
+                "-" if b is None else _rss_shm(b),
             ]
         )
     gb = rep["params"]["l1_size_gb"]
@@ -208,6 +208,10 @@ def startup_tables(rep: dict[str, Any]) -> list[Table]:
         [[f"{rep['python_s']:.2f}", f"{rep['import_torch_s']:.2f}", f"{rep['first_ping_s']:.2f}"]],
     )
     return [t, anchor]
+
+
+def _rss_shm(mem: dict[str, int]) -> str:
+    return f"{mem['rss_bytes'] / (1 << 20):.0f} / {mem['shm_bytes'] / (1 << 20):.0f}"
 
 
 def remote_tables(rep: dict[str, Any]) -> list[Table]:

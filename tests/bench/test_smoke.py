@@ -79,9 +79,23 @@ def test_plot_and_table(results: Path, tmp_path: Path) -> None:
         ["transfer", "--chunk-sizes", "0"],
         ["transfer", "--chunk-size", "20"],  # not a multiple of the block size
         ["reaper", "--instances", "ten"],
+        ["startup", "--rounds", "0"],
         ["all", "--only", "nothing"],
     ],
 )
 def test_bad_flags_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert kvwarden(["bench", *args]) == 2  # refused before anything starts
     assert capsys.readouterr().err.startswith("bench: ")
+
+
+def test_startup_without_waiting_for_the_arena(tmp_path: Path) -> None:
+    """What ``--quick`` does: the first PING and the memory then, the server stopped while its
+    arena is still being faulted in (and stopping it then is clean)."""
+    p = _kvwarden(
+        "bench", "startup", "--tiny", "--arena-ready", "skip", "--json", "--results-dir", str(tmp_path)
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rep = report(tmp_path, "startup")
+    assert rep["params"]["arena_ready"] == "skip" and rep["arena_ready_s"] is None
+    CHECKS["startup"](rep)
+    assert "not waited for" in p.stdout
