@@ -248,6 +248,18 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             seen_over(e, conn_fd)
             return e.scope
 
+    def touch(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> E:
+        """The entry of a tracked instance its owner asks for (refreshing last_seen), without
+        holding it: for a request that only updates the instance's own state under that state's
+        locks (never its worker's memory), so a release need not wait for it. NotRegistered /
+        NotOwner as `use`."""
+        with self._lock:
+            e = self._get(instance_id)
+            own(e, secret)
+            e.last_seen = self._clock()
+            seen_over(e, conn_fd)
+            return e
+
     @contextmanager
     def use(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> Iterator[E]:
         """Hold an entry for a request: refreshes last_seen; release waits for the last user."""
