@@ -29,12 +29,12 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from dataplane.wire.errors import RequestAborted, RequestTimeout, ServerClosed, error_from_reply
+from dataplane.wire.frames import has_message
 from dataplane.wire.messages import Message
 from dataplane.wire.protocol import decode_reply, encode_message
 
 ABORT_POLL_S = 0.1
 _WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 Abort = Callable[[], bool] | None
 
@@ -91,7 +91,7 @@ class Channel:
         """Consume the monitor's events; lock held. While a request of type ``in_flight`` is
         out, a closed connection ends it: its reply can no longer come."""
         # EVENTS first: a receive that fails raises (3.5 us against 1.7 us, warm) every request
-        while int(self._monitor.get(_EVENTS)) & _POLLIN:
+        while has_message(self._monitor):
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

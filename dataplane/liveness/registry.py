@@ -243,9 +243,7 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             e = self._entries.get(instance_id)
             if e is None:
                 return None
-            own(e, secret)
-            e.last_seen = self._clock()
-            seen_over(e, conn_fd)
+            self._claim(e, conn_fd, secret)
             return e.scope
 
     def touch(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> E:
@@ -254,21 +252,14 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         locks (never its worker's memory), so a release need not wait for it. NotRegistered /
         NotOwner as `use`."""
         with self._lock:
-            e = self._get(instance_id)
-            own(e, secret)
-            e.last_seen = self._clock()
-            seen_over(e, conn_fd)
-            return e
+            return self._claim(self._get(instance_id), conn_fd, secret)
 
     @contextmanager
     def use(self, instance_id: int, conn_fd: int = -1, secret: bytes | None = None) -> Iterator[E]:
         """Hold an entry for a request: refreshes last_seen; release waits for the last user."""
         with self._lock:
-            e = self._get(instance_id)
-            own(e, secret)
+            e = self._claim(self._get(instance_id), conn_fd, secret)
             e.users += 1
-            e.last_seen = self._clock()
-            seen_over(e, conn_fd)
         try:
             yield e
         finally:
@@ -279,6 +270,14 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                 self._bounded_release([e], "deferred")
 
     # --------------------------------------------------------------- internals
+    def _claim(self, e: E, conn_fd: int, secret: bytes | None) -> E:
+        """A request of ``e``'s owner (NotOwner otherwise): it was seen now, over ``conn_fd``.
+        Lock held."""
+        own(e, secret)
+        e.last_seen = self._clock()
+        seen_over(e, conn_fd)
+        return e
+
     def _get(self, instance_id: int) -> E:
         e = self._entries.get(instance_id)
         if e is None:

@@ -35,7 +35,6 @@ from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
 from dataplane.server.early import StartGate, open_router
-from dataplane.server.frames import has_message, recv_message, send_message
 from dataplane.server.ordered import KeyedSerialExecutor
 from dataplane.wire.errors import (
     KVWardenError,
@@ -46,6 +45,7 @@ from dataplane.wire.errors import (
     ShuttingDown,
     Unsupported,
 )
+from dataplane.wire.frames import has_message, recv_message, send_message
 from dataplane.wire.messages import MsgType
 from dataplane.wire.protocol import (
     PROTOCOL_VERSION,

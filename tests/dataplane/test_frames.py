@@ -1,4 +1,4 @@
-"""`dataplane.server.frames`: the loop's reads and writes on a real ROUTER socket."""
+"""`dataplane.wire.frames`: the loop's reads and writes on a real ROUTER socket."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import zmq
 
-from dataplane.server.frames import has_message, recv_message, send_message
+from dataplane.wire.frames import has_message, recv_message, send_message
 
 
 @pytest.fixture

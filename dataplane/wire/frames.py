@@ -1,4 +1,4 @@
-"""The loop thread's reads and writes on its ROUTER socket, lean.
+"""Lean reads and writes on a ZMQ socket: the server loop's ROUTER, the client's monitor.
 
 Frame by frame with plain-int flags, not pyzmq's `recv_multipart` / `send_multipart`, and the
 socket's EVENTS asked before each next message instead of a receive that fails: the failed
