@@ -37,6 +37,10 @@ class Handler:
     fn: HandlerFn
     # TRANSFER handlers: requests with the same key run in arrival order
     order_key: Callable[[Any], int] | None = None
+    # TRANSFER handlers: True for a request that will not wait and is cheap: the loop answers
+    # it itself when no earlier request with its key is waiting or running (two thread
+    # hand-offs less, ~0.3-0.5 ms of a round trip on a busy 2-core host)
+    inline: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)

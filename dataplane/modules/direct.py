@@ -30,6 +30,8 @@ from dataplane.wire.messages import (
     MsgType,
 )
 
+_QUICK_CHUNKS = 64  # chunk keys a reserve or acquire on the loop thread may hash
+
 
 class DirectTransferModule:
     name = "engine_direct"
@@ -42,11 +44,12 @@ class DirectTransferModule:
     def handlers(self) -> dict[MsgType, Handler]:
         key = self.engine.order_key  # in arrival order with the instance's other transfers
         return {
-            MsgType.ENGINE_RESERVE: Handler(HandlerKind.TRANSFER, self._reserve, key),
+            # on the loop thread when they cannot wait (`_quick`), else in order on the pool
+            MsgType.ENGINE_RESERVE: Handler(HandlerKind.TRANSFER, self._reserve, key, self._quick),
             # on the loop thread: they only publish or drop a lease's buffers under L1's and the
             # leases' locks (no copy, no wait); two thread hand-offs less per transfer
             MsgType.ENGINE_COMMIT: Handler(HandlerKind.LOOP, self._commit),
-            MsgType.ENGINE_ACQUIRE: Handler(HandlerKind.TRANSFER, self._acquire, key),
+            MsgType.ENGINE_ACQUIRE: Handler(HandlerKind.TRANSFER, self._acquire, key, self._quick),
             MsgType.ENGINE_RELEASE: Handler(HandlerKind.LOOP, self._release),
         }
 
@@ -60,6 +63,11 @@ class DirectTransferModule:
         return None
 
     # ------------------------------------------------------------------ helpers
+    def _quick(self, p: EngineTransfer) -> bool:
+        """Whether a reserve or acquire can run on the loop thread: L1's arena is all reserved
+        (a reserve never waits for it to grow) and the keys to hash are few (~1 us each)."""
+        return p.first_chunk + p.n_chunks <= _QUICK_CHUNKS and self.l1.arena.growth()[1]
+
     def _wanted(self, c: EngineContext, p: EngineTransfer) -> tuple[list[bytes], list[bytes]]:
         """(the keys before ``first_chunk``, the keys of the chunks asked for)."""
         if self.l1.arena.segment is None:
@@ -76,19 +84,22 @@ class DirectTransferModule:
         return [self.l1.arena.offset_of(b) for b in bufs]
 
     # ----------------------------------------------------------------- handlers
+    # Reserve and acquire touch the instance rather than hold it (`use`): they only build a
+    # lease under L1's and the leases' locks, and a release meanwhile refuses to add it
+    # (`Leases.add`), so it is aborted here; a release never waits for them.
     def _reserve(self, rctx: RequestContext, p: EngineReserve) -> dict[str, Any]:
-        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
-            before, wanted = self._wanted(c, p)
-            c.leases.room(self.l1)
-            lease = Lease()
-            _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
-            try:
-                handed, present, rejected, skipped = reserve_into(lease, self.l1, wanted, c.chunk_bytes)
-                lid = c.leases.add(lease)
-            except BaseException:
-                lease.abort(self.l1)
-                raise
-            slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
+        c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
+        before, wanted = self._wanted(c, p)
+        c.leases.room(self.l1)
+        lease = Lease()
+        _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
+        try:
+            handed, present, rejected, skipped = reserve_into(lease, self.l1, wanted, c.chunk_bytes)
+            lid = c.leases.add(lease)
+        except BaseException:
+            lease.abort(self.l1)
+            raise
+        slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
         return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": present,
@@ -109,16 +120,16 @@ class DirectTransferModule:
         return {"stored": stored}
 
     def _acquire(self, rctx: RequestContext, p: EngineAcquire) -> dict[str, Any]:
-        with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
-            _, wanted = self._wanted(c, p)
-            c.leases.room(self.l1)
-            bufs = self.l1.acquire_prefix(wanted)
-            lease = Lease(pinned=wanted[: len(bufs)])
-            try:
-                lid = c.leases.add(lease)
-            except BaseException:
-                lease.abort(self.l1)
-                raise
+        c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
+        _, wanted = self._wanted(c, p)
+        c.leases.room(self.l1)
+        bufs = self.l1.acquire_prefix(wanted)
+        lease = Lease(pinned=wanted[: len(bufs)])
+        try:
+            lid = c.leases.add(lease)
+        except BaseException:
+            lease.abort(self.l1)
+            raise
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
         return {"lease": lid, "offsets": self._offsets(bufs), "slot_bytes": c.chunk_bytes,
                 "usable": self.l1.arena.growth()[0]}  # fmt: skip

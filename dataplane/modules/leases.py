@@ -4,7 +4,8 @@ A reserve lease holds buffers handed out for the worker to write (invisible unti
 and pins on the prompt's chunks already held; an acquire lease pins the chunks the worker
 copies out. Leases are per-instance state: they live in the instance's entry, and whatever
 releases the instance (UNREGISTER, a reap, the admin reap) aborts them, so nothing
-half-written is ever published and no pin is left behind.
+half-written is ever published and no pin is left behind; a lease built after that (by a
+request that did not hold the instance) is refused and aborted.
 
 The worker writes into L1's memory itself, so a buffer taken from a worker that may still be
 writing (it was reaped while stopped mid-copy, or its lease expired) is not handed out again
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dataplane.storage.l1 import L1Store
-from dataplane.wire.errors import LimitExceeded, RequestError
+from dataplane.wire.errors import LimitExceeded, NotRegistered, RequestError
 
 MAX_LEASES = 16  # open at once per instance
 _LEASE_IDS = itertools.count(1)
@@ -79,8 +80,9 @@ class Leases:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._lock = threading.Lock()  # guards _open
+        self._lock = threading.Lock()  # guards _open and _closed
         self._open: dict[int, Lease] = {}
+        self._closed = False  # the instance was released: no lease opens any more
 
     def room(self, l1: L1Store) -> None:
         """Before a lease is built: expire stale leases, then LimitExceeded when none more
@@ -99,6 +101,8 @@ class Leases:
         lease.opened = self._clock()
         lid = next(_LEASE_IDS)  # unique in the server: an old id never names a new lease
         with self._lock:
+            if self._closed:  # (a request that only touched the instance raced its release)
+                raise NotRegistered("the instance was released while this request ran")
             self._open[lid] = lease
         return lid
 
@@ -112,6 +116,6 @@ class Leases:
     def abort_all(self, l1: L1Store) -> None:
         """The instance goes: its worker may be alive and mid-copy (a reap, an admin reap)."""
         with self._lock:
-            leases, self._open = list(self._open.values()), {}
+            leases, self._open, self._closed = list(self._open.values()), {}, True
         for lease in leases:
             lease.abort(l1, worker_may_write=True)

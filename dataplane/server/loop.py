@@ -3,7 +3,9 @@
     client DEALER ──► ROUTER (loop thread) ──► decode + validate ──► LOOP handler (inline)
                                                         ├──► NORMAL pool  (control, lookup)
                                                         └──► transfer pool (STORE/RETRIEVE,
-                                                              ordered per instance)
+                                                              ordered per instance; one that
+                                                              cannot wait runs inline when none
+                                                              of its instance's is queued)
     pool thread ──► reply queue + eventfd wake-up ──► loop thread sends the reply
 
 ZMQ sockets are not thread-safe, so only the loop thread touches the ROUTER. Pool threads hand
@@ -125,16 +127,8 @@ class Server:
 
     def info(self, chunk_size: int) -> ServerInfo:
         """Who this server is (what HELLO answers), for a data plane of ``chunk_size``."""
-        return ServerInfo(
-            self.server_id,
-            self.boot_token,
-            self.version,
-            PROTOCOL_VERSION,
-            self.started_at,
-            self.bound_endpoint,
-            chunk_size,
-            self.max_frame_bytes,
-        )
+        return ServerInfo(self.server_id, self.boot_token, self.version, PROTOCOL_VERSION, self.started_at,
+                          self.bound_endpoint, chunk_size, self.max_frame_bytes)  # fmt: skip
 
     @property
     def state(self) -> Lifecycle:
@@ -331,17 +325,14 @@ class Server:
                 raise ProtocolError("request has no frames after the identity")
             raw = unpack(body.buffer, self.max_frame_bytes)
             req = decode_request(raw)
-        except KVWardenError as exc:
-            rid = peek_request_id(raw)
+        except Exception as exc:
             self.metrics.requests.labels(type="INVALID", outcome="error").inc()
-            logger.debug("server: bad request: %s", exc)
-            self._send(envelope, encode_error(rid, exc))
-            return
-        except Exception as exc:  # a validation gap: the request is refused, the loop goes on
-            rid = peek_request_id(raw)
-            self.metrics.requests.labels(type="INVALID", outcome="error").inc()
-            logger.exception("server: a request could not be validated")
-            self._send(envelope, encode_error(rid, ProtocolError(f"invalid request ({type(exc).__name__})")))
+            if isinstance(exc, KVWardenError):
+                logger.debug("server: bad request: %s", exc)
+            else:  # a validation gap: the request is refused, the loop goes on
+                logger.exception("server: a request could not be validated")
+                exc = ProtocolError(f"invalid request ({type(exc).__name__})")
+            self._send(envelope, encode_error(peek_request_id(raw), exc))
             return
         gate = self._gate
         if gate is not None and req.type not in gate.handlers:
@@ -358,7 +349,8 @@ class Server:
             self._send(envelope, encode_error(req.request_id, err))
             return
         rctx = RequestContext(req.request_id, req.type, fd)
-        if handler.kind is HandlerKind.LOOP:
+        key = handler.order_key(req.payload) if handler.order_key is not None else None
+        if handler.kind is HandlerKind.LOOP or self._inline(handler, req.payload, key):
             self._send(envelope, self._call(handler, rctx, req.payload))
             return
         self._inflight += 1
@@ -368,10 +360,17 @@ class Server:
             self._replies.put((envelope, data))
             self._wake()
 
-        if handler.kind is HandlerKind.TRANSFER and handler.order_key is not None:
-            self._transfer.submit(handler.order_key(req.payload), task)
+        if handler.kind is HandlerKind.TRANSFER and key is not None:
+            self._transfer.submit(key, task)
         else:
             self._normal.submit(task)
+
+    def _inline(self, handler: Handler, payload: Any, key: int | None) -> bool:
+        """A TRANSFER request the loop answers itself (`Handler.inline`): in order, since no
+        earlier one with its key waits or runs."""
+        if handler.inline is None or key is None or self._transfer.busy(key):
+            return False
+        return handler.inline(payload)
 
     def _call(self, handler: Handler, rctx: RequestContext, payload: Any) -> bytes:
         t0 = time.perf_counter()

@@ -26,6 +26,11 @@ class KeyedSerialExecutor:
             self._queues[key] = deque()
         self._pool.submit(self._drain, key, task)
 
+    def busy(self, key: int) -> bool:
+        """Whether a task with ``key`` is running or waiting."""
+        with self._lock:
+            return key in self._queues
+
     def _drain(self, key: int, task: Callable[[], None]) -> None:
         while True:
             task()

@@ -415,6 +415,39 @@ def test_the_instances_release_aborts_every_open_lease(
     assert d.lookup(2, a_tokens) == 0
 
 
+@pytest.mark.parametrize("kind", ["reserve", "acquire"])
+def test_a_lease_built_while_its_instance_is_released_is_refused_and_aborted(
+    make_direct: DirectFactory, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Reserve and acquire do not hold the instance (they may run on the server loop): a
+    release that lands while one builds its lease leaves no buffer reserved and no pin."""
+    d = make_direct(slots=8)
+    d.register(1)
+    d.register(2)
+    held = prompt(1, 2)
+    assert d.store(2, 1, 2) == 2  # another instance's chunks, the prefix of the prompt below
+    before = d.used()
+    # the release lands between the lease's buffers and its being added (the reaper's thread
+    # would: here the prefix pin, the last step before that, triggers it)
+    real_pin = L1Store.pin_present if kind == "reserve" else L1Store.acquire_prefix
+
+    def pin_then_release(self: L1Store, keys: list[bytes]) -> Any:
+        out = real_pin(self, keys)
+        monkeypatch.setattr(L1Store, real_pin.__name__, real_pin)
+        _release_by_unregister(d)
+        return out
+
+    monkeypatch.setattr(L1Store, real_pin.__name__, pin_then_release)
+    tokens = np.concatenate([held, prompt(3, 2)])
+    with pytest.raises(NotRegistered, match="released while this request ran"):
+        if kind == "reserve":
+            d.reserve(1, tokens)
+        else:
+            d.acquire(1, tokens)
+    assert (d.used(), d.chunks()) == (before, 2)  # no buffer kept, nothing published
+    assert d.l1.clear() == 2  # and no pin left: both held chunks may go
+
+
 # --------------------------------------------------------------------------- lease limit
 
 

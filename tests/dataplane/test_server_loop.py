@@ -290,6 +290,49 @@ def test_transfers_of_one_instance_run_in_arrival_order_without_holding_another_
     assert mine == [(what, s) for s in range(4) for what in ("start", "end")]
 
 
+def test_a_transfer_that_cannot_wait_runs_on_the_loop_unless_its_instance_has_one_queued(
+    make_loop: ServerFactory, make_dealer: DealerFactory
+) -> None:
+    first, other = 11, 22
+    entered, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    ran: list[tuple[int, int, str]] = []  # (instance, seq, thread name)
+
+    def recording_store(_rctx: RequestContext, p: Store) -> dict[str, int]:
+        with lock:
+            ran.append((p.instance_id, seq_of(p), threading.current_thread().name))
+        if (p.instance_id, seq_of(p)) == (first, 0):
+            entered.set()
+            if not release.wait(WAIT_S):
+                raise RuntimeError("the test never released the first transfer")
+        return {"seq": seq_of(p)}
+
+    def quick(p: Store) -> bool:  # seq 0 stands for a transfer that may wait
+        return seq_of(p) > 0
+
+    handler = Handler(HandlerKind.TRANSFER, recording_store, by_instance, quick)
+    server = make_loop(HandMade("inline", {MsgType.STORE: handler}), max_transfer_workers=4)
+    sock = make_dealer(server.bound_endpoint)
+    _, reply = request(sock, store(other, 1))
+    assert reply.ok and reply.body == {"seq": 1}, reply
+    assert ran == [(other, 1, "kvwarden-loop")]
+    try:
+        rids = [send(sock, store(first, 0))]
+        assert entered.wait(WAIT_S), "the first transfer never ran"
+        rids.append(send(sock, store(first, 1)))  # cannot wait, but must not overtake seq 0
+        _, reply = request(sock, store(other, 2))  # answered while `first` is blocked
+        assert reply.ok and reply.body == {"seq": 2}, reply
+        with lock:
+            assert ran[1:] == [(first, 0, ran[1][2]), (other, 2, "kvwarden-loop")], ran
+        assert ran[1][2].startswith("kvwarden-transfer")
+    finally:
+        release.set()
+    replies = [receive(sock) for _ in range(2)]
+    assert [(r.request_id, r.body) for r in replies] == [(rids[0], {"seq": 0}), (rids[1], {"seq": 1})]
+    with lock:
+        assert ran[3][:2] == (first, 1) and ran[3][2].startswith("kvwarden-transfer"), ran
+
+
 # ------------------------------------------------------------------- client request timeout
 
 REQUEST_TIMEOUT_S = 1.0
