@@ -65,15 +65,16 @@ class DirectTransferModule:
     # ------------------------------------------------------------------ helpers
     def _quick(self, p: EngineTransfer) -> bool:
         """Whether a reserve or acquire can run on the loop thread: L1's arena is all reserved
-        (a reserve never waits for it to grow) and the keys to hash are few (~1 us each)."""
+        (a reserve never waits for it to grow) and the keys to hash (`_wanted`: up to the last
+        chunk asked for, however long ``token_ids``) are few (~1 us each)."""
         return p.first_chunk + p.n_chunks <= _QUICK_CHUNKS and self.l1.arena.growth()[1]
 
     def _wanted(self, c: EngineContext, p: EngineTransfer) -> tuple[list[bytes], list[bytes]]:
         """(the keys before ``first_chunk``, the keys of the chunks asked for)."""
         if self.l1.arena.segment is None:
             raise RequestError("one-copy transfers need L1's arena in shared memory; use ENGINE_STORE")
-        keys = chunk_keys(c.scope, p.token_ids, self.engine.chunk_size)
-        end = p.first_chunk + p.n_chunks
+        cs, end = self.engine.chunk_size, p.first_chunk + p.n_chunks
+        keys = chunk_keys(c.scope, p.token_ids[: end * cs], cs)  # none past `end` is needed
         if end > len(keys) and p.n_chunks:
             raise RequestError(
                 f"first_chunk + n_chunks = {end} exceeds the {len(keys)} full chunks of token_ids"

@@ -302,6 +302,37 @@ def test_reserve_hands_out_buffers_only_for_missing_chunks_and_commit_publishes_
     assert (direct.used(), direct.chunks(), direct.lookup(2, tokens)) == (4 * SLOT, 4, 4 * CHUNK)
 
 
+def test_reserve_and_acquire_hash_no_chunk_past_the_last_asked_for(
+    direct: Direct, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They may run on the loop thread that answers PING: a long prompt asked for one chunk
+    costs one key, not one per chunk of the prompt."""
+    from dataplane.modules import direct as direct_module
+
+    hashed: list[int] = []
+    real = direct_module.chunk_keys
+
+    def counting(scope: bytes, token_ids: np.ndarray, chunk_size: int) -> list[bytes]:
+        hashed.append(len(token_ids) // chunk_size)
+        return real(scope, token_ids, chunk_size)
+
+    monkeypatch.setattr(direct_module, "chunk_keys", counting)
+    direct.register(1)
+    direct.register(2)
+    tokens = prompt(1, 200, extra=5)
+    r = direct.reserve(1, tokens, 1, 1)
+    assert [idx for idx, _ in r["slots"]] == [0] and r["chunks"] == 1
+    direct.write(r, 1, first=1)
+    assert direct.commit(1, r["lease"]) == 1
+    a = direct.acquire(2, tokens, 1, 1)
+    assert len(a["offsets"]) == 1
+    assert bool((direct.read(a["offsets"][0]) == pattern(tag(1, 1))).all())
+    direct.release(2, a["lease"])
+    assert hashed == [2, 2]  # chunks 0 and 1 of 200
+    with pytest.raises(RequestError, match="first_chunk \\+ n_chunks = 202 exceeds the 200 full chunks"):
+        direct.reserve(1, tokens, 199, 3)
+
+
 def test_a_released_reserve_lease_is_aborted(direct: Direct) -> None:
     direct.register(1)
     direct.register(2)
