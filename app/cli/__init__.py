@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn
 
+import dataplane
 from app.cli import remote
 from app.cli.remote import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNAUTHORISED, EXIT_USAGE
 from app.cli.serve import add_settings_flags, load_settings, serve
@@ -33,8 +35,36 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def version_line() -> str:
+    """What ``kvwarden --version`` prints: which project this is, its version, and where it runs
+    from, so an operator can tell it from another program of the same name on the PATH."""
+    home = Path(dataplane.__file__).resolve().parent.parent
+    return (
+        f"kvwarden {dataplane.__version__} (distribution {dataplane.DISTRIBUTION}: "
+        f"KV-cache server for LLM inference engines; installed at {home})"
+    )
+
+
+class _Version(argparse.Action):
+    """``--version``: the line as it is (argparse's own action wraps it at the terminal's width)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="print the project, its version and where it is installed, and exit",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(version_line())
+        parser.exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="kvwarden", description="KV-cache server for LLM inference")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     ps = sub.add_parser("serve", help="run the server (data plane + HTTP sidecar)")
     add_settings_flags(ps)

@@ -3,7 +3,7 @@
 ``build_model(path, shape)`` saves a ``transformers`` Llama whose weights come from a fixed seed,
 so every process that builds the same shape gets the same model. Prompts are token ids
 (engines run with ``skip_tokenizer_init``), so no tokenizer is needed. Needs ``transformers``
-(installed with vLLM: the ``kvwarden[vllm]`` extra).
+(installed with vLLM: the ``vllm`` extra of kvwarden-server).
 """
 
 from __future__ import annotations
