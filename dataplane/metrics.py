@@ -2,12 +2,13 @@
 
 Counters and histograms are updated where things happen; gauges that mirror state (L1 bytes,
 tracked instances, health) are read through locked accessors at scrape time by collectors that
-the sidecar registers, so the hot path pays nothing for them.
+the sidecar registers, so the hot path pays nothing for them. The connection gauges are the
+exception: the loop thread sets them as connections open and close (never on a request).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dataplane.wire.messages import MsgType
 
@@ -81,6 +82,7 @@ class DataPlaneMetrics:
         self.not_owner = Counter(
             "kvwarden_not_owner_refusals", "Requests refused with NOT_OWNER (a wrong secret).", registry=r
         )
+        self._connection_metrics(r)
         for limit in LIMITS:
             self.limits_exceeded.labels(limit=limit)
         for reason in REAP_REASONS:
@@ -91,3 +93,17 @@ class DataPlaneMetrics:
             self.duration.labels(type=t.value)
             for outcome in ("ok", "error"):
                 self.requests.labels(type=t.value, outcome=outcome)
+
+    def _connection_metrics(self, r: CollectorRegistry) -> None:
+        """Set by the loop thread as connections open and close (`dataplane.server.connections`)."""
+        self.connections_open = Gauge(
+            "kvwarden_connections_open", "Data-plane connections open and served.", registry=r
+        )
+        self.connections_max = Gauge(
+            "kvwarden_connections_max", "The cap on data-plane connections (max_connections).", registry=r
+        )
+        self.connections_refused = Counter(
+            "kvwarden_connections_refused",
+            "Data-plane connections closed as soon as accepted: max_connections were open.",
+            registry=r,
+        )

@@ -1,7 +1,8 @@
 """`kvwarden serve`: parse the settings, assemble the data plane and the sidecar, run until a
 signal. The main thread owns SIGTERM and SIGINT and turns them into an orderly stop.
 
-At start it also raises the soft limit on open files to the hard limit (logged), puts the log
+At start it also raises the soft limit on open files to the hard limit (logged), checks that the
+data plane's connection cap fits under it (exit 2 naming the setting otherwise), puts the log
 rate limiter of `app.logs` on the root logger's handlers (and reports suppressed lines while it
 runs), and warns about every bind address beyond loopback.
 """
@@ -23,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app import logs
-from dataplane.server.config import SWITCH_INTERVAL_S, Settings, format_validation_error
+from dataplane.server.config import SWITCH_INTERVAL_S, Settings, fd_limit, format_validation_error
 
 logger = logging.getLogger("kvwarden")
 
@@ -77,7 +78,13 @@ def serve(ns: argparse.Namespace) -> int:
 
 def _run(settings: Settings, limiters: list[logs.RateLimitFilter]) -> int:
     raise_fd_limit()
-    warn_if_descriptors_short(settings.max_instances)
+    try:
+        cap = settings.connection_cap(fd_limit())
+    except ValueError as exc:
+        print(f"kvwarden serve: invalid setting: {exc}", file=sys.stderr)
+        return 2
+    log_connection_cap(settings.max_connections, cap)
+    warn_if_descriptors_short(settings.max_instances, cap)
     warn_if_exposed(settings)
     # bound and answering HELLO and PING before torch is even imported (a staged start:
     # `dataplane.server.early`); every other request waits for the data plane
@@ -160,17 +167,37 @@ def raise_fd_limit() -> None:
         logger.info("open files (RLIMIT_NOFILE): soft limit %s (hard limit %s)", _lim(soft), _lim(hard))
 
 
-def warn_if_descriptors_short(max_instances: int) -> None:
-    """Each tracked instance holds one or two descriptors (a mapping, a pool): say so at start
-    when the limit cannot hold ``max_instances`` (registrations past it are refused, not fatal)."""
+def log_connection_cap(asked: int, cap: int) -> None:
+    """Say what the data plane's connection cap is, and why when it is below the setting (the
+    default, lowered to fit the open-files limit: `Settings.connection_cap`)."""
+    if cap < asked:
+        logger.warning(
+            "max_connections: %d data-plane connections at most, not %d: the open-files limit "
+            "(RLIMIT_NOFILE) %d holds no more beside the instances' mappings; raise it (ulimit -n)",
+            cap,
+            asked,
+            fd_limit(),
+        )
+    else:
+        logger.info("max_connections: %d data-plane connections at most; more are refused", cap)
+
+
+def warn_if_descriptors_short(max_instances: int, max_connections: int) -> None:
+    """Each tracked instance holds one or two descriptors (a mapping, a pool), and registrations
+    keep free those the connection cap still allows: say so at start when the limit cannot hold
+    ``max_instances`` beside them (registrations past it are refused, not fatal)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    need = 2 * max_instances + 256
+    need = 2 * max_instances + max_connections + 128
     if soft != resource.RLIM_INFINITY and soft < need:
         logger.warning(
-            "open files (RLIMIT_NOFILE): the limit %d is below the %d that max_instances %d may "
-            "need; registrations are refused (LIMIT_EXCEEDED) while fewer than 128 are free",
-            soft, need, max_instances,
-        )  # fmt: skip
+            "open files (RLIMIT_NOFILE): the limit %d is below the %d that max_instances %d beside "
+            "max_connections %d may need; registrations are refused (LIMIT_EXCEEDED) while fewer "
+            "than 128 are free beyond the connections the cap still allows",
+            soft,
+            need,
+            max_instances,
+            max_connections,
+        )
 
 
 def _lim(v: int) -> str:

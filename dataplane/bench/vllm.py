@@ -46,14 +46,26 @@ class EngineProcess:
     """One vLLM engine (`dataplane.bench.vllm_engine`) driven over its stdin and stdout, in a
     process group of its own (``kill`` takes its engine core and worker too)."""
 
-    def __init__(self, python: str | Path, model: Path, url: str | None, log: Path,
-                 extra: dict[str, Any] | None = None, prefix_caching: bool = False,
-                 env_extra: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        python: str | Path,
+        model: Path,
+        url: str | None,
+        log: Path,
+        extra: dict[str, Any] | None = None,
+        prefix_caching: bool = False,
+        env_extra: dict[str, str] | None = None,
+        lora: dict[str, Any] | None = None,
+    ) -> None:
+        """``lora``: LoRA on, with these engine options (``max_lora_rank``, ``max_loras``...)."""
         env = {**os.environ, **(env_extra or {})}
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env["KVWARDEN_ENGINE_CONNECTOR_EXTRA"] = json.dumps(extra or {})
         env["KVWARDEN_ENGINE_PREFIX_CACHING"] = "1" if prefix_caching else "0"
+        env.pop("KVWARDEN_ENGINE_LORA", None)
+        if lora is not None:
+            env["KVWARDEN_ENGINE_LORA"] = json.dumps(lora)
         self.log = log
         cmd = [str(python), "-m", "dataplane.bench.vllm_engine", str(model), url or ""]
         with open(log, "wb") as err:
@@ -85,9 +97,23 @@ class EngineProcess:
                     )
                 self._buf += data
 
-    def generate(self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0) -> dict[str, Any]:
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int = 8,
+        timeout: float = 300.0,
+        *,
+        cache_salt: str | None = None,
+        lora: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One request; ``lora`` is ``{"name": ..., "id": ..., "path": ...}`` (an engine with LoRA on)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n").encode())
+        cmd: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens}
+        if cache_salt is not None:
+            cmd["cache_salt"] = cache_salt
+        if lora is not None:
+            cmd["lora"] = lora
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
         return self._answer(timeout)
 

@@ -3,12 +3,16 @@
     python -m dataplane.bench.vllm_engine MODEL_DIR [KVWARDEN_URL]    (no URL: no connector)
 
 Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for each line
-``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "cached": n,
-"ttft_s": s}``; ``{"quit": true}`` (or end of input) shuts the engine down. Run with the Python of
-the vLLM environment (``.venv-vllm``); greedy sampling, so outputs are comparable token for token.
-``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by default);
-``KVWARDEN_ENGINE_CONNECTOR_EXTRA`` holds more ``kv_connector_extra_config`` keys, as JSON.
-Used by `dataplane.bench.vllm` and the vLLM tests.
+``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "cached": n, "s": s}``
+(``s``: the request's time in the engine). A line may also carry ``"cache_salt": str`` (put in
+the prompt, as vLLM takes it) and ``"lora": {"name": str, "id": int, "path": str}`` (the
+request's ``LoRARequest``). ``{"quit": true}`` (or end of input) shuts the engine down. Run with
+the Python of the vLLM environment (``.venv-vllm``); greedy sampling, so outputs are comparable
+token for token. ``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by
+default); ``KVWARDEN_ENGINE_LORA``, a JSON object, turns LoRA on with those engine options (such
+as ``{"max_lora_rank": 8, "max_loras": 2}``; ``{}``: vLLM's defaults); ``KVWARDEN_ENGINE_CONNECTOR_EXTRA``
+holds more ``kv_connector_extra_config`` keys, as JSON. Used by `dataplane.bench.vllm` and the
+vLLM tests.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from typing import Any
 
 
-def build(model: str, url: str | None, extra: dict[str, Any]) -> Any:
+def build(model: str, url: str | None, extra: dict[str, Any], lora: dict[str, Any] | None) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -33,11 +37,30 @@ def build(model: str, url: str | None, extra: dict[str, Any]) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kvwarden.url": url, **extra},
         )
+    if lora is not None:
+        kw.update(enable_lora=True, **lora)
     prefix = os.environ.get("KVWARDEN_ENGINE_PREFIX_CACHING") == "1"
     return LLM(
-        model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=prefix,
-        dtype="bfloat16", **kw,
-    )  # fmt: skip
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_prefix_caching=prefix,
+        dtype="bfloat16",
+        **kw,
+    )
+
+
+def request(cmd: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The prompt and the LoRA request (or None) of a request line."""
+    prompt: dict[str, Any] = {"prompt_token_ids": cmd["prompt"]}
+    if cmd.get("cache_salt") is not None:
+        prompt["cache_salt"] = str(cmd["cache_salt"])
+    lora = cmd.get("lora")
+    if lora is None:
+        return prompt, None
+    from vllm.lora.request import LoRARequest
+
+    return prompt, LoRARequest(str(lora["name"]), int(lora["id"]), str(lora["path"]))
 
 
 def main() -> None:
@@ -46,17 +69,19 @@ def main() -> None:
     model = sys.argv[1]
     url = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
     extra = json.loads(os.environ.get("KVWARDEN_ENGINE_CONNECTOR_EXTRA", "{}"))
+    lora_env = os.environ.get("KVWARDEN_ENGINE_LORA")
     from vllm import SamplingParams
 
-    llm = build(model, url, extra)
+    llm = build(model, url, extra, json.loads(lora_env) if lora_env else None)
     print("@kvw " + json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
         params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0, detokenize=False)
+        prompt, lora_request = request(cmd)
         t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], params, use_tqdm=False)[0]
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)[0]
         elapsed = time.perf_counter() - t0
         answer = {
             "tokens": list(out.outputs[0].token_ids),

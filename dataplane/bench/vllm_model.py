@@ -2,8 +2,11 @@
 
 ``build_model(path, shape)`` saves a ``transformers`` Llama whose weights come from a fixed seed,
 so every process that builds the same shape gets the same model. Prompts are token ids
-(engines run with ``skip_tokenizer_init``), so no tokenizer is needed. Needs ``transformers``
-(installed with vLLM: the ``vllm`` extra of kvwarden-server).
+(engines run with ``skip_tokenizer_init``), so no tokenizer is needed. ``write_lora(path, shape,
+seed)`` saves a LoRA adapter for such a model in PEFT's format (``adapter_config.json`` and
+``adapter_model.safetensors``), random too: it adapts ``k_proj`` and ``v_proj`` only, so what it
+changes is the KV a prompt leaves, and through it the output. Needs ``transformers`` (installed
+with vLLM: the ``vllm`` extra of kvwarden-server).
 """
 
 from __future__ import annotations
@@ -59,4 +62,48 @@ def build_model(path: str | Path, shape: ModelShape, seed: int = 1234) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(want)
+    return out
+
+
+LORA_RANK = 8  # an engine that serves these adapters needs max_lora_rank >= this
+LORA_TARGETS = ("k_proj", "v_proj")
+
+
+def write_lora(
+    path: str | Path, shape: ModelShape, seed: int, rank: int = LORA_RANK, std: float = 0.05
+) -> Path:
+    """Save a random LoRA adapter for a model of ``shape`` under ``path``: the same ``seed`` gives
+    the same weights. Both ``lora_A`` and ``lora_B`` are random (a freshly initialized adapter's
+    ``lora_B`` is zero: it would change nothing), of std ``std``; alpha is twice the rank, so with
+    the default std the adapted projections' weights move by about 0.7 times the spread of the
+    base model's own (std 0.02): enough to change a prompt's greedy output, not so much that it
+    repeats one token."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    kv_out = shape.kv_heads * shape.head_dim
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(shape.layers):
+        for name in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, shape.hidden, generator=gen) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(kv_out, rank, generator=gen) * std
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors"
+    )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out

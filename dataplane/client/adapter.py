@@ -44,17 +44,14 @@ from dataplane.client.args import check_args, check_copy_threads
 from dataplane.client.channel import Channel
 from dataplane.client.heartbeat import Heartbeat
 from dataplane.client.kvalloc import unlink_segments
-from dataplane.client.transport import (
-    EngineDrivenTransport,
-    Identity,
-    ServerDrivenTransport,
-    Transport,
-)
+from dataplane.client.pooled import EngineDrivenTransport
+from dataplane.client.transport import Identity, ServerDrivenTransport, Transport
 from dataplane.memory.rope import RopeParams
 from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout
 from dataplane.wire.messages import (
     BlendRegister,
     Hello,
+    KeyContext,
     KVFormat,
     Lookup,
     Message,
@@ -228,39 +225,42 @@ class WorkerAdapter:
             return True
 
     # -------------------------------------------------------------- transfers
-    def store(self, token_ids: TokenIds, block_ids: TokenIds) -> bool:
+    # ``key``: what the KV depends on beyond the tokens, and who may see it (a tenant's salt, a
+    # LoRA adapter, multimodal inputs: `dataplane.client.keys.key_context`); a chunk stored
+    # under one context is only ever found under the same one
+    def store(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None) -> bool:
         """Store every full chunk; True when all of them are held by the server afterwards.
         False, without waiting, while unhealthy or when the server no longer knew us."""
-        r = self._store(token_ids, block_ids)
+        r = self._store(token_ids, block_ids, key)
         return r is not None and r["rejected"] == 0 and not r.get("skipped")
 
-    def store_detail(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int]:
+    def store_detail(
+        self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None
+    ) -> dict[str, int]:
         """STORE's counts: chunks, stored (written now), present (already held), rejected."""
-        r = self._store(token_ids, block_ids)
+        r = self._store(token_ids, block_ids, key)
         return dict(_NO_STORE) if r is None else r
 
-    def _store(self, token_ids: TokenIds, block_ids: TokenIds) -> dict[str, int] | None:
+    def _store(
+        self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None
+    ) -> dict[str, int] | None:
         def run() -> dict[str, int] | None:
             tokens, blocks = _id_array(token_ids), _id_array(block_ids)
-            return self._transport.store(self._send, tokens, blocks, self.chunk_size)
+            return self._transport.store(self._send, tokens, blocks, self.chunk_size, key)
 
         return self._unless_outage(run, None)
 
-    def lookup(self, token_ids: TokenIds) -> int:
+    def lookup(self, token_ids: TokenIds, key: KeyContext | None = None) -> int:
         """Prefix tokens the server holds (0 while unhealthy)."""
-        return self._unless_outage(
-            lambda: int(
-                self._send(Lookup(self.instance_id, self._secret, _id_array(token_ids)))["hit_tokens"]
-            ),
-            0,
-        )
+        msg = Lookup(self.instance_id, self._secret, _id_array(token_ids), key)
+        return self._unless_outage(lambda: int(self._send(msg)["hit_tokens"]), 0)
 
-    def retrieve(self, token_ids: TokenIds, block_ids: TokenIds) -> int:
+    def retrieve(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None) -> int:
         """Write the longest stored prefix into ``block_ids``; returns its token count."""
 
         def run() -> int:
             tokens, blocks = _id_array(token_ids), _id_array(block_ids)
-            return self._transport.retrieve(self._send, tokens, blocks, self.chunk_size)
+            return self._transport.retrieve(self._send, tokens, blocks, self.chunk_size, key)
 
         return self._unless_outage(run, 0)
 
@@ -345,24 +345,28 @@ class WorkerAdapter:
             self._blend = msg
         self._transport.set_rope(p)
 
-    def store_blend(self, token_ids: TokenIds, block_ids: TokenIds, position: int) -> dict[str, int]:
+    def store_blend(
+        self, token_ids: TokenIds, block_ids: TokenIds, position: int, key: KeyContext | None = None
+    ) -> dict[str, int]:
         """Store every full chunk independently of what precedes it; chunk i is at ``position +
         i * chunk_size`` in this sequence. STORE's counts (all zero during an outage)."""
         tokens, blocks = _id_array(token_ids), _id_array(block_ids)
         return self._unless_outage(
-            lambda: self._transport.store_blend(self._send, tokens, blocks, position, self.chunk_size),
+            lambda: self._transport.store_blend(self._send, tokens, blocks, position, self.chunk_size, key),
             dict(_NO_STORE),
         )
 
     def retrieve_blend(
-        self, token_ids: TokenIds, block_ids: TokenIds, position: int
+        self, token_ids: TokenIds, block_ids: TokenIds, position: int, key: KeyContext | None = None
     ) -> list[tuple[int, bool]]:
         """Write each held chunk into its blocks, keys rotated to ``position + i * chunk_size``;
         (chunk index, hit) for every full chunk, so the engine knows which to recompute."""
         tokens, blocks = _id_array(token_ids), _id_array(block_ids)
         n = len(tokens) // (self.chunk_size or 1)
         return self._unless_outage(
-            lambda: self._transport.retrieve_blend(self._send, tokens, blocks, position, self.chunk_size),
+            lambda: self._transport.retrieve_blend(
+                self._send, tokens, blocks, position, self.chunk_size, key
+            ),
             [(i, False) for i in range(n)],
         )
 

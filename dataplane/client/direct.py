@@ -7,7 +7,7 @@ it does not hold), gathers each chunk from the worker's blocks into its buffer, 
 chunks), scatters each into the worker's blocks, and lets go (ENGINE_RELEASE). One copy each
 way; the server never touches the bytes. A copy that fails lets go of its lease at once (a
 RELEASE aborts a reserve: nothing half-written is ever published). The caller serialises
-transfers (`dataplane.client.transport.EngineDrivenTransport`'s lock).
+transfers (`dataplane.client.pooled.EngineDrivenTransport`'s lock).
 
 A worker's first write to a page of its own mapping of the arena faults, one page at a time
 (write faults map no neighbours): that halved a fresh server's one-copy STORE. `ArenaToucher`
@@ -37,6 +37,7 @@ from dataplane.wire.messages import (
     EngineCommit,
     EngineRelease,
     EngineReserve,
+    KeyContext,
     Message,
 )
 
@@ -141,14 +142,22 @@ class ArenaCopier:
         self.toucher.join()
         self.arena = torch.empty(0, dtype=torch.uint8)
 
-    def store(self, send: Send, local: LocalKV, tokens: np.ndarray, blocks: np.ndarray, cs: int,
-              splitter: CopySplitter | None = None) -> dict[str, int]:  # fmt: skip
+    def store(
+        self,
+        send: Send,
+        local: LocalKV,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        cs: int,
+        splitter: CopySplitter | None = None,
+        ctx: KeyContext | None = None,
+    ) -> dict[str, int]:
         n_full = len(tokens) // cs
         chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
         total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
-            r = send(EngineReserve(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k))
+            r = send(EngineReserve(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k, ctx))
 
             def write(c: int, buf: torch.Tensor) -> None:
                 local.gather(chunks[c], buf, splitter)
@@ -164,13 +173,21 @@ class ArenaCopier:
                 break
         return total
 
-    def retrieve(self, send: Send, local: LocalKV, tokens: np.ndarray, blocks: np.ndarray, cs: int,
-                 splitter: CopySplitter | None = None) -> int:  # fmt: skip
+    def retrieve(
+        self,
+        send: Send,
+        local: LocalKV,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        cs: int,
+        splitter: CopySplitter | None = None,
+        ctx: KeyContext | None = None,
+    ) -> int:
         n_full = len(tokens) // cs
         first = 0
         while first < n_full:
             k = min(MAX_POOL_CHUNKS, n_full - first)
-            r = send(EngineAcquire(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k))
+            r = send(EngineAcquire(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k, ctx))
             offsets, cb = [int(o) for o in r["offsets"]], int(r["slot_bytes"])
             self.toucher.want(max(offsets, default=-cb) + cb, int(r["usable"]))
             with self._lease(send, int(r["lease"]), commit=False):
@@ -184,9 +201,18 @@ class ArenaCopier:
         return first * cs
 
     # ------------------------------------------------------------------ blend
-    def store_blend(self, send: Send, rope: WorkerRope, local: LocalKV, tokens: np.ndarray,
-                    blocks: np.ndarray, position: int, cs: int,
-                    splitter: CopySplitter) -> dict[str, int]:  # fmt: skip
+    def store_blend(
+        self,
+        send: Send,
+        rope: WorkerRope,
+        local: LocalKV,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        position: int,
+        cs: int,
+        splitter: CopySplitter,
+        ctx: KeyContext | None = None,
+    ) -> dict[str, int]:
         """BLEND_RESERVE, each missing chunk written with its keys as if at 0, ENGINE_COMMIT."""
         kv, n_full = _as_mapped(local), len(tokens) // cs
         rope.params.check_span(position, n_full * cs)
@@ -194,7 +220,11 @@ class ArenaCopier:
         total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             batch = tokens[first * cs : (first + MAX_POOL_CHUNKS) * cs]
-            r = send(BlendReserve(self.instance_id, self.secret, batch))
+            r = send(
+                BlendReserve(
+                    self.instance_id, self.secret, batch, None if ctx is None else ctx.window(first * cs)
+                )
+            )
 
             def write(c: int, buf: torch.Tensor) -> None:
                 rope.into_chunk(kv, slots[c * cs : (c + 1) * cs], buf, position + c * cs, cs, splitter)
@@ -204,9 +234,18 @@ class ArenaCopier:
                 total[key] += int(r[key])
         return total
 
-    def retrieve_blend(self, send: Send, rope: WorkerRope, local: LocalKV, tokens: np.ndarray,
-                       blocks: np.ndarray, position: int, cs: int,
-                       splitter: CopySplitter) -> list[tuple[int, bool]]:  # fmt: skip
+    def retrieve_blend(
+        self,
+        send: Send,
+        rope: WorkerRope,
+        local: LocalKV,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        position: int,
+        cs: int,
+        splitter: CopySplitter,
+        ctx: KeyContext | None = None,
+    ) -> list[tuple[int, bool]]:
         """BLEND_ACQUIRE, each held chunk copied out with its keys rotated, ENGINE_RELEASE."""
         kv, n_full = _as_mapped(local), len(tokens) // cs
         rope.params.check_span(position, n_full * cs)
@@ -214,7 +253,11 @@ class ArenaCopier:
         hits: list[tuple[int, bool]] = []
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             batch = tokens[first * cs : (first + MAX_POOL_CHUNKS) * cs]
-            r = send(BlendAcquire(self.instance_id, self.secret, batch))
+            r = send(
+                BlendAcquire(
+                    self.instance_id, self.secret, batch, None if ctx is None else ctx.window(first * cs)
+                )
+            )
             cb = int(r["slot_bytes"])
             self.toucher.want(max((int(off) + cb for _, off in r["chunks"]), default=0), int(r["usable"]))
             with self._lease(send, int(r["lease"]), commit=False):

@@ -12,13 +12,17 @@ which store new full chunks of their prompt. Worker side: loads run before the f
 keeps its blocks until its stores are over (``request_finished`` / ``get_finished``). A load that
 comes back short names its blocks (``get_block_ids_with_load_errors``) so vLLM recomputes them.
 With no server, or a server that dies, requests recompute; the worker registers, or registers
-again, when the server is back. The planning and the worker's threads need no vLLM:
+again, when the server is back. Chunks are keyed on what vLLM's own prefix cache keys its blocks
+on (``request_key``: the cache salt, the LoRA adapter with a digest of its files, multimodal
+inputs, prompt embeddings), carried to the workers in the plan; a request with anything else
+in its block keys is neither loaded nor stored. The planning and the worker's threads need no vLLM:
 `dataplane.client.vllm_state` and `dataplane.client.vllm_worker`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +33,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from dataplane.client.adapter import WorkerAdapter
-from dataplane.client.vllm_state import Plan, Planner, Scope, ScopeLookup, connector_settings
+from dataplane.client.keys import (
+    UninterpretableKey,
+    adapter_namespace,
+    embeds_spans,
+    key_context,
+    mm_spans,
+)
+from dataplane.client.vllm_state import (
+    UNCACHED,
+    Plan,
+    Planner,
+    RequestKey,
+    Scope,
+    ScopeLookup,
+    connector_settings,
+)
 from dataplane.client.vllm_worker import Registrar, Saver, load
 from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.messages import KVFormat
@@ -66,6 +85,58 @@ def scope_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scope:
         KVFormat.VLLM_CPU if cpu else KVFormat.TOKEN_MAJOR,
         spec.block_size,
     )
+
+
+# the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that
+# request_key folds in; a request whose block keys carry any other kind is never cached
+KNOWN_EXTRA_KEYS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
+_said: set[str] = set()  # the reasons already logged (once each)
+
+
+def _uncached(why: str) -> RequestKey:
+    kind = why.split(":", 1)[0]
+    if kind not in _said:
+        _said.add(kind)
+        logger.warning("kvwarden: requests recompute, neither loaded nor stored: %s", why)
+    return UNCACHED
+
+
+def request_key(request: Request, block_size: int) -> RequestKey:
+    """The key context of a request, from what vLLM keys its blocks on: ``UNCACHED`` when any
+    of it cannot be named (logged once for each kind of reason)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    n = request.num_prompt_tokens
+    if n > 0:  # the kinds of extra key vLLM folds into the first block, as it computes them
+        extra, _ = generate_block_hash_extra_keys(request, 0, min(block_size, n), 0)
+        kinds = {
+            k[0] if isinstance(k, tuple) and k and isinstance(k[0], str) else repr(k) for k in extra or ()
+        }
+        if kinds - KNOWN_EXTRA_KEYS:
+            return _uncached(f"unknown extra keys: block keys carry {sorted(kinds - KNOWN_EXTRA_KEYS)}")
+    try:
+        lora = request.lora_request
+        adapter = b""
+        if lora is not None:
+            path = lora.lora_path
+            if not path:
+                raise UninterpretableKey(f"adapter: {lora.lora_name!r} has no local path")
+            adapter = adapter_namespace(lora.lora_name, path)
+        spans = mm_spans(
+            (f.identifier, f.mm_position.offset, f.mm_position.length) for f in request.mm_features
+        )
+        if request.prompt_embeds is not None:
+            spans += embeds_spans(request.prompt_embeds, block_size)
+        return key_context(request.cache_salt, adapter, spans)
+    except UninterpretableKey as exc:
+        return _uncached(str(exc))
+
+
+def prompt_of(token_ids: Sequence[int] | None, embeds: torch.Tensor | None) -> Sequence[int] | None:
+    """The prompt's token ids; prompt embeddings' positions hold token 0 (their spans key them)."""
+    if token_ids is not None:
+        return token_ids
+    return [0] * int(embeds.shape[0]) if embeds is not None else None
 
 
 class KVWardenConnectorMetadata(KVConnectorMetadata):
@@ -221,20 +292,24 @@ class KVWardenConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._planner is not None
-        return self._planner.matched(request.request_id, request.prompt_token_ids, num_computed_tokens), False
+        p, rid = self._planner, request.request_id
+        key = p.keys[rid] if rid in p.keys else request_key(request, self._block_size)
+        prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
+        return p.matched(rid, prompt, num_computed_tokens, key), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._planner is not None
-        self._planner.allocated(request.request_id, request.prompt_token_ids, num_external_tokens)
+        prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
+        self._planner.allocated(request.request_id, prompt, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._planner is not None
         so = scheduler_output
         new = [
-            (r.req_id, r.prompt_token_ids, list(r.block_ids[0]), r.num_computed_tokens,
-             so.num_scheduled_tokens[r.req_id])
+            (r.req_id, prompt_of(r.prompt_token_ids, r.prompt_embeds), list(r.block_ids[0]),
+             r.num_computed_tokens, so.num_scheduled_tokens[r.req_id])
             for r in so.scheduled_new_reqs
         ]  # fmt: skip
         c = so.scheduled_cached_reqs

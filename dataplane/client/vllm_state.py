@@ -24,7 +24,7 @@ import zmq
 
 from dataplane.client.channel import Channel
 from dataplane.wire.errors import KVWardenError, RequestError
-from dataplane.wire.messages import KVFormat, LookupScope
+from dataplane.wire.messages import KeyContext, KVFormat, LookupScope
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +113,16 @@ class ScopeLookup:
         self._down_until = 0.0
         self._down = False
 
-    def hit_tokens(self, token_ids: np.ndarray) -> int:
-        """Tokens of ``token_ids``' prefix that every rank's chunks hold (0 when unsure)."""
+    def hit_tokens(self, token_ids: np.ndarray, key: KeyContext | None = None) -> int:
+        """Tokens of ``token_ids``' prefix that every rank's chunks hold under ``key`` (0 when
+        unsure)."""
         with self._lock:
             if self._clock() < self._down_until:
                 return 0
         s = self.scope
         msg = LookupScope(
             s.model_name, s.world_size, s.dtype, s.num_layers, s.heads, s.head_dim, s.kv_format,
-            s.block_size, np.asarray(token_ids, dtype=np.int64),
+            s.block_size, np.asarray(token_ids, dtype=np.int64), key,
         )  # fmt: skip
         try:
             reply = self._chan.request(msg, self.timeout_s)
@@ -153,6 +154,7 @@ class Load:
     req_id: str
     tokens: np.ndarray
     blocks: np.ndarray
+    key: KeyContext | None = None  # the request's salt, adapter, ... (`dataplane.client.keys`)
 
 
 @dataclass
@@ -162,6 +164,15 @@ class Save:
     req_id: str
     tokens: np.ndarray
     blocks: np.ndarray
+    key: KeyContext | None = None
+
+
+class Uncached:
+    """A request whose KV depends on something no key can name: it neither loads nor stores."""
+
+
+UNCACHED = Uncached()
+RequestKey = KeyContext | None | Uncached
 
 
 @dataclass
@@ -175,6 +186,7 @@ class Plan:
 class _Request:
     tokens: np.ndarray  # the prompt
     blocks: list[int]
+    key: KeyContext | None
     saved: int = 0  # prompt tokens kvwarden holds or has been asked to store
     load: int = 0  # tokens to load before the first forward pass
     saving: bool = False  # a Save was planned: its blocks wait for the worker's word
@@ -183,23 +195,28 @@ class _Request:
 class Planner:
     """The scheduler's bookkeeping (called on vLLM's scheduler thread only). Loads and stores
     are whole chunks of the prompt; a load never covers the prompt's last token (vLLM must
-    compute at least one)."""
+    compute at least one). Each request's key context is the one ``matched`` was given: a
+    request never seen there, or ``UNCACHED``, neither loads nor stores."""
 
-    def __init__(self, lookup: Callable[[np.ndarray], int], block_size: int) -> None:
+    def __init__(self, lookup: Callable[[np.ndarray, KeyContext | None], int], block_size: int) -> None:
         self.lookup = lookup
         self.block_size = block_size
         self.chunk_size: Callable[[], int | None] = lambda: None
         self._hits: dict[str, int] = {}  # req id -> hit tokens (one LOOKUP per request)
+        self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
         self._reqs: dict[str, _Request] = {}
 
-    def matched(self, req_id: str, prompt: Sequence[int] | None, computed: int) -> int:
+    def matched(
+        self, req_id: str, prompt: Sequence[int] | None, computed: int, key: RequestKey = None
+    ) -> int:
         """Tokens beyond ``computed`` that kvwarden will load."""
-        if not prompt:
+        self.keys[req_id] = key
+        if not prompt or isinstance(key, Uncached):
             return 0
         hit = self._hits.get(req_id)
         if hit is None:
             tokens = np.asarray(prompt, dtype=np.int64)
-            hit = self.lookup(tokens[: len(tokens) - 1])
+            hit = self.lookup(tokens[: len(tokens) - 1], key)
             cs = self.chunk_size()
             hit = 0 if cs is None else min(hit, (len(tokens) - 1) // cs * cs)
             self._hits[req_id] = hit
@@ -208,8 +225,9 @@ class Planner:
     def allocated(self, req_id: str, prompt: Sequence[int] | None, external: int) -> None:
         """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found."""
         hit = self._hits.get(req_id, 0)
-        if external > 0 and prompt and hit:
-            self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], load=hit)
+        key = self.keys.get(req_id)
+        if external > 0 and prompt and hit and not isinstance(key, Uncached):
+            self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key, load=hit)
 
     def plan(
         self,
@@ -223,12 +241,14 @@ class Planner:
         for req_id, prompt, blocks, computed, scheduled in new:
             r = self._reqs.get(req_id)
             if r is None:
-                if not prompt:
+                key = self.keys.get(req_id, UNCACHED)  # none known: never stored under a guess
+                if not prompt or isinstance(key, Uncached):
                     continue
-                r = self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [])
+                r = self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key)
             r.blocks = list(blocks)
             if r.load:
-                out.loads.append(Load(req_id, r.tokens[: r.load], np.asarray(r.blocks, dtype=np.int64)))
+                blocks_ = np.asarray(r.blocks, dtype=np.int64)
+                out.loads.append(Load(req_id, r.tokens[: r.load], blocks_, r.key))
                 r.saved, r.load = r.load, 0
             self._save(out, req_id, r, computed + scheduled)
         for req_id, new_blocks, resumed, computed, scheduled in cached:
@@ -249,12 +269,14 @@ class Planner:
         full = min(done, len(r.tokens)) // cs * cs
         if full > r.saved:
             n_blocks = -(-full // self.block_size)
-            out.saves.append(Save(req_id, r.tokens[:full], np.asarray(r.blocks[:n_blocks], dtype=np.int64)))
+            blocks = np.asarray(r.blocks[:n_blocks], dtype=np.int64)
+            out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key))
             r.saved, r.saving = full, True
 
     def finished(self, req_id: str) -> bool:
         """The request is done: True when a save was planned for it (its blocks are freed once
         the worker says the save is over)."""
         self._hits.pop(req_id, None)
+        self.keys.pop(req_id, None)
         r = self._reqs.pop(req_id, None)
         return r is not None and r.saving

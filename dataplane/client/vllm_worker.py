@@ -168,7 +168,7 @@ class Saver:
         if self.adapter.registration is None:
             return  # not registered (yet): nothing to store into
         try:
-            r = self.adapter.store_detail(job.tokens, job.blocks)
+            r = self.adapter.store_detail(job.tokens, job.blocks, job.key)
         except (KVWardenError, ValueError) as exc:
             self.failed += 1
             logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)
@@ -184,7 +184,7 @@ def load(adapter: WorkerAdapter | None, job: Load, block_size: int) -> set[int]:
     got = 0
     if adapter is not None and adapter.registration is not None:
         try:
-            got = adapter.retrieve(job.tokens, job.blocks)
+            got = adapter.retrieve(job.tokens, job.blocks, job.key)
         except (KVWardenError, ValueError) as exc:
             logger.warning("kvwarden: load of request %s failed: %s", job.req_id, exc)
     if got >= want:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
+from collections.abc import Callable
 
 from dataplane.wire.errors import LimitExceeded
 
@@ -40,12 +41,14 @@ class ByteBudget:
 
 
 class DescriptorReserve:
-    """Registrations are refused while fewer than ``reserve`` file descriptors are free (each
-    mapping holds one, a server-owned pool two), so the server always keeps room to accept
-    connections and serve its sidecar. Read from ``/proc/self/fd`` at each check: no state."""
+    """Registrations are refused while fewer than ``reserve`` file descriptors are free beyond
+    ``held_back()`` (the data-plane connections its cap still allows), each mapping holding one
+    and a server-owned pool two, so the server always keeps room to accept connections up to its
+    cap, refuse those past it and serve its sidecar. Read from ``/proc/self/fd`` at each check."""
 
-    def __init__(self, reserve: int = 128) -> None:
+    def __init__(self, reserve: int = 128, held_back: Callable[[], int] | None = None) -> None:
         self.reserve = reserve
+        self.held_back = held_back or (lambda: 0)
 
     def check(self, what: str) -> None:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -55,10 +58,11 @@ class DescriptorReserve:
             used = len(os.listdir("/proc/self/fd"))
         except OSError:
             return  # no /proc: the kernel's EMFILE is the only bound
-        if soft - used < self.reserve:
+        conns = self.held_back()
+        if soft - used < self.reserve + conns:
             raise LimitExceeded(
                 f"{what}: the server holds {used} of its {soft} file descriptors and keeps "
-                f"{self.reserve} free for connections; raise its limit (ulimit -n) or lower "
-                "--max-instances",
+                f"{self.reserve + conns} free ({conns} for the connections --max-connections still "
+                "allows); raise its limit (ulimit -n), or lower --max-instances or --max-connections",
                 "descriptors",
             )

@@ -26,6 +26,12 @@ class RequestContext:
     request_id: int
     type: MsgType
     conn_fd: int  # the TCP/IPC connection the request came over (-1 unknown)
+    inline: bool = False  # answered on the loop thread (`Handler.inline`): it must never wait
+
+
+class Deferred(Exception):
+    """Raised by a handler answering inline that finds it would have to wait after all (for the
+    remote tier, say): it has changed nothing, and the loop hands the request to its pool."""
 
 
 HandlerFn = Callable[[RequestContext, Any], Any]
@@ -39,7 +45,8 @@ class Handler:
     order_key: Callable[[Any], int] | None = None
     # TRANSFER handlers: True for a request that will not wait and is cheap: the loop answers
     # it itself when no earlier request with its key is waiting or running (two thread
-    # hand-offs less, ~0.3-0.5 ms of a round trip on a busy 2-core host)
+    # hand-offs less, ~0.3-0.5 ms of a round trip on a busy 2-core host); called with
+    # ``rctx.inline`` set, the handler may still raise `Deferred` to run on the pool instead
     inline: Callable[[Any], bool] | None = None
 
 

@@ -24,7 +24,6 @@ overrides only ``drop_instance_state``, so a reap, an admin reap or an UNREGISTE
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,8 +41,7 @@ from dataplane.memory.rope_kernel import KernelWarmup
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
-from dataplane.storage.keys import KEY_BYTES
-from dataplane.wire.checks import ID_DTYPE
+from dataplane.storage.keys import blend_keys
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (
     BlendRegister,
@@ -53,19 +51,6 @@ from dataplane.wire.messages import (
     KVFormat,
     MsgType,
 )
-
-
-def blend_keys(scope: bytes, token_ids: np.ndarray, chunk_size: int) -> list[bytes]:
-    """A key per full chunk, from the scope and that chunk's tokens alone."""
-    tokens = np.ascontiguousarray(token_ids, dtype=ID_DTYPE)
-    step = chunk_size * ID_DTYPE.itemsize
-    raw = memoryview(tokens.tobytes())
-    out = []
-    for i in range(len(tokens) // chunk_size):
-        h = hashlib.blake2b(scope, digest_size=KEY_BYTES, person=b"kvwarden-blend")
-        h.update(raw[i * step : (i + 1) * step])
-        out.append(h.digest())
-    return out
 
 
 @dataclass(frozen=True)
@@ -189,7 +174,7 @@ class BlendModule(InstanceLivenessTarget):
                         "block_ids: an engine_driven instance copies its own blocks through its pool: send "
                         "none"
                     )
-                keys = blend_keys(e.scope, p.token_ids, cs)
+                keys = blend_keys(e.scope, p.token_ids, cs, p.key)
                 if len(keys) > len(e.strategy.slots):
                     raise RequestError(
                         f"token_ids: {len(keys)} chunks exceed the pool's {len(e.strategy.slots)} slots "
@@ -203,7 +188,7 @@ class BlendModule(InstanceLivenessTarget):
         with self.transfer.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             kv = c.kv
             assert kv is not None
-            keys = blend_keys(c.scope, p.token_ids, cs)
+            keys = blend_keys(c.scope, p.token_ids, cs, p.key)
             try:
                 slots = token_slots(p.block_ids, kv.block_size, kv.num_blocks, len(keys) * cs)
             except ValueError as exc:

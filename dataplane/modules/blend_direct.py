@@ -16,9 +16,10 @@ from typing import Any
 
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.blend import BlendModule, blend_keys
+from dataplane.modules.blend import BlendModule
 from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
+from dataplane.storage.keys import blend_keys
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MAX_POOL_CHUNKS, BlendAcquire, BlendReserve, MsgType
@@ -55,7 +56,7 @@ class BlendDirectModule:
         if self.l1.arena.segment is None:
             raise RequestError("one-copy transfers need L1's arena in shared memory; use BLEND_STORE")
         self.blend.tables_of(p.instance_id)  # (BLEND_REGISTER first, as for every blend request)
-        keys = blend_keys(c.scope, p.token_ids, self.engine.chunk_size)
+        keys = blend_keys(c.scope, p.token_ids, self.engine.chunk_size, p.key)
         if len(keys) > MAX_POOL_CHUNKS:
             raise RequestError(f"token_ids: {len(keys)} chunks exceed {MAX_POOL_CHUNKS} a request")
         return keys

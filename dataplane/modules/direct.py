@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Deferred, Handler, HandlerKind, RequestContext
 from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import chunk_keys
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tiered import TieredStore
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (
     EngineAcquire,
@@ -66,7 +67,8 @@ class DirectTransferModule:
     def _quick(self, p: EngineTransfer) -> bool:
         """Whether a reserve or acquire can run on the loop thread: L1's arena is all reserved
         (a reserve never waits for it to grow) and the keys to hash (`_wanted`: up to the last
-        chunk asked for, however long ``token_ids``) are few (~1 us each)."""
+        chunk asked for, however long ``token_ids``) are few (~1 us each). An acquire whose
+        prefix the remote tier might continue moves on to the pool (`_held`)."""
         return p.first_chunk + p.n_chunks <= _QUICK_CHUNKS and self.l1.arena.growth()[1]
 
     def _wanted(self, c: EngineContext, p: EngineTransfer) -> tuple[list[bytes], list[bytes]]:
@@ -74,7 +76,7 @@ class DirectTransferModule:
         if self.l1.arena.segment is None:
             raise RequestError("one-copy transfers need L1's arena in shared memory; use ENGINE_STORE")
         cs, end = self.engine.chunk_size, p.first_chunk + p.n_chunks
-        keys = chunk_keys(c.scope, p.token_ids[: end * cs], cs)  # none past `end` is needed
+        keys = chunk_keys(c.scope, p.token_ids[: end * cs], cs, p.key)  # none past `end` is needed
         if end > len(keys) and p.n_chunks:
             raise RequestError(
                 f"first_chunk + n_chunks = {end} exceeds the {len(keys)} full chunks of token_ids"
@@ -124,7 +126,7 @@ class DirectTransferModule:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         _, wanted = self._wanted(c, p)
         c.leases.room(self.l1)
-        bufs = self.l1.acquire_prefix(wanted)
+        bufs = self._held(rctx, wanted)
         lease = Lease(pinned=wanted[: len(bufs)])
         try:
             lid = c.leases.add(lease)
@@ -134,6 +136,17 @@ class DirectTransferModule:
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
         return {"lease": lid, "offsets": self._offsets(bufs), "slot_bytes": c.chunk_bytes,
                 "usable": self.l1.arena.growth()[0]}  # fmt: skip
+
+    def _held(self, rctx: RequestContext, wanted: list[bytes]) -> list[Any]:
+        """The stored prefix of ``wanted``, pinned. On the loop thread L1's only: when the remote
+        tier might continue it the request is `Deferred` to the transfer pool, which reads it
+        (the loop never waits on Redis)."""
+        if not rctx.inline or not isinstance(self.l1, TieredStore):
+            return self.l1.acquire_prefix(wanted)
+        bufs = self.l1.acquire_local(wanted)
+        if bufs is None:
+            raise Deferred
+        return bufs
 
     def _release(self, rctx: RequestContext, p: EngineRelease) -> dict[str, Any]:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)

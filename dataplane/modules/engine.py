@@ -222,7 +222,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         """The pool and every full chunk's key, the request checked against both."""
         s = c.strategy
         assert s is not None
-        keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
+        keys = chunk_keys(c.scope, p.token_ids, self.chunk_size, p.key)
         self._check(p, s, keys)
         return s, keys
 

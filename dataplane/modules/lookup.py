@@ -54,7 +54,7 @@ class LookupModule:
                 break
         else:
             raise NotRegistered(f"instance {p.instance_id} is not registered")
-        keys = chunk_keys(scope, p.token_ids, self.chunk_size)
+        keys = chunk_keys(scope, p.token_ids, self.chunk_size, p.key)
         return self._answer(len(p.token_ids), self.l1.prefix_hits(keys))
 
     def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> dict[str, Any]:
@@ -66,7 +66,7 @@ class LookupModule:
                 p.model_name, p.world_size, rank, p.dtype, p.num_layers, p.heads, p.head_dim,
                 p.kv_format.value, p.block_size,
             )  # fmt: skip
-            keys = chunk_keys(scope, p.token_ids[: chunks * self.chunk_size], self.chunk_size)
+            keys = chunk_keys(scope, p.token_ids[: chunks * self.chunk_size], self.chunk_size, p.key)
             chunks = min(chunks, self.l1.prefix_hits(keys))
         return {**self._answer(len(p.token_ids), chunks), "chunk_size": self.chunk_size}
 

@@ -143,7 +143,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
-            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size)
+            keys = chunk_keys(c.scope, p.token_ids, self.chunk_size, p.key)
             chunks = self._chunks(kv, p, len(keys))
 
             def fill(i: int, buf: torch.Tensor) -> None:
@@ -165,7 +165,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
     def _retrieve(self, rctx: RequestContext, p: Retrieve) -> dict[str, Any]:
         cs = self.chunk_size
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
-            keys = chunk_keys(c.scope, p.token_ids, cs)
+            keys = chunk_keys(c.scope, p.token_ids, cs, p.key)
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)

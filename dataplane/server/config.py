@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import resource
 import stat
 from pathlib import Path
 from typing import Annotated
@@ -29,6 +30,9 @@ from dataplane.wire.protocol import (
 # of 5, so a PING on the loop thread (which takes the GIL several times) never waits long behind
 # an HTTP thread building /status (copies release the GIL anyway).
 SWITCH_INTERVAL_S = 0.0005
+# Descriptors the server keeps beyond its connection cap (`connection_cap`): its own files, the
+# HTTP sidecar's clients, the remote tier's sockets, connections accepted and not yet refused.
+FD_KEEP = 256
 
 
 class L1Backing(enum.StrEnum):
@@ -68,6 +72,14 @@ class Settings(BaseSettings):
         max_length=100,
         description="Serve the data plane on this Unix socket (ipc://) instead of TCP host/port: "
         "created mode 600, so only the server's user can connect (docs/security.md).",
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        le=1 << 20,
+        description="Data-plane connections open at once; one beyond them is closed as soon as it is "
+        f"accepted (counted). Must leave {FD_KEEP} descriptors under the open-files limit (checked "
+        "at start); the default is lowered to fit.",
     )
     http_host: str = Field("127.0.0.1", min_length=1, description="HTTP sidecar bind host.")
     http_port: Port = Field(8080, description="HTTP sidecar bind port.")
@@ -200,6 +212,32 @@ class Settings(BaseSettings):
         when the settings were validated); None when neither is set."""
         return self._file_token if self.admin_token_file is not None else self.admin_token
 
+    def connection_cap(self, limit: int | None) -> int:
+        """The cap on data-plane connections under the open-files limit ``limit`` (None:
+        unlimited). ``max_connections`` holds when it leaves `FD_KEEP` descriptors under the
+        limit; one that was given and does not is refused (ValueError naming the setting, the
+        limit and the most that holds), the default is lowered to half of what the limit leaves
+        (registrations keep the other half for their mappings)."""
+        cap = self.max_connections
+        if limit is None:
+            return cap
+        room = limit - FD_KEEP
+        if "max_connections" in self.model_fields_set:
+            if cap > room:
+                raise ValueError(
+                    f"max_connections={cap}: cannot be honoured under the open-files limit of {limit} "
+                    f"(RLIMIT_NOFILE, raised to the hard limit at start): the server keeps {FD_KEEP} "
+                    f"descriptors beyond its connections, so at most {max(room, 0)} here; lower "
+                    "--max-connections or raise the limit (ulimit -n)"
+                )
+            return cap
+        if room // 2 < 1:
+            raise ValueError(
+                f"max_connections: the open-files limit of {limit} (RLIMIT_NOFILE) leaves no room "
+                f"for connections beside the {FD_KEEP} descriptors the server keeps; raise it (ulimit -n)"
+            )
+        return min(cap, room // 2)
+
     @property
     def l1_capacity_bytes(self) -> int:
         return int(self.l1_size_gb * (1 << 30))
@@ -210,6 +248,12 @@ class Settings(BaseSettings):
             return f"ipc://{self.ipc_path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port}"
+
+
+def fd_limit() -> int | None:
+    """The soft limit on open files (RLIMIT_NOFILE); None when unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def validate_liveness(timeout: float, grace: float, disconnect: float = 0.0) -> None:

@@ -23,7 +23,7 @@ import zmq
 
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext, ServerInfo
-from dataplane.server.config import Settings
+from dataplane.server.config import Settings, fd_limit
 from dataplane.wire.errors import LimitExceeded
 from dataplane.wire.messages import Hello, MsgType, Ping
 
@@ -110,7 +110,9 @@ def open_router(
 
 
 def new_server(settings: Settings, metrics: DataPlaneMetrics) -> Server:
-    """The data plane's server, bound (OSError when the endpoint cannot be)."""
+    """The data plane's server, bound (OSError when the endpoint cannot be), its connections
+    capped under the open-files limit as it is now (ValueError when the cap cannot be honoured:
+    `Settings.connection_cap`)."""
     from dataplane.server.loop import Server
 
     return Server(
@@ -119,4 +121,5 @@ def new_server(settings: Settings, metrics: DataPlaneMetrics) -> Server:
         max_transfer_workers=settings.max_transfer_workers,
         max_frame_bytes=settings.max_frame_bytes,
         metrics=metrics,
+        max_connections=settings.connection_cap(fd_limit()),
     )

@@ -11,6 +11,7 @@
 ZMQ sockets are not thread-safe, so only the loop thread touches the ROUTER. Pool threads hand
 replies back through a queue and wake the loop with an eventfd, which any thread may write.
 A bad request gets an error reply; a handler exception becomes an error reply to that request.
+A connection past ``max_connections`` is shut down as it is accepted (`dataplane.server.connections`).
 Shutdown (``stop``) stops reading new requests, answers requests that arrive meanwhile with
 SHUTTING_DOWN, drains the in-flight ones within a bound, then closes the socket.
 """
@@ -35,7 +36,8 @@ import zmq
 from dataplane import __version__
 from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, Module, RequestContext, ServerInfo
+from dataplane.modules.base import Deferred, Handler, HandlerKind, Module, RequestContext, ServerInfo
+from dataplane.server.connections import ConnectionTracker
 from dataplane.server.early import StartGate, open_router
 from dataplane.server.ordered import KeyedSerialExecutor
 from dataplane.wire.errors import (
@@ -82,6 +84,7 @@ class Server:
         max_frame_bytes: int = 16 << 20,
         metrics: DataPlaneMetrics | None = None,
         drain_timeout_s: float = 10.0,
+        max_connections: int | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.server_id = uuid.uuid4().hex
@@ -95,6 +98,7 @@ class Server:
         self._modules: list[Module] = []
         self._conn_listeners: list[ConnListener] = []
         self._ctx, self._sock, self._monitor = open_router(endpoint, max_frame_bytes)
+        self.connections = ConnectionTracker(max_connections, self.metrics)  # loop thread only
         self.bound_endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pool_sizes = (max_cpu_workers, max_transfer_workers)
         self._normal = ThreadPoolExecutor(max_cpu_workers, thread_name_prefix="kvwarden-normal")
@@ -289,17 +293,10 @@ class Server:
             logger.warning("server: reply dropped, peer not reading (high-water mark)")
 
     def _on_monitor(self) -> None:
-        while True:
-            try:
-                msg = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = int.from_bytes(msg[0][:2], "little")
-            fd = int.from_bytes(msg[0][2:6], "little", signed=True)
-            connected = event == zmq.EVENT_ACCEPTED
-            if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED) and self._gate is not None:
+        for fd, connected in self.connections.drain(self._monitor):  # (past the cap: refused)
+            if self._gate is not None:
                 self._gate.events.append((fd, connected))  # for the listeners, once open
-            elif event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
+            else:
                 for fn in self._conn_listeners:
                     fn(fd, connected)
 
@@ -350,9 +347,14 @@ class Server:
             return
         rctx = RequestContext(req.request_id, req.type, fd)
         key = handler.order_key(req.payload) if handler.order_key is not None else None
-        if handler.kind is HandlerKind.LOOP or self._inline(handler, req.payload, key):
+        if handler.kind is HandlerKind.LOOP:
             self._send(envelope, self._call(handler, rctx, req.payload))
             return
+        if self._inline(handler, req.payload, key):
+            inline = RequestContext(req.request_id, req.type, fd, inline=True)
+            with contextlib.suppress(Deferred):  # it would wait after all: on to the pool
+                self._send(envelope, self._call(handler, inline, req.payload))
+                return
         self._inflight += 1
 
         def task() -> None:
@@ -386,6 +388,8 @@ class Server:
             elif isinstance(exc, NotOwner):
                 self.metrics.not_owner.inc()
         except Exception as exc:
+            if isinstance(exc, Deferred) and rctx.inline:
+                raise  # (the caller hands it to the pool)
             logger.exception("server: %s handler failed", rctx.type)
             data = encode_error(rctx.request_id, ServerError(f"{rctx.type} failed: {exc}"))
             outcome = "error"

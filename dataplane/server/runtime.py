@@ -203,7 +203,7 @@ def build_dataplane(
     quota = InstanceQuota(settings.max_instances, settings.max_instances_per_connection)
     mapped = ByteBudget("worker memory mapped", int(settings.max_mapped_gb * (1 << 30)), "max_mapped_gb")
     pools = ByteBudget("the chunk pools", int(settings.max_pool_gb * (1 << 30)), "max_pool_gb")
-    fds = DescriptorReserve()
+    fds = DescriptorReserve(held_back=server.connections.room)  # room for the connections the cap allows
     transfer = ServerDrivenTransferModule(
         l1, cs, metrics, clock, splitter=splitter, quota=quota, mapped_budget=mapped, descriptors=fds
     )

@@ -8,6 +8,11 @@ ranks or two layouts never share a key. A token-major chunk is independent of ho
 pages its memory, so block size and block count are not in its scope; a chunk of another format
 (``dataplane.wire.messages.KVFormat``) holds whole blocks as the engine lays them out, so its
 format and block size are.
+
+A request's key context (`dataplane.wire.context.KeyContext`) changes the chain: its salt and
+namespace (a LoRA adapter) the start, ``key_0 = H(start, ...)``, and each of its spans the
+chunks it overlaps, ``key_i = H(key_{i-1}, tokens[iC:(i+1)C], spans over chunk i)``. Without one,
+or with an empty one, keys are as above, so what was shared stays shared.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import numpy as np
 
 from dataplane.wire.checks import ID_DTYPE
+from dataplane.wire.context import KeyContext
 
 KEY_BYTES = 16
 
@@ -42,17 +48,79 @@ def scope_digest(
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
-def chunk_keys(scope: bytes, token_ids: np.ndarray, chunk_size: int) -> list[bytes]:
+def context_start(scope: bytes, ctx: KeyContext | None) -> bytes:
+    """The chain's start under ``ctx``: the scope itself when it has no salt and no namespace."""
+    if ctx is None or not (ctx.salt or ctx.namespace):
+        return scope
+    h = hashlib.blake2b(scope, digest_size=KEY_BYTES, person=b"kvwarden-ctx")
+    for part in (ctx.salt, ctx.namespace):
+        h.update(len(part).to_bytes(2, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def span_marks(ctx: KeyContext | None, n_chunks: int, chunk_size: int) -> dict[int, bytes]:
+    """Chunk index (below ``n_chunks``) -> the encoded spans that overlap it, each with its start
+    and end relative to the chunk (so a chunk keys the same in a window of its sequence). The
+    spans are sorted and disjoint, so this is linear in spans plus chunks."""
+    marks: dict[int, bytearray] = {}
+    if ctx is None:
+        return {}
+    for start, end, digest in ctx.spans:
+        if end <= 0:
+            continue
+        first = max(start, 0) // chunk_size
+        if first >= n_chunks:
+            break
+        tail = bytes([len(digest)]) + digest
+        for i in range(first, min((end - 1) // chunk_size + 1, n_chunks)):
+            at = i * chunk_size  # where the span starts and ends, relative to the chunk
+            enc = (start - at).to_bytes(8, "little", signed=True) + (end - at).to_bytes(
+                8, "little", signed=True
+            )
+            marks.setdefault(i, bytearray(b"\x01")).extend(enc + tail)
+    return {i: bytes(m) for i, m in marks.items()}
+
+
+def chunk_keys(
+    scope: bytes, token_ids: np.ndarray, chunk_size: int, ctx: KeyContext | None = None
+) -> list[bytes]:
     """Keys of every *full* chunk of ``token_ids`` (a trailing partial chunk has no key)."""
     tokens = np.ascontiguousarray(token_ids, dtype=ID_DTYPE)
     n_full = len(tokens) // chunk_size
     keys: list[bytes] = []
-    prev = scope
+    prev = context_start(scope, ctx)
+    marks = span_marks(ctx, n_full, chunk_size) if ctx is not None and ctx.spans else {}
     raw = memoryview(tokens.tobytes())
     step = chunk_size * ID_DTYPE.itemsize
     for i in range(n_full):
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
         h.update(raw[i * step : (i + 1) * step])
+        mark = marks.get(i)
+        if mark is not None:
+            h.update(mark)
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def blend_keys(
+    scope: bytes, token_ids: np.ndarray, chunk_size: int, ctx: KeyContext | None = None
+) -> list[bytes]:
+    """A key per full chunk, from the scope (under the request's context) and that chunk's
+    tokens alone (and the context's spans over it)."""
+    tokens = np.ascontiguousarray(token_ids, dtype=ID_DTYPE)
+    step = chunk_size * ID_DTYPE.itemsize
+    raw = memoryview(tokens.tobytes())
+    n = len(tokens) // chunk_size
+    start = context_start(scope, ctx)
+    marks = span_marks(ctx, n, chunk_size)
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(start, digest_size=KEY_BYTES, person=b"kvwarden-blend")
+        h.update(raw[i * step : (i + 1) * step])
+        mark = marks.get(i)
+        if mark is not None:
+            h.update(mark)
+        out.append(h.digest())
+    return out

@@ -13,8 +13,11 @@ It is the L1 store (`L1Store`, whose interface the transfer modules already use)
   STORE is skipped (`writable`), RETRIEVE is an all-miss and LOOKUP is 0, each with a warning
   at most every `WARN_EVERY_S` (the count of what was skipped meanwhile in it).
 
-Remote calls run on the caller's thread (transfer and normal workers, never the loop), each
-bounded by the backend's timeout.
+Remote reads run on the caller's thread (transfer and normal workers), each bounded by the
+backend's timeout, and never on the loop thread: what it may call (`acquire_local`, `commit`,
+which only queues the write, `release`, `pin_present`, `reserve`) never calls Redis. A one-copy
+ACQUIRE answered on the loop takes L1's part of the prefix with `acquire_local`, and is handed to
+the transfer pool when the remote tier might continue it.
 """
 
 from __future__ import annotations
@@ -100,6 +103,18 @@ class TieredStore(L1Store):
             nbytes = buf.numel()
             bufs.append(buf)
         return bufs
+
+    def acquire_local(self, keys: list[bytes]) -> list[torch.Tensor] | None:
+        """`acquire_prefix` for a caller that must not wait (the loop thread): what L1 holds of
+        the prefix, pinned, when the remote tier could not add to it; None (nothing pinned) when
+        it might: the caller asks `acquire_prefix` where waiting is fine. Never calls Redis."""
+        if not self._open("RETRIEVE", "answered with misses"):
+            return []
+        bufs = super().acquire_prefix(keys)
+        if self.remote is None or len(bufs) == len(keys):
+            return bufs
+        super().release(keys[: len(bufs)])  # (L1's own release: they stay as they were)
+        return None
 
     def _promote(self, key: bytes, nbytes: int | None) -> torch.Tensor | None:
         """The chunk of ``key`` from the remote tier, copied into L1 and pinned; None: not there

@@ -32,6 +32,8 @@ from dataplane.wire.checks import (
     type_name,
     u63,
 )
+from dataplane.wire.context import KeyContext as KeyContext
+from dataplane.wire.context import opt_key_context
 from dataplane.wire.errors import ProtocolError
 from dataplane.wire.kinds import KVFormat as KVFormat
 from dataplane.wire.kinds import MemoryKind as MemoryKind
@@ -173,6 +175,7 @@ class Transfer(Message):
     secret: Annotated[bytes, _secret]
     token_ids: Annotated[np.ndarray, _IDS]
     block_ids: Annotated[np.ndarray, _IDS]
+    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,6 +194,7 @@ class Lookup(Message):
     instance_id: Annotated[int, u63]
     secret: Annotated[bytes, _secret]
     token_ids: Annotated[np.ndarray, _IDS]
+    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,6 +213,7 @@ class LookupScope(Message):
     kv_format: Annotated[KVFormat, member_of(KVFormat)]
     block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE)]
     token_ids: Annotated[np.ndarray, _IDS]
+    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,6 +250,7 @@ class EngineTransfer(Message):
     token_ids: Annotated[np.ndarray, _IDS]
     first_chunk: Annotated[int, small_int(0, MAX_TOKENS_PER_REQUEST)]
     n_chunks: Annotated[int, small_int(0, MAX_POOL_CHUNKS)]
+    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -319,6 +325,7 @@ class BlendTransfer(Message):
     token_ids: Annotated[np.ndarray, _IDS]
     block_ids: Annotated[np.ndarray, _IDS]
     position: Annotated[int, small_int(0, 1 << 31)]
+    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -339,6 +346,7 @@ class BlendLease(Message):
     instance_id: Annotated[int, u63]
     secret: Annotated[bytes, _secret]
     token_ids: Annotated[np.ndarray, _IDS]
+    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,8 +21,9 @@ from dataplane.wire.checks import U64_LIMIT, type_name
 from dataplane.wire.errors import FrameTooLarge, KVWardenError, ProtocolError, VersionMismatch
 from dataplane.wire.messages import PARSERS, Message, MsgType, encode_payload
 
-# 2: every request of an instance carries its secret; 3: ENGINE_REGISTER names its KV format and block size
-PROTOCOL_VERSION = 3
+# 2: every request of an instance carries its secret; 3: ENGINE_REGISTER names its KV format and block
+# size; 4: every message that names tokens carries their key context (salt, adapter, spans)
+PROTOCOL_VERSION = 4
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 
 # The liveness contract both sides size themselves against: the server's reap timeout is never

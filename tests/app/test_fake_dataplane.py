@@ -87,7 +87,7 @@ class FakeDataPlane:
             server_id="fake-server-1",
             boot_token=123_456_789,
             version="9.8.7-fake",
-            protocol_version=3,
+            protocol_version=4,
             started_at=time.time(),
             endpoint="tcp://127.0.0.1:65001",
             chunk_size=64,

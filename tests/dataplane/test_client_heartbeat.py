@@ -380,7 +380,7 @@ def test_short_outage_recovers_with_a_no_op_reregister(
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(servers.endpoint)
     try:
-        sock.send(encode_request(1, MsgType.LOOKUP, [w.instance_id, bytes(16), b""]))
+        sock.send(encode_request(1, MsgType.LOOKUP, [w.instance_id, bytes(16), b"", None]))
         assert blocker.holding.wait(5)
         wait_until(lambda: not w.is_healthy, WAIT, what="unhealthy while the server is silent")
         blocker.release.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.cli import load_settings
-from dataplane.server.config import Settings, format_validation_error, validate_liveness
+from dataplane.server.config import FD_KEEP, Settings, format_validation_error, validate_liveness
 from tests.helpers import ROOT, subprocess_env
 
 REAP = "worker_reap_timeout_seconds"
@@ -34,8 +35,6 @@ def rejected(**kw: Any) -> str:
 
 @pytest.fixture(autouse=True)
 def _no_kvwarden_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
     for k in list(os.environ):
         if k.startswith("KVWARDEN_"):
             monkeypatch.delenv(k)
@@ -160,6 +159,10 @@ def test_validate_liveness_directly() -> None:
         ("log_level", "verbose"),
         ("host", ""),
         ("max_frame_bytes", 100),
+        ("max_connections", 0),
+        ("max_connections", -1),
+        ("max_connections", (1 << 20) + 1),
+        ("max_connections", "many"),
     ],
 )
 def test_field_rule(field: str, value: Any) -> None:
@@ -217,6 +220,33 @@ def test_flags_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.chunk_size == 64  # an absent flag leaves the env var in force
 
 
+def test_connection_cap_under_the_open_files_limit() -> None:
+    # unlimited, or a limit that holds it: max_connections as it is
+    assert Settings().max_connections == 1024 and Settings().connection_cap(None) == 1024
+    assert Settings().connection_cap(1 << 20) == 1024
+    assert Settings(max_connections=5000).connection_cap(5000 + FD_KEEP) == 5000
+    # the default is lowered to half of what the limit leaves beyond FD_KEEP
+    assert Settings().connection_cap(1024) == (1024 - FD_KEEP) // 2 == 384
+    assert Settings().connection_cap(FD_KEEP + 2) == 1
+    # one that was given (flag, argument or environment) and does not fit is refused
+    assert Settings(max_connections=1024 - FD_KEEP).connection_cap(1024) == 1024 - FD_KEEP
+    with pytest.raises(ValueError) as exc:
+        Settings(max_connections=1024 - FD_KEEP + 1).connection_cap(1024)
+    msg = str(exc.value)
+    assert msg.startswith(f"max_connections={1024 - FD_KEEP + 1}: cannot be honoured"), msg
+    assert "open-files limit of 1024" in msg and f"at most {1024 - FD_KEEP} here" in msg, msg
+    with pytest.raises(ValueError, match=r"^max_connections: the open-files limit of 257 .*ulimit -n"):
+        Settings().connection_cap(FD_KEEP + 1)
+
+
+def test_connection_cap_given_in_the_environment_counts_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVWARDEN_MAX_CONNECTIONS", "900")
+    with pytest.raises(ValueError, match=r"^max_connections=900: cannot be honoured .* at most 768 here"):
+        Settings().connection_cap(1024)
+    monkeypatch.setenv("KVWARDEN_MAX_CONNECTIONS", "0")
+    assert rejected().startswith("max_connections")
+
+
 def test_l1_capacity_bytes() -> None:
     assert Settings(l1_size_gb=0.5).l1_capacity_bytes == 1 << 29
 
@@ -234,6 +264,12 @@ CLI_CASES: dict[str, tuple[list[str], str]] = {
     "disconnect": (["--worker-disconnect-grace-seconds", "0.5"], DISC),
     "bool": (["--local-cpu", "maybe"], "--local-cpu"),
     "unknown": (["--no-such-setting", "1"], "--no-such-setting"),
+    "max-connections": (["--max-connections", "0"], "max_connections"),
+}
+# runs under an open-files limit of 1,024 (soft and hard: the server cannot raise it)
+CAPPED_CASES: dict[str, tuple[list[str], dict[str, str]]] = {
+    "cap-flag": (["--max-connections", "5000"], {}),
+    "cap-env": ([], {"KVWARDEN_MAX_CONNECTIONS": "769"}),
 }
 
 
@@ -269,6 +305,22 @@ def cli_runs() -> dict[str, CliRun]:
             ],
             "env": [str(KVWARDEN), "serve", "--port", zmq_port, "--http-port", http_port],
         }
+        envs = {name: extra for name, (_, extra) in CAPPED_CASES.items()}
+        envs["env"] = {"KVWARDEN_WORKER_REAP_TIMEOUT_SECONDS": "10"}
+        for name, (args, _) in CAPPED_CASES.items():  # the serve wrapper sets the limit, then execs
+            wrapper = ["tests.reliability.workers", "serve", "--parent", str(os.getpid())]
+            limits = ["--nofile-soft", "1024", "--nofile-hard", "1024", "--"]
+            runs[name] = [
+                sys.executable,
+                "-m",
+                *wrapper,
+                *limits,
+                "--port",
+                zmq_port,
+                "--http-port",
+                http_port,
+                *args,
+            ]
         for name, (args, _) in CLI_CASES.items():
             runs[name] = [
                 sys.executable,
@@ -288,9 +340,7 @@ def cli_runs() -> dict[str, CliRun]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=subprocess_env(KVWARDEN_WORKER_REAP_TIMEOUT_SECONDS="10")
-                if name == "env"
-                else subprocess_env(),
+                env=subprocess_env(**envs.get(name, {})),
             )
             for name, cmd in runs.items()
         }
@@ -331,6 +381,21 @@ def test_cli_invalid_value(cli_runs: dict[str, CliRun], case: str) -> None:
     assert "Traceback" not in r.stderr
     assert "address" not in r.stderr.lower()
     assert "serving" not in r.stdout
+
+
+@pytest.mark.parametrize("case", sorted(CAPPED_CASES))
+def test_cli_refuses_a_connection_cap_the_open_files_limit_cannot_honour(
+    cli_runs: dict[str, CliRun], case: str
+) -> None:
+    r = cli_runs[case]
+    asked = 5000 if case == "cap-flag" else 769
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()  # (after the log line naming the limit)
+    assert [ln for ln in lines if "invalid setting" in ln] == lines[-1:], r.stderr
+    assert lines[-1].startswith(f"kvwarden serve: invalid setting: max_connections={asked}: cannot be")
+    assert "open-files limit of 1024" in lines[-1] and f"at most {1024 - FD_KEEP} here" in lines[-1]
+    assert "Traceback" not in r.stderr and "serving" not in r.stdout
+    assert "listening" not in r.stdout + r.stderr  # refused before anything binds
 
 
 def test_cli_invalid_env_var(cli_runs: dict[str, CliRun]) -> None:

@@ -312,9 +312,9 @@ def test_reserve_and_acquire_hash_no_chunk_past_the_last_asked_for(
     hashed: list[int] = []
     real = direct_module.chunk_keys
 
-    def counting(scope: bytes, token_ids: np.ndarray, chunk_size: int) -> list[bytes]:
+    def counting(scope: bytes, token_ids: np.ndarray, chunk_size: int, ctx: Any = None) -> list[bytes]:
         hashed.append(len(token_ids) // chunk_size)
-        return real(scope, token_ids, chunk_size)
+        return real(scope, token_ids, chunk_size, ctx)
 
     monkeypatch.setattr(direct_module, "chunk_keys", counting)
     direct.register(1)

@@ -66,7 +66,7 @@ def transfer(
     m: EngineDrivenTransferModule, mtype: MsgType, instance_id: int, conn_fd: int = -1
 ) -> dict[str, Any]:
     tokens = ids_to_bytes(list(range(200, 200 + 2 * CHUNK)))
-    payload = PARSERS[mtype]([instance_id, SECRET, tokens, 0, 2])
+    payload = PARSERS[mtype]([instance_id, SECRET, tokens, 0, 2, None])
     out: dict[str, Any] = m.handlers()[mtype].fn(RequestContext(2, mtype, conn_fd), payload)
     return out
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataplane.storage.keys import KEY_BYTES, chunk_keys, scope_digest
+from dataplane.storage.keys import KEY_BYTES, blend_keys, chunk_keys, scope_digest, span_marks
+from dataplane.wire.context import KeyContext
 
 C = 32
 BASE = dict(
@@ -105,3 +106,63 @@ def test_token_dtype_does_not_matter() -> None:
     t = toks(11, 2 * C)
     assert chunk_keys(scope(), t.astype(np.int64), C) == chunk_keys(scope(), t, C)
     assert chunk_keys(scope(), t.tolist(), C) == chunk_keys(scope(), t, C)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ key contexts
+
+
+def test_no_context_and_an_empty_one_key_as_tokens_alone() -> None:
+    t = toks(2, 4 * C)
+    plain = chunk_keys(scope(), t, C)
+    assert chunk_keys(scope(), t, C, None) == plain == chunk_keys(scope(), t, C, KeyContext())
+
+
+def test_a_salt_or_a_namespace_changes_every_key() -> None:
+    t = toks(3, 4 * C)
+    plain = chunk_keys(scope(), t, C)
+    a = chunk_keys(scope(), t, C, KeyContext(b"tenant-a"))
+    b = chunk_keys(scope(), t, C, KeyContext(b"tenant-b"))
+    lora = chunk_keys(scope(), t, C, KeyContext(namespace=b"lora:x"))
+    both = chunk_keys(scope(), t, C, KeyContext(b"tenant-a", b"lora:x"))
+    for keys in (a, b, lora, both):
+        assert not set(keys) & set(plain)
+    assert not set(a) & set(b) and not set(a) & set(both) and not set(lora) & set(both)
+    assert a == chunk_keys(scope(), t.copy(), C, KeyContext(b"tenant-a"))  # the same tenant shares
+    # a salt is not a namespace: the two fields cannot stand in for each other
+    assert chunk_keys(scope(), t, C, KeyContext(b"x")) != chunk_keys(
+        scope(), t, C, KeyContext(namespace=b"x")
+    )
+
+
+def test_a_span_changes_the_chunks_it_overlaps_and_every_later_one_only() -> None:
+    t = toks(4, 5 * C)
+    plain = chunk_keys(scope(), t, C)
+    img = KeyContext(spans=((2 * C + 3, 3 * C + 5, b"image-1"),))
+    keyed = chunk_keys(scope(), t, C, img)
+    assert keyed[:2] == plain[:2]  # the prefix before the image is shared
+    assert not set(keyed[2:]) & set(plain)
+    other = chunk_keys(scope(), t, C, KeyContext(spans=((2 * C + 3, 3 * C + 5, b"image-2"),)))
+    moved = chunk_keys(scope(), t, C, KeyContext(spans=((2 * C + 4, 3 * C + 5, b"image-1"),)))
+    assert other[:2] == plain[:2] and not set(other[2:]) & set(keyed)
+    assert moved[:2] == plain[:2] and not set(moved[2:]) & set(keyed)
+    # a span past the full chunks keys nothing
+    assert chunk_keys(scope(), t, C, KeyContext(spans=((5 * C, 5 * C + 1, b"x"),))) == plain
+
+
+def test_span_marks_are_relative_to_each_chunk_and_linear() -> None:
+    ctx = KeyContext(spans=((-5, 3, b"a"), (3, 100 * C, b"b")))
+    marks = span_marks(ctx, 1000, C)
+    assert sorted(marks) == list(range(100))  # the long span over 100 chunks, nothing past it
+    assert marks[0].count(b"a") == 1 and marks[0].count(b"b") == 1 and b"a" not in marks[1]
+    # chunk i of a window from chunk k keys as chunk k + i of the whole sequence
+    assert span_marks(ctx.window(3 * C), 1000, C)[0] == marks[3]
+
+
+def test_blend_keys_of_a_window_are_the_whole_sequences() -> None:
+    t = toks(5, 6 * C)
+    ctx = KeyContext(b"t", b"n", ((C + 2, 4 * C, b"img"),))
+    whole = blend_keys(scope(), t, C, ctx)
+    assert blend_keys(scope(), t[2 * C :], C, ctx.window(2 * C)) == whole[2:]
+    plain = blend_keys(scope(), t, C)
+    assert not set(whole) & set(plain)
+    assert blend_keys(scope(), t, C, KeyContext(b"t", b"n")) != whole

@@ -286,8 +286,18 @@ class TestFraming:
             SECRET,
             tok,
             blk,
+            None,  # no key context
         ]
-        assert m.encode_payload(m.Lookup(IID, SECRET, np.arange(40))) == [IID, SECRET, tok]
+        assert m.encode_payload(m.Lookup(IID, SECRET, np.arange(40))) == [IID, SECRET, tok, None]
+        ctx = m.KeyContext(b"tenant", b"adapter", ((-3, 5, b"img"), (5, 9, b"emb")))
+        assert m.encode_payload(m.Lookup(IID, SECRET, np.arange(40), ctx)) == [
+            IID,
+            SECRET,
+            tok,
+            [b"tenant", b"adapter", [[-3, 5, b"img"], [5, 9, b"emb"]]],
+        ]
+        req = roundtrip(p.encode_message(4, m.Lookup(IID, SECRET, np.arange(40), ctx)))
+        assert isinstance(req.payload, m.Lookup) and req.payload.key == ctx
         assert m.encode_payload(m.Ping(None, None)) == [None, None]
 
     @pytest.mark.parametrize("msg", INSTANCE_MESSAGES, ids=lambda msg: type(msg).__name__)
@@ -338,15 +348,15 @@ class TestFraming:
         with pytest.raises(ProtocolError, match="undecodable frame"):
             p.unpack(data, 4096)
 
-    def test_protocol_version_is_3(self) -> None:
-        assert p.PROTOCOL_VERSION == 3
+    def test_protocol_version_is_4(self) -> None:
+        assert p.PROTOCOL_VERSION == 4
 
     def test_version_mismatch_names_both_versions(self) -> None:
         with pytest.raises(VersionMismatch) as exc:
-            roundtrip(p.encode_request(1, "HELLO", [], version=4))
+            roundtrip(p.encode_request(1, "HELLO", [], version=3))
         msg = str(exc.value)
-        assert "v4" in msg and f"v{p.PROTOCOL_VERSION}" in msg
-        assert "client speaks v4" in msg and "server speaks v3" in msg
+        assert "v3" in msg and f"v{p.PROTOCOL_VERSION}" in msg
+        assert "client speaks v3" in msg and "server speaks v4" in msg
         assert exc.value.code == "VERSION_MISMATCH"
 
     @pytest.mark.parametrize(
@@ -358,7 +368,7 @@ class TestFraming:
         for its payload: it learns to upgrade, not that its PING is malformed."""
         with pytest.raises(VersionMismatch) as exc:
             roundtrip(p.encode_request(1, mtype, v1_payload, version=1))
-        assert "client speaks v1, server speaks v3" in str(exc.value)
+        assert "client speaks v1, server speaks v4" in str(exc.value)
         assert exc.value.code == "VERSION_MISMATCH"
 
     def test_version_checked_before_everything_else(self) -> None:
@@ -418,9 +428,9 @@ class TestFraming:
 
     def test_reply_version_mismatch_names_both(self) -> None:
         data = msgpack.packb([9, 1, True, None])
-        with pytest.raises(VersionMismatch, match="server speaks v9, client speaks v3"):
+        with pytest.raises(VersionMismatch, match="server speaks v9, client speaks v4"):
             p.decode_reply(data)
-        with pytest.raises(VersionMismatch, match="server speaks v1, client speaks v3"):
+        with pytest.raises(VersionMismatch, match="server speaks v1, client speaks v4"):
             p.decode_reply(msgpack.packb([1, 1, True, None]))
         with pytest.raises(ProtocolError, match="malformed reply"):
             p.decode_reply(msgpack.packb([1, 1, True]))
@@ -462,16 +472,36 @@ S = SECRET
         (
             "STORE",
             [IID, S, b""],
-            r"STORE: expected 4 payload fields \(instance_id, secret, token_ids, "
-            r"block_ids\), got 3",
+            r"STORE: expected 5 payload fields \(instance_id, secret, token_ids, "
+            r"block_ids, key\), got 3",
         ),
         ("STORE", payload_of(STORE, token_ids=[1, 2]), "STORE.token_ids: expected bytes"),
+        ("STORE", payload_of(STORE, key=b"salt"), "STORE.key: payload must be an array, got bytes"),
+        ("STORE", payload_of(STORE, key=[b"s", b""]), r"STORE.key: expected 3 payload fields"),
+        ("LOOKUP", payload_of(LOOKUP, key=["s", b"", []]), "LOOKUP.key.salt: expected bytes, got str"),
+        ("LOOKUP", payload_of(LOOKUP, key=[b"s" * 257, b"", []]), "LOOKUP.key.salt: 257 bytes exceeds"),
+        ("LOOKUP", payload_of(LOOKUP, key=[b"", b"n" * 257, []]), "LOOKUP.key.namespace: 257 bytes"),
+        ("RETRIEVE", payload_of(RETRIEVE, key=[b"", b"", [[0, 4]]]), r"RETRIEVE.key.spans\[0\]: expected"),
+        ("RETRIEVE", payload_of(RETRIEVE, key=[b"", b"", [[4, 4, b"d"]]]), r"\[4, 4\) is not a range"),
+        ("RETRIEVE", payload_of(RETRIEVE, key=[b"", b"", [[0, 1.5, b"d"]]]), "must be integers"),
+        ("RETRIEVE", payload_of(RETRIEVE, key=[b"", b"", [[0, 8, b""]]]), "digest must be 1 to 64 bytes"),
+        ("RETRIEVE", payload_of(RETRIEVE, key=[b"", b"", [[0, 8, b"d" * 65]]]), "digest must be 1 to 64"),
+        (
+            "STORE",
+            payload_of(STORE, key=[b"", b"", [[0, 8, b"a"], [4, 12, b"b"]]]),
+            r"STORE.key.spans\[1\]: starts at 4, inside or before the span before it \(ends 8\)",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, key=[b"", b"", [[0, 1, b"a"]] * 65537]),
+            "STORE.key.spans: 65537 spans exceeds the limit of 65536",
+        ),
         ("STORE", payload_of(STORE, block_ids="ab"), "STORE.block_ids: expected bytes"),
         ("STORE", payload_of(STORE, token_ids=b"\x00" * 6), "STORE.token_ids: 6 bytes is not a whole number"),
         ("STORE", payload_of(STORE, block_ids=b"\x00" * 3), "STORE.block_ids: 3 bytes is not a whole number"),
         ("STORE", payload_of(STORE, instance_id=-7), r"STORE.instance_id: -7 is out of range \[0, 2\^63\)"),
         ("STORE", payload_of(STORE, instance_id=1 << 63), r"STORE.instance_id: .* is out of range"),
-        ("RETRIEVE", [*m.encode_payload(RETRIEVE), b""], "RETRIEVE: expected 4 payload fields"),
+        ("RETRIEVE", [*m.encode_payload(RETRIEVE), b""], "RETRIEVE: expected 5 payload fields"),
         (
             "RETRIEVE",
             payload_of(RETRIEVE, instance_id="1"),
@@ -482,7 +512,7 @@ S = SECRET
             payload_of(RETRIEVE, instance_id=(1 << 64) - 1),
             "RETRIEVE.instance_id: .* is out of range",
         ),
-        ("LOOKUP", [IID, S], r"LOOKUP: expected 3 payload fields \(instance_id, secret, token_ids\)"),
+        ("LOOKUP", [IID, S], r"LOOKUP: expected 4 payload fields \(instance_id, secret, token_ids, key\)"),
         ("LOOKUP", payload_of(LOOKUP, token_ids=b"\x01"), "LOOKUP.token_ids: 1 bytes is not a whole number"),
         ("LOOKUP", payload_of(LOOKUP, token_ids=None), "LOOKUP.token_ids: expected bytes"),
         ("LOOKUP", payload_of(LOOKUP, instance_id=True), "LOOKUP.instance_id: expected an integer, got bool"),

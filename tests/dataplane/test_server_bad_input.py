@@ -143,7 +143,7 @@ def payload_of(msg: Record, **over: Any) -> list[Any]:
 def test_server_info(server: ServerProcess, sock: Sock) -> None:
     reply = call(sock, frame("HELLO", []))
     assert reply.ok
-    assert reply.body["protocol_version"] == 3 == PROTOCOL_VERSION
+    assert reply.body["protocol_version"] == 4 == PROTOCOL_VERSION
     assert reply.body["chunk_size"] == CHUNK
     assert reply.body["max_frame_bytes"] == MAX_FRAME
 
@@ -181,7 +181,7 @@ def test_wrong_version(sock: Sock) -> None:
     reply = call(sock, frame("PING", [None, None], rid=rid, version=7))
     code, message = error_of(reply)
     assert code == "VERSION_MISMATCH"
-    assert "v7" in message and "v3" in message
+    assert "v7" in message and "v4" in message
     assert reply.request_id == rid  # the id is echoed even on a decode error
     ping(sock)
 
@@ -203,7 +203,7 @@ def test_v1_client_gets_version_mismatch(
         reply = call(sock, frame(mtype, v1_payload, rid=rid, version=1))
         code, message = error_of(reply)
         assert code == "VERSION_MISMATCH", (mtype, code, message)
-        assert "client speaks v1" in message and "server speaks v3" in message, message
+        assert "client speaks v1" in message and "server speaks v4" in message, message
         assert reply.request_id == rid
     assert ping(sock, w.instance_id, secret_of(w)).body["tracked"] is True
 
@@ -223,8 +223,8 @@ def test_unknown_message_type(sock: Sock) -> None:
         ("PING", [], ["PING: expected 2 payload fields", "got 0"]),
         ("PING", [1, SECRET, 3], ["PING: expected 2 payload fields", "got 3"]),
         ("HELLO", [1], ["HELLO: expected 0 payload fields"]),
-        ("STORE", [1, SECRET, b""], ["STORE: expected 4 payload fields", "got 3"]),
-        ("LOOKUP", [1, SECRET, b"", b""], ["LOOKUP: expected 3 payload fields", "got 4"]),
+        ("STORE", [1, SECRET, b""], ["STORE: expected 5 payload fields", "got 3"]),
+        ("LOOKUP", [1, SECRET, b"", None, b""], ["LOOKUP: expected 4 payload fields", "got 5"]),
         ("REGISTER_KV_CACHE", [1, SECRET, "m"], ["REGISTER_KV_CACHE: expected 11 payload fields"]),
         ("RETRIEVE", "not a list", ["RETRIEVE: payload must be an array"]),
     ],

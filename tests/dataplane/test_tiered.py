@@ -1,14 +1,19 @@
-"""TieredStore without a remote tier: the health gate and its rate-limited warnings; staging
-only (hot cache off) drops what no reader holds."""
+"""TieredStore: without a remote tier, the health gate and its rate-limited warnings; staging
+only (hot cache off) drops what no reader holds. With a real redis-server (started here, paused
+with SIGSTOP): what the loop thread may call (`acquire_local`) never waits on it."""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
 
 import pytest
 
 from dataplane.storage import tiered
+from dataplane.storage.remote import RemoteBackend
 from dataplane.storage.tiered import TieredStore
+from tests.redis_server import RedisServer
 
 
 def _store(t: TieredStore, key: bytes) -> None:
@@ -58,3 +63,50 @@ def test_discard_keeps_what_a_reader_holds() -> None:
     assert t.prefix_hits([b"a" * 16, b"b" * 16]) == 1
     t.release([b"a" * 16])
     assert t.discard([b"a" * 16]) == 1 and t.stats().chunks == 0
+
+
+@pytest.fixture
+def backend(redis_server: RedisServer) -> Iterator[RemoteBackend]:
+    b = RemoteBackend(redis_server.url, timeout_s=2.0)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+        b.join(10)
+        b.close()
+
+
+def test_acquire_local_never_asks_the_remote_tier(redis_server: RedisServer, backend: RemoteBackend) -> None:
+    """L1 holds chunk a; Redis holds a and b. Redis stopped (SIGSTOP): `acquire_local` of a is
+    L1's answer, and of a, b is None at once, leaving nothing pinned; `acquire_prefix` (what the
+    transfer pool calls) reads b from Redis once it answers again."""
+    ka, kb = b"a" * 16, b"b" * 16
+    writer = TieredStore(1 << 20, remote=backend)  # another server's L1, sharing the Redis
+    for k in (ka, kb):
+        _store(writer, k)
+    assert backend.flush(10)
+    t = TieredStore(1 << 20, remote=backend)
+    buf = t.reserve(4096)
+    assert buf is not None and t.commit(ka, buf) and backend.flush(10)
+    gets = backend.stats().gets
+    redis_server.pause()
+    try:
+        t0 = time.monotonic()
+        got = t.acquire_local([ka])
+        assert got is not None and len(got) == 1
+        t.release([ka])
+        assert t.acquire_local([ka, kb]) is None
+        assert time.monotonic() - t0 < 0.5 and backend.stats().gets == gets  # Redis was never asked
+    finally:
+        redis_server.resume()
+    assert t.discard([ka]) == 1  # nothing was left pinned
+    bufs = t.acquire_prefix([ka, kb])  # from Redis, promoted into L1
+    assert len(bufs) == 2 and t.promoted == 2
+    t.release([ka, kb])
+    assert TieredStore(1 << 20, gate=lambda: False, remote=backend).acquire_local([ka]) == []
+    plain = TieredStore(1 << 20)  # no remote tier: L1's answer, short or not
+    _store(plain, ka)
+    got = plain.acquire_local([ka, kb])
+    assert got is not None and len(got) == 1
+    plain.release([ka])

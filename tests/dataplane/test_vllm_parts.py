@@ -13,11 +13,20 @@ import pytest
 import torch
 
 from dataplane.client import WorkerAdapter
-from dataplane.client.vllm_state import Load, Planner, Save, Scope, ScopeLookup, connector_settings
+from dataplane.client.vllm_state import (
+    UNCACHED,
+    Load,
+    Plan,
+    Planner,
+    Save,
+    Scope,
+    ScopeLookup,
+    connector_settings,
+)
 from dataplane.client.vllm_worker import Registrar, Saver, load
 from dataplane.memory.blockkv import BlockKV
 from dataplane.wire.errors import InvalidLayout
-from dataplane.wire.messages import KVFormat
+from dataplane.wire.messages import KeyContext, KVFormat
 from tests.helpers import FakeClock, ServerProcess
 
 CS = 32  # the server's chunk size in these tests
@@ -173,7 +182,7 @@ def test_scope_lookup_answers_zero_at_once_while_the_server_is_away(
 def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new() -> None:
     asked: list[int] = []
 
-    def hits(tokens: np.ndarray) -> int:
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> int:
         asked.append(len(tokens))
         return len(tokens) // CS * CS  # the server holds everything asked for
 
@@ -205,6 +214,31 @@ def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new(
         6,
     ]
     assert p.finished("c") is False  # never seen
+
+
+def test_planner_carries_each_requests_key_context_and_never_caches_an_uncached_one() -> None:
+    asked: list[KeyContext | None] = []
+
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> int:
+        asked.append(key)
+        return len(tokens) // CS * CS
+
+    p = Planner(hits, BS)
+    p.chunk_size = lambda: CS
+    prompt, blocks = list(range(3 * CS)), list(range(6))
+    ctx = KeyContext(b"tenant-a")
+    assert p.matched("a", prompt, 0, ctx) == 2 * CS and asked == [ctx]
+    p.allocated("a", prompt, 2 * CS)
+    plan = p.plan([("a", prompt, blocks, 2 * CS, CS)], [], False)
+    assert [ld.key for ld in plan.loads] == [ctx] and [sv.key for sv in plan.saves] == [ctx]
+    # a request whose KV no key can name: no LOOKUP, no load, no store
+    assert p.matched("u", prompt, 0, UNCACHED) == 0 and asked == [ctx]
+    p.allocated("u", prompt, 0)
+    assert p.plan([("u", prompt, blocks, 0, 3 * CS)], [], False) == Plan()
+    assert p.finished("u") is False
+    # one that was never looked up has no known context: it is not stored under a guessed one
+    assert p.plan([("x", prompt, blocks, 0, 3 * CS)], [], False) == Plan()
+    assert p.finished("a") is True and "a" not in p.keys
 
 
 # ------------------------------------------------------------------ the worker's threads

@@ -129,7 +129,7 @@ def concrete(expr: str) -> str:
 @pytest.fixture
 def live(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[ServerProcess, str]]:
     """A live server (remote tier on), a worker that stored, retrieved and was reaped, and a
-    Prometheus scraping it every second with the kit's rules; (server, Prometheus URL)."""
+    Prometheus scraping it every second with the kit's rules, ready; (server, Prometheus URL)."""
     env = subprocess_env(KVWARDEN_ADMIN_TOKEN=TOKEN)
     srv = ServerProcess(
         tmp_path / "kv", "--chunk-size", str(CHUNK), "--remote-url", redis_server.url, env=env
@@ -144,15 +144,18 @@ def live(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[ServerProc
             {"job_name": "kvwarden", "static_configs": [{"targets": [f"127.0.0.1:{srv.http_port}"]}]}
         ],
     }))  # fmt: skip
-    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
+    log_path = tmp_path / "prometheus.log"
+    log = open(log_path, "wb")  # noqa: SIM115
     prom = subprocess.Popen(
         ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
     try:
         _traffic(srv)
-        yield srv, f"http://127.0.0.1:{port}"
+        wait_prometheus_ready(url, prom, log_path)
+        yield srv, url
     finally:
         prom.terminate()
         prom.wait(30)
@@ -176,13 +179,35 @@ def _traffic(srv: ServerProcess) -> None:
         other.close()
 
 
+def wait_prometheus_ready(
+    url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0
+) -> None:
+    """Until Prometheus says it is ready: ``/-/ready`` answers 200 (while it starts, it refuses
+    connections, then answers 503 in plain text, to that route and to queries alike)."""
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            log = log_path.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"prometheus exited with {proc.returncode} while starting:\n{log}")
+        try:
+            return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, timeout, 0.1, what="Prometheus ready (/-/ready)")
+
+
 def query(prom: str, expr: str) -> list[dict[str, Any]]:
+    """The result of an instant query of a ready Prometheus; an answer that is not a JSON success
+    fails the test, naming what came back."""
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=5)
     try:
-        r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=5)
-    except httpx.HTTPError:
-        return []  # Prometheus still starting
-    body = r.json()
-    assert body.get("status") == "success", (expr, body)
+        body = r.json()
+    except ValueError:
+        raise AssertionError(
+            f"{expr}: Prometheus answered {r.status_code}, not JSON: {r.text[:200]!r}"
+        ) from None
+    assert r.status_code == 200 and body.get("status") == "success", (expr, r.status_code, body)
     result: list[dict[str, Any]] = body["data"]["result"]
     return result
 

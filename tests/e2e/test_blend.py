@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
 from dataplane.memory.rope import RopeParams, rope_at
 from dataplane.memory.rope_kernel import KernelWarmup
 from dataplane.wire.errors import RequestError
-from dataplane.wire.messages import BlendAcquire, BlendReserve, BlendStore
-from tests.helpers import ServerProcess, subprocess_env, wait_until
+from dataplane.wire.messages import BlendAcquire, BlendRegister, BlendReserve, BlendStore
+from dataplane.wire.protocol import encode_message
+from tests.conftest import DealerFactory
+from tests.dataplane.registration import register_message
+from tests.helpers import ServerProcess, call, next_rid, subprocess_env, wait_until
 
 CS, LAYERS, NB, BS, HEADS, HD = 32, 2, 64, 16, 2, 64
 ROPE = RopeParams(64, 10000.0, "neox", 1.0, 4096)
@@ -165,16 +169,29 @@ def _stored_at_0_retrieved_at_512(server: ServerProcess, mode: str) -> None:
     assert blend_count(server) == 0  # UNREGISTER dropped both
 
 
-def test_reap_and_admin_reap_drop_only_that_instances_blend_state(server: ServerProcess) -> None:
+def test_reap_and_admin_reap_drop_only_that_instances_blend_state(
+    server: ServerProcess, make_dealer: DealerFactory
+) -> None:
+    """b registers by hand, with no heartbeat: a `WorkerAdapter`'s would find its instance reaped
+    at its next PING (every second) and register it again, RoPE parameters included, at a
+    moment no test can know, and the count would be 2 again."""
     url = f"http://127.0.0.1:{server.http_port}"
     a, _ = worker(server)
-    b, _ = worker(server)
+    b = make_dealer(server.endpoint)
+    b_caches = allocate_kv_caches(LAYERS, NB, BS, HEADS, HD, dtype=torch.bfloat16)
+    b_id, b_secret = secrets.randbits(63), secrets.token_bytes(16)
+    rope = (ROPE.rotary_dim, ROPE.base, ROPE.style, ROPE.scaling, ROPE.max_positions)
     try:
         a.register_blend(ROPE)
-        b.register_blend(ROPE)
+        for msg in (
+            register_message(b_id, b_caches, "blend-model", b_secret),
+            BlendRegister(b_id, b_secret, *rope),
+        ):
+            reply = call(b, encode_message(next_rid(), msg))
+            assert reply.ok, reply.body
         assert blend_count(server) == 2
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        r = httpx.post(f"{url}/instances/{b.instance_id}/reap", headers=auth, timeout=10)
+        r = httpx.post(f"{url}/instances/{b_id}/reap", headers=auth, timeout=10)
         assert r.status_code == 200 and r.json()["reaped"] is True
         assert blend_count(server) == 1  # b's tables went, a's stay
         r = httpx.post(f"{url}/instances/{12345}/reap", headers=auth, timeout=10)
@@ -182,7 +199,7 @@ def test_reap_and_admin_reap_drop_only_that_instances_blend_state(server: Server
         a.store_blend(np.arange(CS), [0, 1], position=0)  # a still blends
     finally:
         a.close()
-        b.close()
+        free_kv_caches(b_caches)
     assert blend_count(server) == 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from tests.helpers import ROOT, ServerProcess, free_port, subprocess_env, wait_until
+from tests.helpers import ROOT, ServerProcess, dealer, free_port, ping, subprocess_env, wait_until
 from tests.redis_server import RedisClusterServers, RedisServer
 
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 64, 16, 2, 64
@@ -441,3 +443,63 @@ def test_a_server_starts_while_redis_is_away_and_uses_it_once_it_is_up(tmp_path:
         srv.stop()
         if r is not None:
             r.stop()
+
+
+def test_a_one_copy_acquire_that_needs_a_hung_redis_never_holds_up_the_loop_thread(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """B's one-copy ACQUIRE (small enough to be answered on the loop thread) asks for chunks only
+    Redis holds while Redis is stopped (SIGSTOP): the read waits out its timeout on the transfer
+    pool, and B answers every PING meanwhile as fast as ever. Once Redis resumes, the same
+    ACQUIRE reads the chunks from it, and the next one finds them in B's L1."""
+    hang_s = 3.0  # remote_timeout_seconds: how long the read waits on the stopped Redis
+    args = ["--remote-url", redis_server.url, "--remote-timeout-seconds", str(hang_s)]
+    args += ["--health-ping-interval", "600"]  # no health round meanwhile
+    a, b = ServerProcess(tmp_path / "a", *args), ServerProcess(tmp_path / "b", *args)
+    wa = wb = None
+    ctx: zmq.Context[Any] = zmq.Context()
+    pinger = dealer(ctx, b.endpoint)
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        wa, wb = Worker(a, "engine_driven"), Worker(b, "engine_driven")
+        assert status(b)["storage"]["l1"]["arena"]["backing"] == "shm"  # one-copy: ENGINE_ACQUIRE
+        tokens = prompt(8, 2 * CS)
+        want = wa.fill(8)
+        assert wa.w.store_detail(tokens, BLOCK_IDS)["stored"] == 2
+        wait_until(lambda: remote(a)["puts"] == 2, 20, what="the write-behind queue to drain")
+        assert status(b)["storage"]["l1"]["chunks"] == 0  # only Redis holds them
+        ping(pinger, timeout=5)
+        got: list[int] = []
+        retrieve = threading.Thread(target=lambda: got.append(wb.w.retrieve(tokens, BLOCK_IDS)))
+        redis_server.pause()
+        try:
+            t0 = time.monotonic()
+            retrieve.start()
+            rtts = []
+            while retrieve.is_alive():
+                t1 = time.monotonic()
+                ping(pinger, timeout=5)
+                rtts.append(time.monotonic() - t1)
+            took = time.monotonic() - t0
+        finally:
+            redis_server.resume()
+            retrieve.join(30)
+        assert got == [0] and took >= 0.8 * hang_s, (got, took)  # it did wait on Redis...
+        assert remote(b)["get_failures"] >= 1
+        assert len(rtts) >= 10 and max(rtts) <= 0.5, (len(rtts), max(rtts))  # ...and not on the loop
+        wb.blank()
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 2 * CS and wb.same(want, 2 * CS)  # read from Redis
+        hits = remote(b)["hits"]
+        assert hits == 2 and status(b)["storage"]["l1"]["chunks"] == 2
+        wb.blank()
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 2 * CS and wb.same(want, 2 * CS)  # from B's L1
+        assert remote(b)["hits"] == hits
+    finally:
+        pinger.close(linger=0)
+        ctx.term()
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        a.stop()
+        b.stop()

@@ -6,8 +6,11 @@ nothing behind once the flooders go; a connection flood (hundreds of idle ZMQ co
 hundreds of idle HTTP connections) costs one descriptor each and nothing else. During and after
 each: a PING prober on its own connection keeps answering within a bound, a real worker keeps
 storing and retrieving, a new worker registers and stores, ``/livez`` answers, the log carries no
-flood of tracebacks, and the server exits 0 on SIGTERM. A last test takes the hard limit down to
-1,024 too, so the server cannot raise its soft limit, and floods past it.
+flood of tracebacks, and the server exits 0 on SIGTERM. A connection flood by another process
+(`tests.reliability.flooder`), past ``--max-connections``, is refused connection by connection
+and counted in /metrics while everyone connected before is served; a last test takes the hard
+limit down to 1,024 too, so the server cannot raise its soft limit, and floods past it: the
+connection cap keeps the flood from spending the descriptors.
 
 The server is started through ``python -m tests.reliability.workers serve --nofile-soft 1024``,
 which calls ``setrlimit(RLIMIT_NOFILE, (1024, hard))`` and execs ``python -m app.cli serve``.
@@ -21,6 +24,8 @@ import re
 import resource
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,15 +36,17 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from app import logs
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.memory import shm
+from dataplane.server.config import FD_KEEP
 from dataplane.wire.errors import LimitExceeded
 from dataplane.wire.messages import Ping, Unregister
 from dataplane.wire.protocol import Reply, decode_reply, encode_message
 from tests.dataplane.registration import engine_register_message, register_message, segment_of
-from tests.helpers import wait_until
+from tests.helpers import ROOT, LineReader, subprocess_env, wait_until
 from tests.reliability.workers import (
     CHUNK,
     Opts,
@@ -57,6 +64,9 @@ MAX_INSTANCES = 200  # --max-instances of the registration flood
 ZMQ_IDLE = 600
 HTTP_IDLE = 300  # beyond the sidecar's 256 connections: /livez answers 503 until they are closed
 PAST_LIMIT = 1100  # connections against a hard limit of 1,024
+CAP = 48  # --max-connections of the connection-cap flood
+CAP_FLOOD_ZMQ = 150  # its flooder's idle DEALERs: past the cap they reconnect, ten times a second
+CAP_FLOOD_RAW = 150  # and raw TCP connections
 
 
 @pytest.fixture
@@ -383,7 +393,8 @@ def test_registration_flood_past_the_descriptors_is_refused_not_fatal(
     the descriptors can hold): registrations are refused with LIMIT_EXCEEDED naming the
     descriptors while the server keeps some free, so connections are still accepted."""
     b = start_bench(tmp_path, shm_dir, ctx, hard=1024)
-    assert "below the 8448 that max_instances 4096 may need" in b.server.output()
+    need = 2 * 4096 + (1024 - FD_KEEP) // 2 + 128  # the instances' descriptors, the cap's, the reserve
+    assert f"below the {need} that max_instances 4096 beside max_connections" in b.server.output()
     caches = allocate_kv_caches(1, 2, 16, 1, 8, torch.bfloat16)
     socks = [dealer(ctx, b.server.endpoint) for _ in range(24)]
     try:
@@ -471,46 +482,181 @@ def test_idle_connection_flood_costs_a_descriptor_each_and_nothing_else(
         b.close()
 
 
-# ------------------------------------------------------------ past a hard limit of 1,024
+# ------------------------------------------------------------------- the connection cap
 
 
-def test_connection_flood_past_a_hard_limit_of_1024(
+class Flooder:
+    """A process of its own (`tests.reliability.flooder`) holding ``zmq`` idle DEALER connections
+    and ``raw`` TCP connections to ``server`` until `let_go`."""
+
+    def __init__(self, server: Serve, zmq_conns: int, raw_conns: int) -> None:
+        cmd = [sys.executable, "-m", "tests.reliability.flooder", "127.0.0.1", str(server.port)]
+        cmd += ["--zmq", str(zmq_conns), "--raw", str(raw_conns)]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=subprocess_env()
+        )
+        self.lines = LineReader(self.proc)
+        try:
+            assert self.lines.readline(60) == "open"
+        except BaseException:
+            self.stop()
+            raise
+
+    def let_go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+        assert self.lines.readline(30) == "closed"
+        assert self.proc.wait(30) == 0
+
+    def stop(self) -> None:
+        """Teardown: the process is gone and its pipes closed."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def metrics_of(b: Bench) -> dict[str, float]:
+    """The server's /metrics samples without labels, by name; answered within the /livez bound."""
+    status, body, took = http_get(b.server.http_port, "/metrics", LIVEZ_BOUND_S + 3)
+    assert status == 200 and took <= LIVEZ_BOUND_S, (status, took)
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(body.decode())
+        for s in f.samples
+        if not s.labels
+    }
+
+
+def refused_at_once(port: int) -> bool:
+    """A new TCP connection to ``port`` is closed by the server (its ZMTP greeting may come first)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                if s.recv(4096) == b"":
+                    return True
+            except ConnectionResetError:
+                return True
+            except TimeoutError:
+                return False
+    return False
+
+
+def status_in_time(b: Bench) -> float:
+    """/status answers, within the /livez bound; its time."""
+    status, body, took = http_get(b.server.http_port, "/status", LIVEZ_BOUND_S + 3)
+    assert status == 200 and took <= LIVEZ_BOUND_S, (status, took, body[:200])
+    return took
+
+
+def hold_past_the_cap(b: Bench, cap: int, zmq_conns: int, raw_conns: int) -> tuple[Flooder, str]:
+    """A flooder holds ``zmq_conns`` + ``raw_conns`` connections, more than ``cap``: the cap is
+    reached, the rest are refused and counted, and the server's descriptors stay bounded.
+    Returns the flooder and a note."""
+    before = metrics_of(b)
+    assert before["kvwarden_connections_max"] == cap and before["kvwarden_connections_refused_total"] == 0
+    t0 = time.monotonic()
+    flooder = Flooder(b.server, zmq_conns, raw_conns)
+    past = zmq_conns + raw_conns - (cap - int(before["kvwarden_connections_open"]))
+    try:
+        wait_until(
+            lambda: (
+                (m := metrics_of(b))["kvwarden_connections_open"] == cap
+                and m["kvwarden_connections_refused_total"] >= past
+            ),
+            60,
+            what=f"the cap of {cap} reached and {past} connections refused",
+        )
+    except BaseException:
+        flooder.stop()
+        raise
+    fds = b.server.fds()
+    # (connections being refused hold a descriptor for a moment: a few, never the flood)
+    assert fds <= b.base_fds + cap + 64, (fds, b.base_fds)
+    return (
+        flooder,
+        f"{zmq_conns} ZMQ + {raw_conns} raw connections held in {time.monotonic() - t0:.2f}s, fds {fds}",
+    )
+
+
+def test_connections_past_max_connections_are_refused_and_counted(
     tmp_path: Path, shm_dir: Path, ctx: zmq.Context[Any]
 ) -> None:
-    """The soft and hard limits both 1,024, so the server cannot raise them: connections past the
-    limit wait in the kernel's backlog, the connections already accepted are served as before,
-    and once the flood goes the server accepts again."""
-    b = start_bench(tmp_path, shm_dir, ctx, hard=1024)
-    socks: list[zmq.Socket[Any]] = []
+    """Another process holds far more connections than ``--max-connections``: the server serves
+    that many, closes every other at once (a ZMQ client reconnects, and is refused again) and
+    counts it; the worker and the prober connected before keep being served, /status answers,
+    and once the flooder lets go a new worker connects and works."""
+    b = start_bench(tmp_path, shm_dir, ctx, "--max-connections", str(CAP))
+    flooder: Flooder | None = None
     try:
-        t0 = time.monotonic()
-        socks = [dealer(ctx, b.server.endpoint) for _ in range(PAST_LIMIT)]
-        wait_until(lambda: b.server.fds() >= 1020, 30, what="the server's descriptors spent")
-        spent_s = time.monotonic() - t0
-        peak = b.server.fds()
-        # the connections already there: PING (the prober), a worker's store and retrieve
+        base_open = metrics_of(b)["kvwarden_connections_open"]  # the worker's two, the prober's
+        flooder, note = hold_past_the_cap(b, CAP, CAP_FLOOD_ZMQ, CAP_FLOOD_RAW)
         b.live_works(1)
-        # a new one is not served while no descriptor is free (HTTP included)
-        with pytest.raises(OSError):
-            http_get(b.server.http_port, "/livez", 2.0)
-        t_close = time.monotonic()
-        for s in socks:
-            s.close(linger=0)
-        wait_until(lambda: b.server.fds() < 100, 30, what="the flood's descriptors released")
+        took = status_in_time(b)
+        assert b.livez()[0] == 200
+        assert refused_at_once(b.server.port)  # a new connection is closed before a message
+        during = metrics_of(b)
+        assert during["kvwarden_connections_open"] == CAP, during
+        flooder.let_go()
+        wait_until(
+            lambda: metrics_of(b)["kvwarden_connections_open"] == base_open,
+            15,
+            what="the flood's connections gone",
+        )
+        refused = metrics_of(b)["kvwarden_connections_refused_total"]
+        wait_until(lambda: b.server.fds() <= b.base_fds + 2, 15, what="the server's descriptors back")
         new_worker_works(b.server.endpoint)
-        back_s = time.monotonic() - t_close
-        after = b.livez()
-        assert after[0] == 200
+        new_worker_works(b.server.endpoint, "engine_driven")
+        b.live_works(2)
+        status_in_time(b)
+        after = metrics_of(b)
+        assert after["kvwarden_connections_refused_total"] == refused, after  # nothing refused since
+        assert after["kvwarden_connections_open"] == base_open, after
+        out = b.server.output()
+        assert f"connection(s) refused: {CAP} open, max_connections={CAP}" in out, out
+        b.notes.append(
+            f"connection cap {CAP}: {note}; {int(refused)} refused; /status during the flood in "
+            f"{took * 1000:.0f} ms"
+        )
+        end_bench(b)
+    finally:
+        if flooder is not None:
+            flooder.stop()
+        b.close()
+
+
+def test_a_connection_flood_past_a_hard_limit_of_1024_cannot_spend_the_descriptors(
+    tmp_path: Path, shm_dir: Path, ctx: zmq.Context[Any]
+) -> None:
+    """The soft and hard limits both 1,024, so the server cannot raise them: the default
+    ``--max-connections`` is lowered to fit (and said so), and a flooder holding more connections
+    than the limit itself spends none of the descriptors the rest needs: PINGs, a worker's
+    transfers, /livez and /status are served throughout, and a new worker once it lets go."""
+    b = start_bench(tmp_path, shm_dir, ctx, hard=1024)
+    cap = (1024 - FD_KEEP) // 2
+    assert f"max_connections: {cap} data-plane connections at most, not 1024" in b.server.output()
+    flooder: Flooder | None = None
+    try:
+        flooder, note = hold_past_the_cap(b, cap, 100, PAST_LIMIT)
+        assert b.server.fds() < 1024 - 128
+        b.live_works(1)
+        took = status_in_time(b)
+        assert b.livez()[0] == 200  # (a new HTTP connection gets a descriptor)
+        refused = metrics_of(b)["kvwarden_connections_refused_total"]
+        flooder.let_go()
+        wait_until(lambda: b.server.fds() <= b.base_fds + 2, 30, what="the flood's descriptors released")
+        new_worker_works(b.server.endpoint)
         b.live_works(2)
         b.notes.append(
-            f"past the limit: {PAST_LIMIT} connections spent the server's descriptors in {spent_s:.2f}s "
-            f"(fds {b.base_fds} -> {peak}); a new worker served {back_s:.2f}s after the flood closed; "
-            f"/livez after {after[0]}"
+            f"past the limit: {note} (cap {cap}); {int(refused)} refused; /status during the flood in "
+            f"{took * 1000:.0f} ms"
         )
-        # asyncio logs a refused accept with its traceback, up to uvicorn's backlog (2,048) times
-        # a loop tick while a connection waits: the log's rate limiter lets a burst through
-        end_bench(b, accept_errors=True)
+        end_bench(b)
     finally:
-        for s in socks:
-            s.close(linger=0)
+        if flooder is not None:
+            flooder.stop()
         b.close()

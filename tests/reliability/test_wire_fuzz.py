@@ -305,6 +305,21 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "max_positions": st.one_of(st.integers(1, 4096), st.integers(0, 2**63 - 1)),
     "position": st.one_of(st.integers(0, 64), st.integers(0, 1 << 31)),
     "block_size": st.one_of(st.sampled_from([1, BLOCK, 2 * BLOCK]), st.integers(1, 1 << 16)),
+    # a key context: none, a valid one (salt, namespace, spans), or fields of the wrong shape
+    "key": st.one_of(
+        st.none(),
+        st.tuples(
+            st.binary(max_size=300),
+            st.binary(max_size=300),
+            st.lists(
+                st.tuples(
+                    st.integers(-64, 4 * BLOCK), st.integers(-64, 4 * BLOCK), st.binary(max_size=80)
+                ).map(list),
+                max_size=6,
+            ),
+        ).map(list),
+        st.one_of(st.binary(max_size=8), st.integers(-(2**63), 2**63 - 1), st.lists(st.none(), max_size=4)),
+    ),
 }
 
 
