@@ -12,10 +12,10 @@ the connection close before a single message (a ZMQ client reconnects, and is re
 while the cap holds). Connections already open are served as before.
 
 A refused connection costs one descriptor for the moment between libzmq's accept and its close,
-so the cap must leave room under the open-files limit: `dataplane.server.config.connection_cap`
-holds ``FD_KEEP`` descriptors back beyond it, and the registrations' descriptor reserve
-(`dataplane.memory.budget.DescriptorReserve`) keeps free, besides its own reserve, the room the
-cap still allows (`ConnectionTracker.room`).
+so the cap must leave room under the open-files limit: `Settings.connection_cap`
+(`dataplane.server.config`) holds ``FD_KEEP`` descriptors back beyond it, and the registrations'
+descriptor reserve (`dataplane.memory.budget.DescriptorReserve`) keeps free, besides its own
+reserve, the room the cap still allows (`ConnectionTracker.room`).
 
 The one race left: a refused connection that its peer closes after the loop read every pending
 event but before the shutdown, whose descriptor number libzmq reuses for a new connection in

@@ -238,7 +238,7 @@ class Server:
                     self._drain_wake()
                 gate = self._gate
                 if gate is not None and (gate.opening or self._state is Lifecycle.DRAINING):
-                    self._open_gate(gate)  # (draining: what it held is answered SHUTTING_DOWN)
+                    self._open_gate(gate)  # (draining: what it held is answered SHUTTING_DOWN first)
                 self._send_replies()
                 if self._monitor in events:
                     self._on_monitor()
@@ -248,7 +248,7 @@ class Server:
                     now = time.monotonic()
                     if drain_deadline is None:
                         drain_deadline = now + self._drain_timeout_s
-                    if self._inflight == 0 or now > drain_deadline:
+                    if (self._inflight == 0 and self._gate is None) or now > drain_deadline:
                         if self._inflight:
                             logger.error("server: %d request(s) still in flight at shutdown", self._inflight)
                         break

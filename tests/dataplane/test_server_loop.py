@@ -5,11 +5,14 @@ real ZMQ sockets.
 A handler exception becomes an INTERNAL reply and the loop goes on; a request that arrives while
 the server drains gets SHUTTING_DOWN while the in-flight one still gets its reply; a type no
 module handles gets UNSUPPORTED; transfers of one instance run in arrival order without holding
-another instance's back; and a client's request that gets no reply raises `RequestTimeout`.
+another instance's back, one answered inline that defers included; connections past
+``max_connections`` are closed at once, counted, and never reach the connection listeners; and
+a client's request that gets no reply raises `RequestTimeout`.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +23,8 @@ import pytest
 import zmq
 
 from dataplane.client import WorkerAdapter
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.modules.base import Deferred, Handler, HandlerKind, RequestContext
 from dataplane.server.loop import Lifecycle, Server
 from dataplane.wire.errors import RequestTimeout
 from dataplane.wire.messages import Hello, Lookup, Message, MsgType, Ping, Store
@@ -331,6 +335,91 @@ def test_a_transfer_that_cannot_wait_runs_on_the_loop_unless_its_instance_has_on
     assert [(r.request_id, r.body) for r in replies] == [(rids[0], {"seq": 0}), (rids[1], {"seq": 1})]
     with lock:
         assert ran[3][:2] == (first, 1) and ran[3][2].startswith("kvwarden-transfer"), ran
+
+
+def test_an_inline_transfer_that_defers_runs_on_the_pool_and_keeps_its_place(
+    make_loop: ServerFactory, make_dealer: DealerFactory
+) -> None:
+    """A handler called inline (``rctx.inline``) that raises `Deferred` is run again on the
+    transfer pool, and its instance's next transfer, which could run inline, waits its turn."""
+    inst = 33
+    entered, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    ran: list[tuple[int, bool, str]] = []  # (seq, inline, thread name)
+
+    def deferring_store(rctx: RequestContext, p: Store) -> dict[str, int]:
+        with lock:
+            ran.append((seq_of(p), rctx.inline, threading.current_thread().name))
+        if seq_of(p) == 1 and rctx.inline:
+            raise Deferred  # it would wait after all
+        if seq_of(p) == 1:
+            entered.set()
+            if not release.wait(WAIT_S):
+                raise RuntimeError("the test never released the deferred transfer")
+        return {"seq": seq_of(p)}
+
+    handler = Handler(HandlerKind.TRANSFER, deferring_store, by_instance, lambda _p: True)
+    server = make_loop(HandMade("defer", {MsgType.STORE: handler, MsgType.PING: PING_HANDLER}))
+    sock = make_dealer(server.bound_endpoint)
+    try:
+        rids = [send(sock, store(inst, 1))]
+        assert entered.wait(WAIT_S), "the deferred transfer never ran on the pool"
+        rids.append(send(sock, store(inst, 2)))  # may run inline, but must not overtake seq 1
+        assert_pong(sock)  # the loop is free meanwhile
+    finally:
+        release.set()
+    replies = [receive(sock) for _ in range(2)]
+    assert [(r.request_id, r.body) for r in replies] == [(rids[0], {"seq": 1}), (rids[1], {"seq": 2})]
+    with lock:
+        assert [(seq, inline) for seq, inline, _ in ran] == [(1, True), (1, False), (2, False)], ran
+        assert ran[0][2] == "kvwarden-loop" and all(t.startswith("kvwarden-transfer") for *_, t in ran[1:])
+
+
+# -------------------------------------------------------------------------- connection cap
+
+
+def closed_by_server(port: int) -> bool:
+    """A new TCP connection to ``port`` is closed by the server within WAIT_S (its ZMTP greeting
+    may come first)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as s:
+        try:
+            while s.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            return False
+    return True
+
+
+def test_connections_past_max_connections_are_refused_and_never_reach_the_listeners(
+    make_loop: ServerFactory, make_dealer: DealerFactory
+) -> None:
+    metrics = DataPlaneMetrics()
+    server = make_loop(HandMade("ping", {MsgType.PING: PING_HANDLER}), max_connections=2, metrics=metrics)
+    events: list[tuple[int, bool]] = []
+    server.add_connection_listener(lambda fd, up: events.append((fd, up)))  # (loop thread)
+    port = int(server.bound_endpoint.rsplit(":", 1)[1])
+
+    def sample(name: str) -> float:
+        value = metrics.registry.get_sample_value(name)
+        assert value is not None, name
+        return value
+
+    first, second = make_dealer(server.bound_endpoint), make_dealer(server.bound_endpoint)
+    assert_pong(first)
+    assert_pong(second)
+    assert closed_by_server(port)  # the third: closed before a message
+    wait_until(lambda: sample("kvwarden_connections_refused_total") >= 1, WAIT_S, what="the refusal counted")
+    assert sample("kvwarden_connections_open") == 2 and sample("kvwarden_connections_max") == 2
+    assert [up for _, up in events] == [True, True], events  # the refused one never showed
+    assert_pong(first)  # those open are served as before
+    second.close(linger=0)
+    wait_until(lambda: len(events) == 3, WAIT_S, what="the close reported")
+    assert events[2] == (events[1][0], False) and sample("kvwarden_connections_open") == 1
+    third = make_dealer(server.bound_endpoint)  # room again: served
+    assert_pong(third)
+    assert server.connections.open_count == 2 and server.connections.room() == 0
 
 
 # ------------------------------------------------------------------- client request timeout
