@@ -3,6 +3,7 @@ sidecar's URL), readiness polled with a deadline, the sidecar's JSON, a process'
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -16,12 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=256)  # ports handed out lately
+_given_lock = threading.Lock()  # guards _GIVEN
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, and not one this process handed
+    out lately: two calls in a row (a server's data plane and sidecar ports, neither bound yet)
+    never get the same port, as the kernel may hand back a port it just gave."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        with _given_lock:
+            if port not in _GIVEN:
+                _GIVEN.append(port)
+                return port
 
 
 def serve_command(*args: str) -> list[str]:
