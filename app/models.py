@@ -96,12 +96,31 @@ class ArenaPublic(BaseModel):
     fragmentation: float = Field(description="1 - largest free extent / free bytes (0: one piece)")
 
 
+class TenantPublic(BaseModel):
+    tenant: str = Field(
+        description="a digest of the tenant's salt keyed by this server's start ('t-...'; the salt "
+        "itself is never shown), 'unsalted' for requests without a salt, 'other' for the rest summed"
+    )
+    bytes: int = Field(description="bytes of L1 it holds (committed and reserved)")
+    chunks: int
+    hits: int = Field(description="its chunks served to its requests")
+    evictions: int = Field(description="its chunks evicted")
+
+
 class L1Public(BaseModel):
     used_bytes: int
     capacity_bytes: int
     chunks: int
     hot_cache: bool
     arena: ArenaPublic | None = Field(None, description="the region L1's buffers are carved from")
+    tenant_share_bytes: int | None = Field(
+        None,
+        description="what one tenant may hold before its stores evict only its own chunks "
+        "(l1_tenant_share); null: no shares",
+    )
+    tenants: list[TenantPublic] = Field(
+        default_factory=list, description="the tenants holding most (at most 16), the rest as 'other'"
+    )
 
 
 class RemotePublic(BaseModel):

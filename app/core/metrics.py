@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from app.core.health import HealthChecker
 
 if TYPE_CHECKING:
-    from dataplane.server.facade import DataPlaneView, RemoteState
+    from dataplane.server.facade import DataPlaneView, RemoteState, TenantStats
 
 
 class DataPlaneStateCollector(Collector):
@@ -59,7 +59,26 @@ class DataPlaneStateCollector(Collector):
         yield CounterMetricFamily(
             "kvwarden_l1_evictions", "Chunks evicted from L1 (LRU).", value=stats.evictions
         )
+        yield from tenant_metrics(stats.tenants or [])
         yield from remote_metrics(dp)
+
+
+def tenant_metrics(tenants: list[TenantStats]) -> Iterator[Metric]:
+    """L1 by tenant: the tenants holding most (a keyed digest of their salt, never the salt),
+    the rest under ``other``, so the series stay few however many tenants there are. A
+    tenant's counts start again when it has held nothing for a while (it is forgotten)."""
+    held = GaugeMetricFamily("kvwarden_l1_tenant_bytes", "Bytes of L1 a tenant holds.", labels=["tenant"])
+    hits = CounterMetricFamily(
+        "kvwarden_l1_tenant_hits", "A tenant's chunks served to it.", labels=["tenant"]
+    )
+    evicted = CounterMetricFamily(
+        "kvwarden_l1_tenant_evictions", "A tenant's chunks evicted.", labels=["tenant"]
+    )
+    for t in tenants:
+        held.add_metric([t.tenant], t.bytes)
+        hits.add_metric([t.tenant], t.hits)
+        evicted.add_metric([t.tenant], t.evictions)
+    yield from (held, hits, evicted)
 
 
 def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:

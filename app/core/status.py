@@ -87,6 +87,8 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
                 "chunks": l1.chunks,
                 "hot_cache": l1.hot_cache,
                 "arena": arena_view(l1),
+                "tenant_share_bytes": l1.tenant_share_bytes,
+                "tenants": [asdict(t) for t in l1.tenants or ()],
             },
             "remote": remote_view(dp),
         },

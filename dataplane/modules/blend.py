@@ -42,6 +42,7 @@ from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.engine import EngineDrivenTransferModule
 from dataplane.modules.transfer import ServerDrivenTransferModule
 from dataplane.storage.keys import blend_keys
+from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (
     BlendRegister,
@@ -219,14 +220,15 @@ class BlendModule(InstanceLivenessTarget):
                 offset = -(p.position + i * cs)
                 move(o.tables, src, dst, offset, o.g, splitter, self.kernels.ready, lambda w: raw(i, w))
 
-            return self.transfer.write_chunks(p.instance_id, o.keys, o.chunk_bytes, fill)
+            tenant = tenant_of(p.key)
+            return self.transfer.write_chunks(p.instance_id, o.keys, o.chunk_bytes, fill, tenant=tenant)
 
     def _retrieve(self, rctx: RequestContext, p: BlendRetrieve) -> dict[str, Any]:
         cs, l1 = self.chunk_size, self.transfer.l1
         with self._open(rctx, p) as o:
             hits: list[list[Any]] = []
             for i, key in enumerate(o.keys):
-                got = l1.acquire_prefix([key])
+                got = l1.acquire_prefix([key], tenant_of(p.key))
                 if got:
                     try:
                         self._deliver(o, i, got[0], p.position + i * cs)

@@ -21,6 +21,7 @@ from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import blend_keys
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MAX_POOL_CHUNKS, BlendAcquire, BlendReserve, MsgType
 
@@ -70,7 +71,8 @@ class BlendDirectModule:
             c.leases.room(self.l1)
             lease = Lease()
             try:
-                handed, present, rejected, skipped = reserve_into(lease, self.l1, keys, c.chunk_bytes)
+                tenant = tenant_of(p.key)
+                handed, present, rejected, skipped = reserve_into(lease, self.l1, keys, c.chunk_bytes, tenant)
                 lid = c.leases.add(lease)
             except BaseException:
                 lease.abort(self.l1)
@@ -90,7 +92,7 @@ class BlendDirectModule:
             chunks: list[list[int]] = []
             try:
                 for i, key in enumerate(keys):  # each chunk on its own, not a prefix
-                    got = self.l1.acquire_prefix([key])
+                    got = self.l1.acquire_prefix([key], tenant_of(p.key))
                     if got:
                         lease.pinned.append(key)
                     chunks.append([i, self.l1.arena.offset_of(got[0]) if got else -1])

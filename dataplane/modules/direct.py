@@ -20,6 +20,7 @@ from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import chunk_keys
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tenants import tenant_of
 from dataplane.storage.tiered import TieredStore
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (
@@ -97,7 +98,8 @@ class DirectTransferModule:
         lease = Lease()
         _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
         try:
-            handed, present, rejected, skipped = reserve_into(lease, self.l1, wanted, c.chunk_bytes)
+            tenant = tenant_of(p.key)
+            handed, present, rejected, skipped = reserve_into(lease, self.l1, wanted, c.chunk_bytes, tenant)
             lid = c.leases.add(lease)
         except BaseException:
             lease.abort(self.l1)
@@ -126,7 +128,7 @@ class DirectTransferModule:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         _, wanted = self._wanted(c, p)
         c.leases.room(self.l1)
-        bufs = self._held(rctx, wanted)
+        bufs = self._held(rctx, wanted, tenant_of(p.key))
         lease = Lease(pinned=wanted[: len(bufs)])
         try:
             lid = c.leases.add(lease)
@@ -137,12 +139,12 @@ class DirectTransferModule:
         return {"lease": lid, "offsets": self._offsets(bufs), "slot_bytes": c.chunk_bytes,
                 "usable": self.l1.arena.growth()[0]}  # fmt: skip
 
-    def _held(self, rctx: RequestContext, wanted: list[bytes]) -> list[Any]:
+    def _held(self, rctx: RequestContext, wanted: list[bytes], tenant: bytes) -> list[Any]:
         """The stored prefix of ``wanted``, pinned. On the loop thread L1's only: when the remote
         tier might continue it the request is `Deferred` to the transfer pool, which reads it
         (the loop never waits on Redis)."""
         if not rctx.inline or not isinstance(self.l1, TieredStore):
-            return self.l1.acquire_prefix(wanted)
+            return self.l1.acquire_prefix(wanted, tenant)
         bufs = self.l1.acquire_local(wanted)
         if bufs is None:
             raise Deferred

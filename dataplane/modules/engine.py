@@ -32,6 +32,7 @@ from dataplane.modules.leases import Leases
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import InvalidLayout, LimitExceeded, RequestError
 from dataplane.wire.messages import (
     EngineRegister,
@@ -236,13 +237,14 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 c.chunk_bytes,
                 lambda i, buf: self._copy(buf, slots[i]),
                 prefix=keys[: p.first_chunk],
+                tenant=tenant_of(p.key),
             )
 
     def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> dict[str, Any]:
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             wanted = keys[p.first_chunk : p.first_chunk + p.n_chunks]
-            bufs = self.l1.acquire_prefix(wanted)
+            bufs = self.l1.acquire_prefix(wanted, tenant_of(p.key))
             try:
                 for i, buf in enumerate(bufs):
                     self._copy(s.slots[i], buf)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tenants import NO_TENANT
 from dataplane.wire.errors import LimitExceeded, NotRegistered, RequestError
 
 MAX_LEASES = 16  # open at once per instance
@@ -54,7 +55,7 @@ class Lease:
 
 
 def reserve_into(
-    lease: Lease, l1: L1Store, keys: list[bytes], nbytes: int
+    lease: Lease, l1: L1Store, keys: list[bytes], nbytes: int, tenant: bytes = NO_TENANT
 ) -> tuple[list[int], int, int, int]:
     """A reserve: pin the chunks of ``keys`` L1 holds and take a buffer of ``nbytes`` for each
     of the others, into ``lease``. Returns (the indices of ``keys`` handed a buffer, how many
@@ -66,7 +67,7 @@ def reserve_into(
     if missing and not l1.writable():  # unhealthy: nothing is handed out to write
         missing, skipped = [], len(missing)
     for n, i in enumerate(missing):
-        buf = l1.reserve(nbytes)
+        buf = l1.reserve(nbytes, tenant)
         if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
             rejected = len(missing) - n
             break

@@ -33,6 +33,7 @@ from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer, TransferMode
 
@@ -149,7 +150,8 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             def fill(i: int, buf: torch.Tensor) -> None:
                 kv.gather(chunks[i], buf, self.splitter)
 
-            return self.write_chunks(p.instance_id, keys, kv.chunk_nbytes(self.chunk_size), fill)
+            nbytes = kv.chunk_nbytes(self.chunk_size)
+            return self.write_chunks(p.instance_id, keys, nbytes, fill, tenant=tenant_of(p.key))
 
     @staticmethod
     def _check_blocks(kv: MappedKV, p: Transfer) -> None:
@@ -169,7 +171,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
-            bufs = self.l1.acquire_prefix(keys)
+            bufs = self.l1.acquire_prefix(keys, tenant_of(p.key))
             held = keys[: len(bufs)]
             try:
                 chunks = self._chunks(kv, p, len(bufs))

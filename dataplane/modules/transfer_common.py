@@ -25,6 +25,7 @@ from dataplane.memory.budget import DescriptorReserve
 from dataplane.memory.copies import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tenants import NO_TENANT
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,10 @@ class TransferModule(Generic[E]):
         nbytes: int,
         fill: Callable[[int, torch.Tensor], None],
         prefix: list[bytes] | None = None,
+        tenant: bytes = NO_TENANT,
     ) -> dict[str, int]:
-        """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes.
+        """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes, as
+        ``tenant``'s chunks (`dataplane.storage.tenants`).
 
         ``prefix``: keys before these (already stored) that must not be evicted meanwhile.
         Returns the STORE reply counts: chunks, stored, present, rejected, skipped (all of
@@ -94,7 +97,7 @@ class TransferModule(Generic[E]):
         stored = rejected = 0
         try:
             for n, i in enumerate(missing):
-                buf = self.l1.reserve(nbytes)
+                buf = self.l1.reserve(nbytes, tenant)
                 if buf is None:  # L1 is full of pinned chunks: the rest cannot be stored
                     rejected = len(missing) - n
                     break

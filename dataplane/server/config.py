@@ -92,6 +92,14 @@ class Settings(BaseSettings):
     )
     chunk_size: int = Field(256, gt=0, le=1 << 20, description="Tokens per chunk; > 0.")
     l1_size_gb: float = Field(4.0, gt=0, le=1 << 14, description="Local CPU tier capacity (GiB); > 0.")
+    l1_tenant_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of L1 one tenant (a cache salt; no salt is one tenant too) may hold before "
+        "its stores evict only its own chunks; 0 (the default) = no shares: every store evicts the least "
+        "recently used chunk, whoever's.",
+    )
     l1_backing: L1Backing = Field(
         L1Backing.AUTO,
         description="auto|shm|private: L1's memory. shm lets engine-driven workers map all of L1 "
@@ -164,6 +172,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "l1_size_gb",
+        "l1_tenant_share",
         "max_pool_gb",
         "max_mapped_gb",
         "remote_timeout_seconds",
@@ -241,6 +250,10 @@ class Settings(BaseSettings):
     @property
     def l1_capacity_bytes(self) -> int:
         return int(self.l1_size_gb * (1 << 30))
+
+    @property
+    def l1_tenant_share_bytes(self) -> int | None:
+        return int(self.l1_tenant_share * self.l1_capacity_bytes) if self.l1_tenant_share else None
 
     @property
     def zmq_endpoint(self) -> str:

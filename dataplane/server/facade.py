@@ -15,6 +15,7 @@ from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
 from dataplane.storage.l1 import L1Stats
+from dataplane.storage.tenants import TenantStats
 
 __all__ = [
     "ComponentState",
@@ -27,6 +28,7 @@ __all__ = [
     "MonitorState",
     "RemoteState",
     "ServerInfo",
+    "TenantStats",
 ]
 
 

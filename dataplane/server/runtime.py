@@ -190,11 +190,8 @@ def build_dataplane(
     ``server``: one already bound and answering (`dataplane.server.early`), else a new one."""
     sweep_orphans()
     metrics = server.metrics if server is not None else DataPlaneMetrics()
-    shared = {L1Backing.AUTO: None, L1Backing.SHM: True, L1Backing.PRIVATE: False}[settings.l1_backing]
-    arena = Arena(settings.l1_capacity_bytes, shared=shared, pin_memory=torch.cuda.is_available())
-    logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
     remote, init_failure = _remote_backend(settings)
-    l1 = TieredStore(settings.l1_capacity_bytes, hot_cache=settings.local_cpu, arena=arena, remote=remote)
+    l1 = _l1(settings, remote)
     if server is None:
         server = new_server(settings, metrics)
     info = server.info(settings.chunk_size)
@@ -235,6 +232,20 @@ def build_dataplane(
     l1.gate = monitor.is_healthy
     return DataPlane(
         settings, server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock
+    )
+
+
+def _l1(settings: Settings, remote: RemoteBackend | None) -> TieredStore:
+    """L1 over its arena, with the remote tier beneath it when there is one."""
+    shared = {L1Backing.AUTO: None, L1Backing.SHM: True, L1Backing.PRIVATE: False}[settings.l1_backing]
+    arena = Arena(settings.l1_capacity_bytes, shared=shared, pin_memory=torch.cuda.is_available())
+    logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
+    return TieredStore(
+        settings.l1_capacity_bytes,
+        hot_cache=settings.local_cpu,
+        arena=arena,
+        remote=remote,
+        tenant_share_bytes=settings.l1_tenant_share_bytes,
     )
 
 

@@ -7,8 +7,10 @@ copy out, then ``release``. Every buffer is a view of the arena (`dataplane.stor
 memory reserved and faulted in at start, so no copy pays a page fault per page.
 
 Accounting is exact: ``used_bytes`` is committed plus reserved chunk bytes, at most
-``capacity_bytes``. While a shared arena is still reserving its space (the first seconds of a
-big one), a reserve that does not fit in what is ready waits for it, within a bound.
+``capacity_bytes``, and so is each tenant's (`dataplane.storage.tenants`: a reserve names the
+tenant its chunk is for; with a share, a tenant at its share evicts only its own chunks). While
+a shared arena is still reserving its space (the first seconds of a big one), a reserve that
+does not fit in what is ready waits for it, within a bound.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dataplane.storage.arena import Arena, ArenaStats, Extents
+from dataplane.storage.tenants import NO_TENANT, TenantBook, TenantStats
 
 _WAIT_FOR_ARENA_S = 10.0  # longest a reserve waits for the arena to grow
 _HEADROOM = 256 << 20  # the arena's fault-in steps aside for copies while this much is ready
@@ -33,6 +36,7 @@ class _Entry:
     buf: torch.Tensor
     offset: int  # in the arena
     readers: int = 0
+    tenant: bytes = NO_TENANT
 
 
 @dataclass
@@ -45,11 +49,19 @@ class L1Stats:
     rejected: int
     arena: ArenaStats | None = None
     fragmentation: float = 0.0  # of the free space: 1 - largest free extent / free bytes
+    tenants: list[TenantStats] | None = None  # those holding most, the rest as "other"
+    tenant_share_bytes: int | None = None
 
 
 class L1Store:
-    def __init__(self, capacity_bytes: int, hot_cache: bool = True, arena: Arena | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        capacity_bytes: int,
+        hot_cache: bool = True,
+        arena: Arena | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tenant_share_bytes: int | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError("L1 capacity must be > 0")
         self.capacity_bytes = capacity_bytes
@@ -70,6 +82,8 @@ class L1Store:
         self._waiting = 0  # reserves waiting for the arena to grow
         self._clock = clock
         self._quarantined: list[tuple[float, torch.Tensor]] = []  # (until when, buffer)
+        self._tenants = TenantBook(tenant_share_bytes)
+        self._reserved_for: dict[int, bytes] = {}  # offset of a reserved buffer -> its tenant
         self.arena.yield_to = self._copying_with_room
 
     # ---------------------------------------------------------------- reads
@@ -78,14 +92,17 @@ class L1Store:
         n = 0
         with self._lock:
             for k in keys:
-                if k not in self._entries:
+                e = self._entries.get(k)
+                if e is None:
                     break
                 self._entries.move_to_end(k)
+                self._tenants.touched(e.tenant, k, hit=False)
                 n += 1
         return n
 
-    def acquire_prefix(self, keys: list[bytes]) -> list[torch.Tensor]:
-        """Pin and return the buffers of the longest present prefix of ``keys``."""
+    def acquire_prefix(self, keys: list[bytes], tenant: bytes = NO_TENANT) -> list[torch.Tensor]:
+        """Pin and return the buffers of the longest present prefix of ``keys`` (``tenant``: who
+        asks, should a lower tier bring chunks into L1 for it)."""
         out: list[torch.Tensor] = []
         with self._lock:
             for k in keys:
@@ -94,6 +111,7 @@ class L1Store:
                     break
                 self._pin(e)
                 self._entries.move_to_end(k)
+                self._tenants.touched(e.tenant, k, hit=True)
                 out.append(e.buf)
         return out
 
@@ -119,17 +137,19 @@ class L1Store:
                     continue
                 self._pin(e)
                 self._entries.move_to_end(k)
+                self._tenants.touched(e.tenant, k, hit=False)
                 pinned.append(k)
         return missing, pinned
 
     # --------------------------------------------------------------- writes
-    def reserve(self, nbytes: int) -> torch.Tensor | None:
-        """A buffer of ``nbytes`` counted as used, or None when L1 cannot take it now."""
+    def reserve(self, nbytes: int, tenant: bytes = NO_TENANT) -> torch.Tensor | None:
+        """A buffer of ``nbytes`` for ``tenant``'s chunk, counted as used, or None when L1
+        cannot take it now. A tenant at its share makes room by evicting its own chunks."""
         while True:
             usable, grown = self.arena.growth()
             with self._lock:
-                if nbytes > self.capacity_bytes - self._pinned:
-                    self._rejected += 1  # could never fit: evict nothing
+                if nbytes > self.capacity_bytes - self._pinned or not self._within_share(tenant, nbytes):
+                    self._rejected += 1  # could never fit: evict nothing (of anyone else's)
                     return None
                 self._grow(usable)
                 self._end_quarantine()
@@ -138,6 +158,8 @@ class L1Store:
                 if off is not None:
                     self._used += nbytes
                     self._writing += 1
+                    self._reserved_for[off] = tenant
+                    self._tenants.add_bytes(tenant, nbytes)
                     return self.arena.view(off, nbytes)
                 if grown:
                     self._rejected += 1
@@ -159,12 +181,16 @@ class L1Store:
         With ``pin`` the chunk stays pinned (whichever copy won) until ``release``."""
         with self._lock:
             self._writing -= 1
+            off = self.arena.offset_of(buf)
+            tenant = self._reserved_for.pop(off, NO_TENANT)
             e = self._entries.get(key)
             written = e is None
             if e is None:
-                e = self._entries[key] = _Entry(buf, self.arena.offset_of(buf))
+                e = self._entries[key] = _Entry(buf, off, tenant=tenant)
+                self._tenants.committed(tenant, key)
             else:
                 self._give_back(buf)
+                self._tenants.add_bytes(tenant, -buf.numel())
             if pin:
                 self._pin(e)
             return written
@@ -172,6 +198,7 @@ class L1Store:
     def abort(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._writing -= 1
+            self._unreserve(buf)
             self._give_back(buf)
 
     def quarantine(self, buf: torch.Tensor) -> None:
@@ -179,6 +206,7 @@ class L1Store:
         its bytes stay counted and out of use for ``QUARANTINE_S``, then return."""
         with self._lock:
             self._writing -= 1
+            self._unreserve(buf)  # no tenant's any more; L1's until the quarantine ends
             self._quarantined.append((self._clock() + QUARANTINE_S, buf))
 
     def writable(self) -> bool:
@@ -192,7 +220,7 @@ class L1Store:
             for k in keys:
                 e = self._entries.get(k)
                 if e is not None and e.readers == 0:
-                    self._drop(self._entries.pop(k))
+                    self._drop(k, self._entries.pop(k))
                     n += 1
             return n
 
@@ -201,7 +229,7 @@ class L1Store:
         with self._lock:
             victims = [k for k, e in self._entries.items() if e.readers == 0]
             for k in victims:
-                self._drop(self._entries.pop(k))
+                self._drop(k, self._entries.pop(k))
             return len(victims)
 
     def set_hot_cache(self, on: bool) -> None:
@@ -211,8 +239,18 @@ class L1Store:
     def stats(self) -> L1Stats:
         arena = self.arena.stats()
         with self._lock:
-            return L1Stats(self._used, self.capacity_bytes, len(self._entries), self.hot_cache,
-                           self._evictions, self._rejected, arena, self._free.fragmentation())  # fmt: skip
+            return L1Stats(
+                self._used,
+                self.capacity_bytes,
+                len(self._entries),
+                self.hot_cache,
+                self._evictions,
+                self._rejected,
+                arena,
+                self._free.fragmentation(),
+                self._tenants.top(),
+                self._tenants.share_bytes,
+            )
 
     def close(self) -> None:
         """Drop every chunk and the arena (no reader may hold a buffer any more)."""
@@ -260,15 +298,32 @@ class L1Store:
         self._used -= buf.numel()
         self._free.free(self.arena.offset_of(buf), buf.numel())
 
-    def _drop(self, e: _Entry) -> None:
+    def _unreserve(self, buf: torch.Tensor) -> None:
+        tenant = self._reserved_for.pop(self.arena.offset_of(buf), NO_TENANT)
+        self._tenants.add_bytes(tenant, -buf.numel())
+
+    def _drop(self, key: bytes, e: _Entry, evicted: bool = False) -> None:
         self._used -= e.buf.numel()
         self._free.free(e.offset, e.buf.numel())
+        self._tenants.dropped(e.tenant, key, e.buf.numel(), evicted)
+        self._evictions += evicted
 
     def _evict_one(self) -> bool:
         for k, e in self._entries.items():  # oldest first
             if e.readers == 0:
                 del self._entries[k]
-                self._drop(e)
-                self._evictions += 1
+                self._drop(k, e, evicted=True)
                 return True
         return False
+
+    def _within_share(self, tenant: bytes, nbytes: int) -> bool:
+        """Make room for ``nbytes`` more of ``tenant`` within its share, evicting its own least
+        recently used chunks (no reader holding them); False when that is not enough."""
+        for k in self._tenants.own_oldest(tenant):
+            if not self._tenants.over_share(tenant, nbytes):
+                break
+            e = self._entries.get(k)
+            if e is not None and e.readers == 0:
+                del self._entries[k]
+                self._drop(k, e, evicted=True)
+        return not self._tenants.over_share(tenant, nbytes)

@@ -33,6 +33,7 @@ import torch
 from dataplane.storage.arena import Arena
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.remote import RemoteBackend
+from dataplane.storage.tenants import NO_TENANT
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ class TieredStore(L1Store):
         clock: Callable[[], float] = time.monotonic,
         remote: RemoteBackend | None = None,
         gate: Callable[[], bool] | None = None,
+        tenant_share_bytes: int | None = None,
     ) -> None:
-        super().__init__(capacity_bytes, hot_cache, arena, clock)
+        super().__init__(capacity_bytes, hot_cache, arena, clock, tenant_share_bytes)
         self.remote = remote
         self.gate = gate or (lambda: True)
         self._warn_lock = threading.Lock()  # leaf: guards _warned_at and _suppressed
@@ -89,7 +91,7 @@ class TieredStore(L1Store):
             n += self.remote.count_prefix(keys[n:])
         return n
 
-    def acquire_prefix(self, keys: list[bytes]) -> list[torch.Tensor]:
+    def acquire_prefix(self, keys: list[bytes], tenant: bytes = NO_TENANT) -> list[torch.Tensor]:
         if not self._open("RETRIEVE", "answered with misses"):
             return []
         bufs = super().acquire_prefix(keys)
@@ -97,7 +99,7 @@ class TieredStore(L1Store):
             return bufs
         nbytes = bufs[0].numel() if bufs else None
         for key in keys[len(bufs) :]:
-            buf = self._promote(key, nbytes)
+            buf = self._promote(key, nbytes, tenant)
             if buf is None:
                 break
             nbytes = buf.numel()
@@ -116,14 +118,14 @@ class TieredStore(L1Store):
         super().release(keys[: len(bufs)])  # (L1's own release: they stay as they were)
         return None
 
-    def _promote(self, key: bytes, nbytes: int | None) -> torch.Tensor | None:
+    def _promote(self, key: bytes, nbytes: int | None, tenant: bytes) -> torch.Tensor | None:
         """The chunk of ``key`` from the remote tier, copied into L1 and pinned; None: not there
         (or damaged, or of another size, or L1 has no room)."""
         assert self.remote is not None
         payload = self.remote.get(key, _DTYPE, None if nbytes is None else (nbytes,))
         if payload is None:
             return None
-        buf = self.reserve(payload.nbytes)
+        buf = self.reserve(payload.nbytes, tenant)
         if buf is None:
             return None
         try:

@@ -26,6 +26,7 @@ from dataplane.server.facade import (
     MonitorState,
     RemoteState,
     ServerInfo,
+    TenantStats,
 )
 from tests.app.conftest import AUTH, TOKEN, AppFactory
 
@@ -110,6 +111,8 @@ class FakeDataPlane:
             hot_cache=False,
             evictions=5,
             rejected=2,
+            tenants=[TenantStats("t-00ff", 2_097_152, 8, 30, 1), TenantStats("unsalted", 1_048_576, 4, 0, 4)],
+            tenant_share_bytes=4_194_304,
         )
         self.state = RUNNING
         self.metrics_text = FAKE_METRICS
@@ -350,6 +353,11 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
                 "chunks": 12,
                 "hot_cache": False,
                 "arena": None,
+                "tenant_share_bytes": 4_194_304,
+                "tenants": [
+                    {"tenant": "t-00ff", "bytes": 2_097_152, "chunks": 8, "hits": 30, "evictions": 1},
+                    {"tenant": "unsalted", "bytes": 1_048_576, "chunks": 4, "hits": 0, "evictions": 4},
+                ],
             },
             "remote": None,
         },

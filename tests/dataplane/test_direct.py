@@ -462,8 +462,8 @@ def test_a_lease_built_while_its_instance_is_released_is_refused_and_aborted(
     # would: here the prefix pin, the last step before that, triggers it)
     real_pin = L1Store.pin_present if kind == "reserve" else L1Store.acquire_prefix
 
-    def pin_then_release(self: L1Store, keys: list[bytes]) -> Any:
-        out = real_pin(self, keys)
+    def pin_then_release(self: L1Store, keys: list[bytes], *rest: Any) -> Any:
+        out = real_pin(self, keys, *rest)
         monkeypatch.setattr(L1Store, real_pin.__name__, real_pin)
         _release_by_unregister(d)
         return out
