@@ -94,7 +94,7 @@ _said: set[str] = set()  # the reasons already logged (once each)
 
 
 def _uncached(why: str) -> RequestKey:
-    kind = why.split(":", 1)[0]
+    kind = " ".join(why.split()[:2])  # "adapter path", "multimodal input", "unknown extra"
     if kind not in _said:
         _said.add(kind)
         logger.warning("kvwarden: requests recompute, neither loaded nor stored: %s", why)
