@@ -318,12 +318,22 @@ class L1Store:
 
     def _within_share(self, tenant: bytes, nbytes: int) -> bool:
         """Make room for ``nbytes`` more of ``tenant`` within its share, evicting its own least
-        recently used chunks (no reader holding them); False when that is not enough."""
+        recently used chunks (no reader holding them); False, evicting nothing, when that
+        cannot be enough."""
+        need = self._tenants.excess(tenant, nbytes)
+        if need <= 0:
+            return True
+        victims: list[tuple[bytes, _Entry]] = []
         for k in self._tenants.own_oldest(tenant):
-            if not self._tenants.over_share(tenant, nbytes):
-                break
-            e = self._entries.get(k)
-            if e is not None and e.readers == 0:
-                del self._entries[k]
-                self._drop(k, e, evicted=True)
-        return not self._tenants.over_share(tenant, nbytes)
+            e = self._entries[k]
+            if e.readers == 0:
+                victims.append((k, e))
+                need -= e.buf.numel()
+                if need <= 0:
+                    break
+        if need > 0:
+            return False
+        for k, e in victims:
+            del self._entries[k]
+            self._drop(k, e, evicted=True)
+        return True

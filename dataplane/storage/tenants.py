@@ -69,17 +69,18 @@ class TenantBook:
             led = self._t[tenant] = _Ledger()
         return led
 
-    def over_share(self, tenant: bytes, nbytes: int) -> bool:
-        """Whether ``nbytes`` more would take ``tenant`` past its share."""
+    def excess(self, tenant: bytes, nbytes: int) -> int:
+        """Bytes ``tenant`` must give up before ``nbytes`` more stay within its share (<= 0:
+        none; always so without shares)."""
         if self.share_bytes is None:
-            return False
+            return 0
         led = self._t.get(tenant)
-        return (led.held if led is not None else 0) + nbytes > self.share_bytes
+        return (led.held if led is not None else 0) + nbytes - self.share_bytes
 
     def own_oldest(self, tenant: bytes) -> Iterator[bytes]:
-        """The tenant's chunks, least recently used first (a snapshot: the caller may evict)."""
+        """The tenant's chunks, least recently used first (evict none while iterating)."""
         led = self._t.get(tenant)
-        return iter(list(led.chunks) if led is not None else [])
+        return iter(led.chunks if led is not None else ())
 
     def add_bytes(self, tenant: bytes, nbytes: int) -> None:
         """A reserve (or, negative, a reserve given back)."""
