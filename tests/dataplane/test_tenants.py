@@ -124,3 +124,12 @@ def test_a_share_larger_than_l1_changes_nothing_and_shares_are_rejected_as_setti
     for i in range(6):
         assert put(l1, A, i)
     assert held(l1, A, 6) == [2, 3, 4, 5]
+
+
+def test_a_tenant_that_cannot_free_enough_of_its_own_evicts_nothing() -> None:
+    l1 = L1Store(8 * N, tenant_share_bytes=2 * N)
+    assert put(l1, A, 0) and put(l1, A, 1)
+    assert len(l1.acquire_prefix([key(A, 1)])) == 1  # one of its two chunks is being read
+    assert l1.reserve(2 * N, A) is None  # freeing chunk 0 alone would not make room
+    assert held(l1, A, 2) == [0, 1] and by_label(l1)[label(A)] == (2 * N, 2, 1, 0)
+    l1.release([key(A, 1)])
