@@ -42,9 +42,9 @@ import zmq
 
 from dataplane.client.args import check_args, check_copy_threads
 from dataplane.client.channel import Channel
+from dataplane.client.engine_driven import EngineDrivenTransport
 from dataplane.client.heartbeat import Heartbeat
 from dataplane.client.kvalloc import unlink_segments
-from dataplane.client.pooled import EngineDrivenTransport
 from dataplane.client.transport import Identity, ServerDrivenTransport, Transport
 from dataplane.memory.rope import RopeParams
 from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout

@@ -1,7 +1,7 @@
 """The worker's side of one-copy blend transfers: it rotates the keys while it copies.
 
 An engine-driven worker whose server shares L1's arena copies blend chunks itself, between its
-blocks and L1 buffers (`dataplane.client.direct.ArenaCopier`), so the keys are rotated where
+blocks and L1 buffers (`dataplane.client.one_copy.ArenaCopier`), so the keys are rotated where
 that copy runs: here. `WorkerRope` holds the worker's cos/sin tables (built from the RoPE
 parameters it registered, once) and the compiled kernels (`dataplane.memory.rope_kernel`,
 compiled on thread ``kvwarden-rope-jit`` of this process; torch until they are ready).

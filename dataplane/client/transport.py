@@ -3,7 +3,7 @@
 ``Transport`` is what `dataplane.client.adapter.WorkerAdapter` drives, through ``send``: a request
 that is abandoned as soon as the adapter turns unhealthy. ``ServerDrivenTransport`` (here): the
 server maps the worker's memory (shared memory on CPU, CUDA IPC on GPU) and does every copy; a
-STORE or RETRIEVE is one request. ``EngineDrivenTransport`` (`dataplane.client.pooled`): the
+STORE or RETRIEVE is one request. ``EngineDrivenTransport`` (`dataplane.client.engine_driven`): the
 worker keeps ordinary tensors and copies itself.
 """
 

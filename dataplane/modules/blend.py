@@ -39,8 +39,8 @@ from dataplane.memory.kvmemory import TORCH_DTYPES, MappedKV
 from dataplane.memory.rope import RopeParams, RopeTables
 from dataplane.memory.rope_kernel import KernelWarmup
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.engine import EngineDrivenTransferModule
-from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.modules.engine_pool import EngineDrivenTransferModule
+from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.storage.keys import blend_keys
 from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import RequestError

@@ -30,12 +30,12 @@ from dataplane.memory.shm import sweep_orphans
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import ServerInfo
 from dataplane.modules.blend import BlendModule
-from dataplane.modules.blend_direct import BlendDirectModule
-from dataplane.modules.direct import DirectTransferModule
-from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.blend_one_copy import BlendDirectModule
+from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
-from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.modules.one_copy import DirectTransferModule
+from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.server.config import L1Backing, Settings
 from dataplane.server.early import new_server
 from dataplane.server.facade import ComponentState, LivenessStatus, MonitorCheck, MonitorState, RemoteState

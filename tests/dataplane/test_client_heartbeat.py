@@ -25,10 +25,10 @@ from dataplane.liveness.release import InstanceReleaser
 from dataplane.memory.shm import SHM_DIR
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
-from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
-from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.server.config import Settings
 from dataplane.server.loop import Server
 from dataplane.server.runtime import DataPlane, build_dataplane

@@ -19,7 +19,7 @@ from dataplane.liveness.target import Reaped
 from dataplane.memory import shm
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext
-from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
+from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.checks import ids_to_bytes
 from dataplane.wire.errors import NotRegistered

@@ -25,7 +25,7 @@ from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget, Reaped
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext
-from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
+from dataplane.modules.server_driven import CacheContext, ServerDrivenTransferModule
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import NotRegistered

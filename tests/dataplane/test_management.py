@@ -20,9 +20,9 @@ from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext, ServerInfo
-from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.management import ManagementModule
-from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.server.config import Settings, validate_liveness
 from dataplane.server.loop import Server
 from dataplane.storage.l1 import L1Store

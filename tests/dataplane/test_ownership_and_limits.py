@@ -28,10 +28,10 @@ from dataplane.memory import shm
 from dataplane.memory.budget import ByteBudget
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext, ServerInfo
-from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
-from dataplane.modules.transfer import ServerDrivenTransferModule
+from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import LimitExceeded, NotOwner

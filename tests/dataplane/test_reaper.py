@@ -25,8 +25,8 @@ from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget, Reaped
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import RequestContext
-from dataplane.modules.engine import EngineDrivenTransferModule
-from dataplane.modules.transfer import CacheContext, ServerDrivenTransferModule
+from dataplane.modules.engine_pool import EngineDrivenTransferModule
+from dataplane.modules.server_driven import CacheContext, ServerDrivenTransferModule
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.messages import Message, MsgType
 from tests.dataplane.fakes import BlendLike

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.client import direct
-from dataplane.client.direct import ArenaToucher
+from dataplane.client import one_copy
+from dataplane.client.one_copy import ArenaToucher
 from dataplane.memory import shm
 from dataplane.memory.shm import Segment
 from tests.helpers import wait_until
@@ -46,7 +46,7 @@ def allocated(seg: Segment) -> int:
 
 
 def test_maps_what_is_reserved_and_nothing_past_it(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(direct, "LOOKAHEAD", 16 * MiB)
+    monkeypatch.setattr(one_copy, "LOOKAHEAD", 16 * MiB)
     owner = Segment.create(64 * MiB, reserve=False)  # the server's arena: reserved as it grows
     worker: Segment | None = None
     t: ArenaToucher | None = None

@@ -1,7 +1,7 @@
 """The engine-driven transport: the worker keeps ordinary tensors and copies chunks itself,
 through a shared-memory pool the server owns (``pool_chunks`` slots, one batch of slots per
 request), or once, straight into or out of the server's L1 arena when the server shares it
-(`dataplane.client.direct`). ``_lock`` guards the pool and the arena (their slots are used by
+(`dataplane.client.one_copy`). ``_lock`` guards the pool and the arena (their slots are used by
 one transfer at a time).
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dataplane.client.blend import WorkerRope
-from dataplane.client.direct import ArenaCopier
+from dataplane.client.one_copy import ArenaCopier
 from dataplane.client.transport import NO_BLOCKS, Hits, Identity, Key, Send
 from dataplane.memory.blockkv import BlockKV, LocalKV
 from dataplane.memory.copies import ChunkMap, CopySplitter
@@ -46,7 +46,7 @@ class EngineDrivenTransport:
         self._local: LocalKV | None = None
         self._lock = threading.Lock()  # guards _pool, _arena and their memory: one transfer at a time
         self._pool: tuple[Segment, list[torch.Tensor]] | None = None
-        # the server's L1 arena, when it is shared memory: one-copy transfers (client/direct.py)
+        # the server's L1 arena, when it is shared memory: one-copy transfers (client/one_copy.py)
         self._arena: tuple[Segment, ArenaCopier] | None = None
         self._rope: WorkerRope | None = None  # one-copy blend transfers rotate here
 

@@ -7,7 +7,7 @@ it does not hold), gathers each chunk from the worker's blocks into its buffer, 
 chunks), scatters each into the worker's blocks, and lets go (ENGINE_RELEASE). One copy each
 way; the server never touches the bytes. A copy that fails lets go of its lease at once (a
 RELEASE aborts a reserve: nothing half-written is ever published). The caller serialises
-transfers (`dataplane.client.pooled.EngineDrivenTransport`'s lock).
+transfers (`dataplane.client.engine_driven.EngineDrivenTransport`'s lock).
 
 A worker's first write to a page of its own mapping of the arena faults, one page at a time
 (write faults map no neighbours): that halved a fresh server's one-copy STORE. `ArenaToucher`

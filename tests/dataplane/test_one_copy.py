@@ -27,18 +27,18 @@ import zmq
 
 from dataplane.client import WorkerAdapter
 from dataplane.client.channel import Channel
-from dataplane.client.direct import ArenaCopier
+from dataplane.client.one_copy import ArenaCopier
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.memory import shm
 from dataplane.memory.kvmemory import MappedKV, map_local_tensors
 from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext, ServerInfo
-from dataplane.modules.direct import DirectTransferModule
-from dataplane.modules.engine import EngineDrivenTransferModule
+from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.leases import MAX_LEASES
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
+from dataplane.modules.one_copy import DirectTransferModule
 from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.storage import arena as arena_module
@@ -307,16 +307,16 @@ def test_reserve_and_acquire_hash_no_chunk_past_the_last_asked_for(
 ) -> None:
     """They may run on the loop thread that answers PING: a long prompt asked for one chunk
     costs one key, not one per chunk of the prompt."""
-    from dataplane.modules import direct as direct_module
+    from dataplane.modules import one_copy
 
     hashed: list[int] = []
-    real = direct_module.chunk_keys
+    real = one_copy.chunk_keys
 
     def counting(scope: bytes, token_ids: np.ndarray, chunk_size: int, ctx: Any = None) -> list[bytes]:
         hashed.append(len(token_ids) // chunk_size)
         return real(scope, token_ids, chunk_size, ctx)
 
-    monkeypatch.setattr(direct_module, "chunk_keys", counting)
+    monkeypatch.setattr(one_copy, "chunk_keys", counting)
     direct.register(1)
     direct.register(2)
     tokens = prompt(1, 200, extra=5)

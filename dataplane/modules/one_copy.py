@@ -16,7 +16,7 @@ from typing import Any
 
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Deferred, Handler, HandlerKind, RequestContext
-from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
+from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import chunk_keys
 from dataplane.storage.l1 import L1Store
@@ -36,7 +36,7 @@ _QUICK_CHUNKS = 64  # chunk keys a reserve or acquire on the loop thread may has
 
 
 class DirectTransferModule:
-    name = "engine_direct"
+    name = "one_copy"
 
     def __init__(self, engine: EngineDrivenTransferModule, l1: L1Store, metrics: DataPlaneMetrics) -> None:
         self.engine = engine

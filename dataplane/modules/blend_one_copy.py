@@ -17,7 +17,7 @@ from typing import Any
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext
 from dataplane.modules.blend import BlendModule
-from dataplane.modules.engine import EngineContext, EngineDrivenTransferModule
+from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import blend_keys
 from dataplane.storage.l1 import L1Store
@@ -27,7 +27,7 @@ from dataplane.wire.messages import MAX_POOL_CHUNKS, BlendAcquire, BlendReserve,
 
 
 class BlendDirectModule:
-    name = "blend_direct"
+    name = "blend_one_copy"
 
     def __init__(
         self, blend: BlendModule, engine: EngineDrivenTransferModule, l1: L1Store, metrics: DataPlaneMetrics
