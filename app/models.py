@@ -17,7 +17,7 @@ TransferMode = Literal["server_driven", "engine_driven"]
 MemoryKind = Literal["shm", "cuda_ipc"]
 
 
-class Message(BaseModel):
+class Detail(BaseModel):
     """A plain message (errors and simple answers)."""
 
     detail: str

@@ -3,7 +3,7 @@
 
 A function made of one data literal (a table) is exempt. Exits 1 naming every offender.
 
-    python scripts/check_shape.py [dataplane app]
+    python scripts/check_shape.py [dataplane app kvbench]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def check(path: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    roots = [Path(a) for a in argv] or [Path("dataplane"), Path("app")]
+    roots = [Path(a) for a in argv] or [Path("dataplane"), Path("app"), Path("kvbench")]
     problems = [p for root in roots for f in sorted(root.rglob("*.py")) for p in check(f)]
     for p in problems:
         print(p)

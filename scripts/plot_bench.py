@@ -22,8 +22,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dataplane.bench import report  # noqa: E402
-from dataplane.bench.results import RESULTS_DIR, newest  # noqa: E402
+from kvbench import report  # noqa: E402
+from kvbench.results import RESULTS_DIR, newest  # noqa: E402
 
 BENCHMARKS = ("transfer", "ping", "reaper", "http", "startup", "remote")
 START, END = "<!-- table -->", "<!-- /table -->"

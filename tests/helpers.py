@@ -1,6 +1,6 @@
 """Shared test helpers: polling with a deadline, real server processes, raw requests.
 
-`free_port` is the benchmarks' (`dataplane.bench.procs`), re-exported for the tests."""
+`free_port` is the benchmarks' (`kvbench.procs`), re-exported for the tests."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import zmq
 
-from dataplane.bench.procs import free_port
 from dataplane.wire.messages import MsgType
 from dataplane.wire.protocol import Reply, decode_reply, encode_request
+from kvbench.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

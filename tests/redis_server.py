@@ -88,8 +88,14 @@ class RedisClusterServers:
             for _ in range(masters):
                 port = free_port()
                 # the cluster bus on a free port of its own (port + 10,000 may be past 65,535)
-                extra = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                         "--cluster-port", str(free_port())]  # fmt: skip
+                extra = [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{port}.conf",
+                    "--cluster-port",
+                    str(free_port()),
+                ]
                 self.nodes.append(RedisServer(port, extra, cwd=workdir))
             addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
             cli = shutil.which("redis-cli")
@@ -97,8 +103,10 @@ class RedisClusterServers:
                 raise RuntimeError("redis-cli is not installed: run `make tools`")
             subprocess.run(
                 [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
-                check=True, capture_output=True, timeout=60,
-            )  # fmt: skip
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
             wait_until(self._ok, 30, what="the cluster to agree on its slots")
         except BaseException:
             self.stop()

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     pb = sub.add_parser("bench", help="benchmarks")
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["bench"]:  # it imports torch: only when asked, so `status` starts fast
-        from dataplane.bench import add_bench_args
+        from kvbench import add_bench_args
 
         add_bench_args(pb)
     ns = p.parse_args(args)

@@ -88,11 +88,11 @@ def _run(settings: Settings, limiters: list[logs.RateLimitFilter]) -> int:
     warn_if_exposed(settings)
     # bound and answering HELLO and PING before torch is even imported (a staged start:
     # `dataplane.server.early`); every other request waits for the data plane
-    from dataplane.metrics import DataPlaneMetrics
-    from dataplane.server.early import StartGate, new_server
+    from dataplane.server.early import StartGate
+    from dataplane.server.factory import new_server
 
     try:
-        server = new_server(settings, DataPlaneMetrics())
+        server = new_server(settings)
     except OSError as exc:
         print(f"kvwarden serve: cannot start: {exc}", file=sys.stderr)
         return 1

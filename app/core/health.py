@@ -1,12 +1,13 @@
 """Health checks: a list built from pluggable check providers.
 
-A *provider* is a callable ``provider(dp) -> Sequence[HealthCheck]`` run once when the app is
+A *provider* is a callable ``provider(dp) -> Sequence[SidecarCheck]`` run once when the app is
 built; it returns the checks that apply to this data plane. The default is `monitor_checks`:
 the data plane's health monitor, whose checks cover its own parts (loop, pools, reaper) and the
-remote tier. A *check* is cheap and non-blocking: it reads state
-through the data plane's public accessors (flags and cached results: `/health` runs the checks
-on the event loop, so a check must never wait on a lock, a socket or a remote backend) and
-returns a `CheckResult`. The overall status is
+remote tier. A *check* is cheap and non-blocking: it reads state through the data plane's
+public accessors (flags and cached results: `/health` runs the checks on the event loop, so a
+check must never wait on a lock, a socket or a remote backend) and returns one or more
+`CheckResult`, the type the health monitor reports its own checks' results in (re-exported by
+the facade), so a provider's results and the monitor's are one list. The overall status is
 ``fail`` when any check fails, else ``warn`` when any warns (serving, degraded: a backend
 bypassed under the ``local_cpu`` fallback policy), else ``pass``. A check that raises counts as
 failed. Other components add a provider to `DEFAULT_PROVIDERS` or pass their own to
@@ -18,33 +19,38 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from dataplane.server.facade import CheckResult, Status
 
 if TYPE_CHECKING:
     from dataplane.server.facade import DataPlaneView
 
+__all__ = [
+    "DEFAULT_PROVIDERS",
+    "CheckProvider",
+    "CheckResult",
+    "FunctionCheck",
+    "HealthChecker",
+    "HealthReport",
+    "MonitorChecks",
+    "SidecarCheck",
+    "Status",
+    "monitor_checks",
+]
+
 logger = logging.getLogger(__name__)
 
-Status = Literal["pass", "warn", "fail"]
 
+class SidecarCheck(Protocol):
+    """A check the sidecar runs at every health read."""
 
-@dataclass(frozen=True, slots=True)
-class CheckResult:
-    name: str
-    status: Status
-    output: str = ""
-    component_type: str = "component"
-    # the backend this check bypassed (status "warn" under the local_cpu policy), if any
-    bypassed_backend: str | None = None
-
-
-class HealthCheck(Protocol):
     name: str
 
     def check(self) -> CheckResult | list[CheckResult]: ...
 
 
-CheckProvider = Callable[["DataPlaneView"], Sequence[HealthCheck]]
+CheckProvider = Callable[["DataPlaneView"], Sequence[SidecarCheck]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +90,7 @@ class HealthChecker:
     """Runs every check of every provider; cheap enough for each `/health` and scrape."""
 
     def __init__(self, dp: DataPlaneView, providers: Sequence[CheckProvider]) -> None:
-        self.checks: list[HealthCheck] = []
+        self.checks: list[SidecarCheck] = []
         for provider in providers:
             self.checks.extend(provider(dp))
 
@@ -108,11 +114,11 @@ class HealthChecker:
 
 @dataclass
 class MonitorChecks:
-    """The data plane's health monitor: one result per check, read from its state (its live
-    checks, the data plane's own parts, are flag reads run at this read; the remote tier's are
-    its last round's). A recompute check failing is ``fail``; a check whose backend is bypassed
-    under local_cpu is ``warn``; init failure or an irrecoverable failure is a ``fail`` of
-    ``health_monitor``."""
+    """The data plane's health monitor: its results as it reports them (its live checks, the
+    data plane's own parts, are flag reads run at this read; the remote tier's are its last
+    round's). A recompute check failing is ``fail``; a check whose backend is bypassed under
+    local_cpu is ``warn``; init failure or an irrecoverable failure is a ``fail`` of
+    ``health_monitor``, ahead of them."""
 
     dp: DataPlaneView
     name: str = "health_monitor"
@@ -124,15 +130,11 @@ class MonitorChecks:
             out.append(CheckResult(self.name, "fail", f"initialisation failed: {st.init_failure}"))
         elif st.irrecoverable is not None:
             out.append(CheckResult(self.name, "fail", f"stopped: {st.irrecoverable}"))
-        for c in st.checks:
-            status: Status = "pass" if c.healthy else "warn" if c.bypassed_backend else "fail"
-            output = c.reason or ("skipped" if c.skipped else "")
-            kind = "datastore" if c.name.startswith("remote_backend:") else "component"
-            out.append(CheckResult(c.name, status, output, kind, c.bypassed_backend))
+        out.extend(st.results)
         return out
 
 
-def monitor_checks(dp: DataPlaneView) -> list[HealthCheck]:
+def monitor_checks(dp: DataPlaneView) -> list[SidecarCheck]:
     return [MonitorChecks(dp)]
 
 

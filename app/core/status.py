@@ -20,7 +20,7 @@ from pydantic_core import to_json
 from app.core.health import HealthChecker, HealthReport
 
 if TYPE_CHECKING:
-    from dataplane.server.facade import ContextEntry, DataPlaneView, L1Stats
+    from dataplane.server.facade import CheckResult, ContextEntry, DataPlaneView, L1Stats
 
 # Building the document is pure Python, and a thread waiting for the GIL gets it only after the
 # switch interval (0.5 ms in `serve`) unless the holder lets go: PING, answered on the loop thread,
@@ -60,7 +60,8 @@ def health_summary(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
     }
 
 
-def check_view(r: Any) -> dict[str, Any]:
+def check_view(r: CheckResult) -> dict[str, Any]:
+    """One check's result as `/health` and `/status` show it (`app.models.CheckPublic`)."""
     return {"name": r.name, "status": r.status, "component_type": r.component_type, "output": r.output}
 
 
@@ -122,8 +123,13 @@ def arena_view(l1: L1Stats) -> dict[str, Any] | None:
     a = l1.arena
     if a is None:
         return None
-    return {"backing": a.backing, "faulted_bytes": a.faulted_bytes, "ready": a.ready,
-            "huge_page_bytes": a.huge_page_bytes, "fragmentation": l1.fragmentation}  # fmt: skip
+    return {
+        "backing": a.backing,
+        "faulted_bytes": a.faulted_bytes,
+        "ready": a.ready,
+        "huge_page_bytes": a.huge_page_bytes,
+        "fragmentation": l1.fragmentation,
+    }
 
 
 class InstanceEncoder:

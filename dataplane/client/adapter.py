@@ -22,7 +22,8 @@ health (``Heartbeat.set_health(False)``), so the next transfers answer at once a
 heartbeat's next good PING recovers as after any outage. The first miss of an outage logs one
 WARNING, the first transfer served after it one INFO line.
 ``_reg_lock`` guards ``_registration`` and the REGISTER counters: a registration and a recovery
-never interleave. ``_miss_lock`` guards ``misses`` and ``_outage``.
+never interleave; the misses and the outages are counted and logged by
+`dataplane.client.outage`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -45,6 +45,7 @@ from dataplane.client.channel import Channel
 from dataplane.client.engine_driven import EngineDrivenTransport
 from dataplane.client.heartbeat import Heartbeat
 from dataplane.client.kvalloc import unlink_segments
+from dataplane.client.outage import OutageLog
 from dataplane.client.transport import Identity, ServerDrivenTransport, Transport
 from dataplane.memory.rope import RopeParams
 from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout
@@ -139,15 +140,18 @@ class WorkerAdapter:
         self.chunk_size: int | None = None
         self.registrations = 0  # REGISTERs that built a fresh server context
         self.refreshes = 0  # REGISTERs the server answered as a no-op refresh (created: false)
-        self._miss_lock = threading.Lock()  # guards misses and _outage
-        self.misses = 0  # transfers answered with the outage answer (class docstring)
-        self._outage: tuple[float, int] | None = None  # (start, misses before it) while missing
+        self._outages = OutageLog(logger)
         self._closed = False
 
     # ------------------------------------------------------------------ state
     @property
     def is_healthy(self) -> bool:
         return self._heartbeat.healthy.is_set()
+
+    @property
+    def misses(self) -> int:
+        """Transfers answered with the outage answer (class docstring)."""
+        return self._outages.misses
 
     @property
     def boot_token(self) -> int | None:
@@ -288,31 +292,13 @@ class WorkerAdapter:
             if not self._chan.connected and self._heartbeat.running:
                 self._heartbeat.set_health(False)  # no connection: the next ones answer at once
             return self._missed(miss, str(exc))
-        self._served()
+        self._outages.served()
         return value
 
     def _missed(self, miss: T, why: str) -> T:
-        """Count a miss; the first of an outage logs one WARNING."""
-        with self._miss_lock:
-            first = self._outage is None
-            if first:
-                self._outage = (time.monotonic(), self.misses)
-            self.misses += 1
-        if first:
-            logger.warning("kvwarden client: transfers answer as misses until the server is back (%s)", why)
+        """Count a miss (the first of an outage logs one WARNING); returns ``miss``."""
+        self._outages.missed(why)
         return miss
-
-    def _served(self) -> None:
-        """A transfer the server answered: the end of an outage, if there was one."""
-        with self._miss_lock:
-            outage, self._outage = self._outage, None
-            missed = self.misses - outage[1] if outage is not None else 0
-        if outage is not None:
-            logger.info(
-                "kvwarden client: transfers served again after %d misses in %.1fs",
-                missed,
-                time.monotonic() - outage[0],
-            )
 
     def _reregister_now(self) -> None:
         """The server dropped us (reaped while paused, or by an operator) and our next PING
@@ -335,9 +321,14 @@ class WorkerAdapter:
         bad parameter raises the server's RequestError naming it."""
         p = rope if isinstance(rope, RopeParams) else RopeParams(**rope)
         msg = BlendRegister(
-            self.instance_id, self._secret, int(p.rotary_dim), float(p.base), str(p.style), float(p.scaling),
+            self.instance_id,
+            self._secret,
+            int(p.rotary_dim),
+            float(p.base),
+            str(p.style),
+            float(p.scaling),
             int(p.max_positions),
-        )  # fmt: skip
+        )
         with self._reg_lock:
             if self._registration is None:
                 raise NotRegistered("register_kv_caches() first, then register_blend()")

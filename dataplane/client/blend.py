@@ -49,9 +49,16 @@ class WorkerRope:
         tables, g = self._setup(local, cs)
         src, dst = chunk_side(buf, g), cache_side(local, slots)
         move(
-            tables, src, dst, at, g, splitter, self.kernels.ready,
-            lambda w: w.copy_(buf), lambda w: local.scatter(slots, w, splitter),
-        )  # fmt: skip
+            tables,
+            src,
+            dst,
+            at,
+            g,
+            splitter,
+            self.kernels.ready,
+            lambda w: w.copy_(buf),
+            lambda w: local.scatter(slots, w, splitter),
+        )
 
     def close(self) -> None:
         self.kernels.stop()

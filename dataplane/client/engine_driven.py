@@ -68,10 +68,20 @@ class EngineDrivenTransport:
             local = map_local_tensors(list(caches))
         self._local = local
         return EngineRegister(
-            who.instance_id, who.secret, who.model_name, who.world_size, who.worker_id,
-            DTYPE_NAMES[first.dtype], len(caches), local.heads, local.head_dim, self.pool_chunks,
-            who.owner_pid, kv_format, local.block_size,
-        )  # fmt: skip
+            who.instance_id,
+            who.secret,
+            who.model_name,
+            who.world_size,
+            who.worker_id,
+            DTYPE_NAMES[first.dtype],
+            len(caches),
+            local.heads,
+            local.head_dim,
+            self.pool_chunks,
+            who.owner_pid,
+            kv_format,
+            local.block_size,
+        )
 
     def registered(self, result: dict[str, Any]) -> None:
         """Map the pool the server handed out (kept when it is the one already mapped), and

@@ -190,10 +190,14 @@ class KVWardenConnector(KVConnectorBase_V1):
 
         s = self._scope
         adapter = WorkerAdapter(
-            self._cfg["kvwarden.url"], s.model_name, s.world_size, get_tensor_model_parallel_rank(),
-            heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"], transfer_mode=mode,
+            self._cfg["kvwarden.url"],
+            s.model_name,
+            s.world_size,
+            get_tensor_model_parallel_rank(),
+            heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"],
+            transfer_mode=mode,
             request_timeout=self._cfg["kvwarden.request_timeout_s"],
-        )  # fmt: skip
+        )
         registrar = Registrar(adapter, caches, kv_format.value, self._cfg["kvwarden.retry_s"])
         registrar.start()
         registrar.wait(self._cfg["kvwarden.connect_wait_s"])
@@ -248,8 +252,9 @@ class KVWardenConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole before the forward pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:  # fmt: skip
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return None  # stores take whole chunks after the forward pass
 
     def wait_for_save(self) -> None:
@@ -308,16 +313,26 @@ class KVWardenConnector(KVConnectorBase_V1):
         assert self._planner is not None
         so = scheduler_output
         new = [
-            (r.req_id, prompt_of(r.prompt_token_ids, r.prompt_embeds), list(r.block_ids[0]),
-             r.num_computed_tokens, so.num_scheduled_tokens[r.req_id])
+            (
+                r.req_id,
+                prompt_of(r.prompt_token_ids, r.prompt_embeds),
+                list(r.block_ids[0]),
+                r.num_computed_tokens,
+                so.num_scheduled_tokens[r.req_id],
+            )
             for r in so.scheduled_new_reqs
-        ]  # fmt: skip
+        ]
         c = so.scheduled_cached_reqs
         cached = [
-            (req_id, None if c.new_block_ids[i] is None else list(c.new_block_ids[i][0]),  # type: ignore[index]
-             req_id in c.resumed_req_ids, c.num_computed_tokens[i], so.num_scheduled_tokens[req_id])
+            (
+                req_id,
+                None if c.new_block_ids[i] is None else list(c.new_block_ids[i][0]),  # type: ignore[index]
+                req_id in c.resumed_req_ids,
+                c.num_computed_tokens[i],
+                so.num_scheduled_tokens[req_id],
+            )
             for i, req_id in enumerate(c.req_ids)
-        ]  # fmt: skip
+        ]
         return KVWardenConnectorMetadata(self._planner.plan(new, cached, bool(so.preempted_req_ids)))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -121,9 +121,17 @@ class ScopeLookup:
                 return 0
         s = self.scope
         msg = LookupScope(
-            s.model_name, s.world_size, s.dtype, s.num_layers, s.heads, s.head_dim, s.kv_format,
-            s.block_size, np.asarray(token_ids, dtype=np.int64), key,
-        )  # fmt: skip
+            s.model_name,
+            s.world_size,
+            s.dtype,
+            s.num_layers,
+            s.heads,
+            s.head_dim,
+            s.kv_format,
+            s.block_size,
+            np.asarray(token_ids, dtype=np.int64),
+            key,
+        )
         try:
             reply = self._chan.request(msg, self.timeout_s)
         except RequestError:

@@ -25,8 +25,9 @@ class Registrar:
     A refusal (the layout, the chunk size) is final: ``error`` holds it and nothing retries.
     ``_cond`` guards ``registered``, ``error`` and ``_stopped``."""
 
-    def __init__(self, adapter: WorkerAdapter, caches: Sequence[torch.Tensor], kv_format: str,
-                 retry_s: float) -> None:  # fmt: skip
+    def __init__(
+        self, adapter: WorkerAdapter, caches: Sequence[torch.Tensor], kv_format: str, retry_s: float
+    ) -> None:
         self.adapter = adapter
         self.caches = list(caches)
         self.kv_format = kv_format
@@ -76,8 +77,10 @@ class Registrar:
                 if not warned:
                     logger.warning(
                         "kvwarden: server not reachable (%s): requests recompute until it is; retrying "
-                        "every %gs", exc, self.retry_s,
-                    )  # fmt: skip
+                        "every %gs",
+                        exc,
+                        self.retry_s,
+                    )
                     warned = True
                 with self._cond:
                     if self._cond.wait_for(lambda: self._stopped, self.retry_s):

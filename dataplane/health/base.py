@@ -1,8 +1,13 @@
-"""What a health check is, and what checks are given to decide (`Components`).
+"""What a health check is, what checks are given to decide (`Components`), and what one reports
+(`CheckResult`).
 
 A check is a `HealthCheck` subclass in a module of `dataplane.health.checks`; the monitor finds
 it there (no registration code) and calls its ``create(components)``, which returns one check per
 thing it watches, or none where it does not apply.
+
+`CheckResult` is the one shape of a check's result: the monitor records it, the data plane's
+facade (`dataplane.server.facade`) hands it on, and the sidecar's `/health`, `/status` and
+`/metrics` read it, with the results of the sidecar's own checks in the same type.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from dataplane.storage.remote import RemoteBackend
@@ -56,6 +61,7 @@ class HealthCheck(abc.ABC):
     # A live check is cheap and never blocks (it reads a flag): it is run whenever health is
     # read, not once a round, so what it watches is seen at once. Its policy is recompute.
     live: bool = False
+    component_type: str = "component"  # what it watches, as its results name it
 
     @abc.abstractmethod
     def name(self) -> str: ...
@@ -86,11 +92,26 @@ class HealthCheck(abc.ABC):
         return ""
 
 
-@dataclass(frozen=True)
+Status = Literal["pass", "warn", "fail"]
+
+
+@dataclass(frozen=True, slots=True)
 class CheckResult:
+    """One check's latest result. ``status``: ``pass``; ``warn``, failing while its backend is
+    bypassed under the local_cpu policy (the server still serves); ``fail``."""
+
     name: str
-    healthy: bool
-    skipped: bool
-    policy: str
-    reason: str
-    at: float
+    status: Status
+    reason: str = ""  # why it does not pass ("" when it passes)
+    component_type: str = "component"  # component, system or datastore
+    bypassed_backend: str | None = None  # the backend this check bypassed (local_cpu), if any
+    skipped: bool = False  # the check did not run (`HealthCheck.should_skip`): it passes
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def output(self) -> str:
+        """What `/health` and `/status` show: the reason, or ``skipped``."""
+        return self.reason or ("skipped" if self.skipped else "")

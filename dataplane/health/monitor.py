@@ -26,7 +26,7 @@ import logging
 import pkgutil
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dataplane.health.base import CheckResult, Components, FallbackPolicy, HealthCheck, IrrecoverableException
 
@@ -59,21 +59,34 @@ def discover(components: Components, package: str = CHECKS_PACKAGE) -> list[Heal
     return checks
 
 
-def _run_live(chk: HealthCheck) -> tuple[bool, str]:
-    """(healthy, why not) of a live check; one that raises has failed."""
+def _passes(chk: HealthCheck) -> bool:
+    """Whether a live check passes now (the gate's question: no result is built)."""
+    try:
+        return bool(chk.check())
+    except Exception:
+        return False
+
+
+def _run_live(chk: HealthCheck) -> CheckResult:
+    """A live check's result, now; one that raises has failed."""
     try:
         ok = bool(chk.check())
-        return ok, "" if ok else chk.reason()
+        reason = "" if ok else chk.reason()
     except Exception as exc:
-        return False, f"{type(exc).__name__}: {exc}"
+        ok, reason = False, f"{type(exc).__name__}: {exc}"
+    return CheckResult(chk.name(), "pass" if ok else "fail", reason, chk.component_type)
 
 
-@dataclass(frozen=True)
-class MonitorSummary:
+@dataclass(frozen=True, slots=True)
+class MonitorState:
+    """The monitor as it reads now (`HealthMonitor.summary_state`): the live checks' results,
+    then each other check's last one; a failing check whose backend is bypassed is ``warn``."""
+
     healthy: bool
     init_failure: str | None
     irrecoverable: str | None
     rounds: int
+    bypassed_backends: tuple[str, ...]
     results: tuple[CheckResult, ...]
 
 
@@ -142,15 +155,7 @@ class HealthMonitor:
         """Read by every gated STORE, RETRIEVE and LOOKUP: the live checks run, nothing is kept."""
         with self._lock:
             ok = self._healthy and self._init_failure is None and self._irrecoverable is None
-        return ok and all(_run_live(chk)[0] for chk in self._live)
-
-    def _live_results(self) -> list[CheckResult]:
-        now, policy = self.components.clock(), FallbackPolicy.RECOMPUTE.value
-        out = []
-        for chk in self._live:
-            ok, reason = _run_live(chk)
-            out.append(CheckResult(chk.name(), ok, False, policy, reason, now))
-        return out
+        return ok and all(_passes(chk) for chk in self._live)
 
     def mark_init_failed(self, reason: str) -> None:
         with self._lock:
@@ -166,20 +171,33 @@ class HealthMonitor:
             return dict(self._bypassed)
 
     def results(self) -> list[CheckResult]:
+        """Each round check's last result (the live checks are not kept)."""
         with self._lock:
-            return list(self._results.values())
+            return self._round_results()
 
-    def summary_state(self) -> MonitorSummary:
-        live = self._live_results()
+    def _round_results(self) -> list[CheckResult]:
+        """Under ``_lock``: each recorded result, with the backend its check bypassed."""
+        by_check = {check: backend for backend, check in self._bypassed.items()}
+        out = list(self._results.values())
+        for i, r in enumerate(out):
+            backend = by_check.get(r.name)
+            if backend is not None:
+                status = "warn" if r.status == "fail" else r.status
+                out[i] = replace(r, status=status, bypassed_backend=backend)
+        return out
+
+    def summary_state(self) -> MonitorState:
+        live = [_run_live(chk) for chk in self._live]
         with self._lock:
-            return MonitorSummary(
-                self._healthy and self._init_failure is None and self._irrecoverable is None
-                and all(r.healthy for r in live),
+            healthy = self._healthy and self._init_failure is None and self._irrecoverable is None
+            return MonitorState(
+                healthy and all(r.healthy for r in live),
                 self._init_failure,
                 self._irrecoverable,
                 self._rounds,
-                (*live, *self._results.values()),
-            )  # fmt: skip
+                tuple(sorted(self._bypassed)),
+                (*live, *self._round_results()),
+            )
 
     # ----------------------------------------------------------------- round
     def run_round(self) -> bool:
@@ -218,7 +236,7 @@ class HealthMonitor:
     def _record(
         self, chk: HealthCheck, name: str, ok: bool, *, skipped: bool = False, reason: str = ""
     ) -> None:
-        r = CheckResult(name, ok, skipped, chk.fallback_policy.value, reason, self.components.clock())
+        r = CheckResult(name, "pass" if ok else "fail", reason, chk.component_type, skipped=skipped)
         with self._lock:
             self._results[name] = r
 

@@ -118,8 +118,15 @@ Row = tuple[int, InstanceInfo, float, float, bool, bool, int]
 
 def row(e: Entry) -> Row:
     """The public fields of an entry as a plain tuple (cheap to copy under the lock)."""
-    return (e.instance_id, e.info, e.registered_at, e.last_seen, e.has_liveness_signal,
-            e.disconnected_at is not None, e.conn_fd)  # fmt: skip
+    return (
+        e.instance_id,
+        e.info,
+        e.registered_at,
+        e.last_seen,
+        e.has_liveness_signal,
+        e.disconnected_at is not None,
+        e.conn_fd,
+    )
 
 
 # what changes of a tracked instance while it lives: (instance_id, registered_at, last_seen,

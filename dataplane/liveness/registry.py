@@ -125,10 +125,6 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         with self._lock:
             return len(self._entries)
 
-    def count(self, pred: Callable[[E], bool]) -> int:
-        with self._lock:
-            return sum(1 for e in self._entries.values() if pred(e))
-
     def mark_connection_closed(self, conn_fd: int, now: float) -> int:
         def closed(e: E) -> bool:
             # last_seen > now: it spoke after the close, over a new connection that reuses the
@@ -188,13 +184,6 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         self.remove_instances(victims, "shutdown")
 
     # --------------------------------------------------------------- accessors
-    def get_and_touch_context_entry(self, instance_id: int) -> ContextEntry:
-        """The entry of ``instance_id``, refreshing last_seen (never latching the signal)."""
-        with self._lock:
-            e = self._get(instance_id)
-            e.last_seen = self._clock()
-            return public(e)
-
     def context_entries_snapshot(self) -> list[ContextEntry]:
         # plain tuples are copied under the lock, a slice at a time (PING waits on it), and
         # the entries built after: each entry is consistent, the list need not be one instant

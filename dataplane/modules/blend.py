@@ -110,9 +110,6 @@ class BlendModule(InstanceLivenessTarget):
         with self._lock:
             self._tables.clear()
 
-    def report_status(self) -> dict[str, Any]:
-        return {"blend_instances": self.instance_count(), "blend_kernel": self.kernels.state}
-
     def instance_count(self) -> int:
         with self._lock:
             return len(self._tables)

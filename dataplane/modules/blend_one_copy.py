@@ -80,9 +80,16 @@ class BlendDirectModule:
             slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
-        return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": present,
-                "rejected": rejected, "skipped": skipped, "chunks": len(keys),
-                "usable": self.l1.arena.growth()[0]}  # fmt: skip
+        return {
+            "lease": lid,
+            "slots": slots,
+            "slot_bytes": c.chunk_bytes,
+            "present": present,
+            "rejected": rejected,
+            "skipped": skipped,
+            "chunks": len(keys),
+            "usable": self.l1.arena.growth()[0],
+        }
 
     def _acquire(self, rctx: RequestContext, p: BlendAcquire) -> dict[str, Any]:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:

@@ -5,9 +5,14 @@ creates a per-instance *strategy*: a shared-memory pool of ``pool_chunks`` chunk
 server owns and the worker maps. ENGINE_STORE: the worker has copied chunks into the slots;
 the server copies the missing ones into L1 (one copy each). ENGINE_RETRIEVE: the server fills
 slots from L1; the worker copies them into its blocks. A context and its strategy live in one
-entry of the module's dict, inserted and popped as one under the module lock, so a reap racing
-a re-register can never leave a context without its strategy. UNREGISTER, LOOKUP and the
-liveness protocol work as for server-driven.
+entry of the module's `LivenessRegistry`, inserted and popped as one under the registry's lock,
+so a reap racing a re-register can never leave a context without its strategy. LOOKUP,
+UNREGISTER_KV_CACHE and liveness reach these instances as they reach server-driven ones
+(`dataplane.modules.server_driven`).
+
+When L1's arena is a server-owned segment, ENGINE_REGISTER's reply names it too: the one-copy
+modules (`dataplane.modules.one_copy`, `dataplane.modules.blend_one_copy`) serve this module's
+instances, and their leases live in its entries (``EngineContext.leases``).
 """
 
 from __future__ import annotations
@@ -113,9 +118,6 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             MsgType.ENGINE_RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, self.order_key),
         }
 
-    def strategy_count(self) -> int:
-        return self.registry.count(lambda c: c.strategy is not None)
-
     # ---------------------------------------------------------------- hooks
     def _release(self, c: EngineContext, why: str) -> None:
         c.leases.abort_all(self.l1)  # nothing half-written stays, no buffer or pin is left
@@ -163,26 +165,51 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             raise
         logger.info(
             "engine: registered instance %d (%s, rank %d/%d, pool of %d chunks)",
-            reg.instance_id, reg.model_name, reg.worker_id, reg.world_size, reg.pool_chunks,
-        )  # fmt: skip
+            reg.instance_id,
+            reg.model_name,
+            reg.worker_id,
+            reg.world_size,
+            reg.pool_chunks,
+        )
         return self._pool_info(strat, chunk_bytes, created=True)
 
     def _context(
         self, rctx: RequestContext, reg: EngineRegister, chunk_bytes: int, strat: PoolStrategy
     ) -> EngineContext:
         scope = scope_digest(
-            reg.model_name, reg.world_size, reg.worker_id, reg.dtype, reg.num_layers, reg.heads, reg.head_dim,
-            reg.kv_format.value, reg.block_size,
-        )  # fmt: skip
+            reg.model_name,
+            reg.world_size,
+            reg.worker_id,
+            reg.dtype,
+            reg.num_layers,
+            reg.heads,
+            reg.head_dim,
+            reg.kv_format.value,
+            reg.block_size,
+        )
         now = self._clock()
         info = InstanceInfo(
-            TransferMode.ENGINE_DRIVEN.value, MemoryKind.SHM.value, reg.model_name, reg.world_size,
-            reg.worker_id, reg.owner_pid, reg.num_layers, reg.dtype,
-        )  # fmt: skip
+            TransferMode.ENGINE_DRIVEN.value,
+            MemoryKind.SHM.value,
+            reg.model_name,
+            reg.world_size,
+            reg.worker_id,
+            reg.owner_pid,
+            reg.num_layers,
+            reg.dtype,
+        )
         return EngineContext(
-            reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, secret=reg.secret, reg=reg,
-            chunk_bytes=chunk_bytes, strategy=strat,
-        )  # fmt: skip
+            reg.instance_id,
+            now,
+            now,
+            scope,
+            info,
+            conn_fd=rctx.conn_fd,
+            secret=reg.secret,
+            reg=reg,
+            chunk_bytes=chunk_bytes,
+            strategy=strat,
+        )
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One chunk, split across the copy threads (in 16 slices)."""

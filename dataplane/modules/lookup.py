@@ -44,9 +44,6 @@ class LookupModule:
     def close(self) -> None:
         return None
 
-    def report_status(self) -> dict[str, Any]:
-        return {}
-
     def _lookup(self, rctx: RequestContext, p: Lookup) -> dict[str, Any]:
         for src in self.sources:
             scope = src.scope_of(p.instance_id, rctx.conn_fd, p.secret)
@@ -63,9 +60,16 @@ class LookupModule:
             if chunks == 0:
                 break
             scope = scope_digest(
-                p.model_name, p.world_size, rank, p.dtype, p.num_layers, p.heads, p.head_dim,
-                p.kv_format.value, p.block_size,
-            )  # fmt: skip
+                p.model_name,
+                p.world_size,
+                rank,
+                p.dtype,
+                p.num_layers,
+                p.heads,
+                p.head_dim,
+                p.kv_format.value,
+                p.block_size,
+            )
             keys = chunk_keys(scope, p.token_ids[: chunks * self.chunk_size], self.chunk_size, p.key)
             chunks = min(chunks, self.l1.prefix_hits(keys))
         return {**self._answer(len(p.token_ids), chunks), "chunk_size": self.chunk_size}

@@ -74,21 +74,6 @@ class ManagementModule:
     def close(self) -> None:
         return None
 
-    def report_status(self) -> dict[str, Any]:
-        """``worker_liveness`` (as `/status` shows it); nothing when no target is tracked."""
-        if not self.releaser.targets:
-            return {}
-        return {
-            "worker_liveness": {
-                "enabled": self.reaper is not None,
-                "reap_timeout_seconds": self.reap_timeout_s,
-                "registration_grace_seconds": self.registration_grace_s,
-                "disconnect_grace_seconds": self.disconnect_grace_s,
-                "tracked_instances": self.releaser.tracked_instance_count(),
-                "reaped_total": self.releaser.reaped_total,
-            }
-        }
-
     def reaper_alive(self) -> bool | None:
         """None when reaping is disabled."""
         return None if self.reaper is None else self.reaper.is_alive()

@@ -107,9 +107,16 @@ class DirectTransferModule:
         slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
-        return {"lease": lid, "slots": slots, "slot_bytes": c.chunk_bytes, "present": present,
-                "rejected": rejected, "skipped": skipped, "chunks": len(wanted),
-                "usable": self.l1.arena.growth()[0]}  # fmt: skip
+        return {
+            "lease": lid,
+            "slots": slots,
+            "slot_bytes": c.chunk_bytes,
+            "present": present,
+            "rejected": rejected,
+            "skipped": skipped,
+            "chunks": len(wanted),
+            "usable": self.l1.arena.growth()[0],
+        }
 
     def _commit(self, rctx: RequestContext, p: EngineCommit) -> dict[str, Any]:
         # not `use`: a release of the instance meanwhile aborts the leases still open, and this
@@ -136,8 +143,12 @@ class DirectTransferModule:
             lease.abort(self.l1)
             raise
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
-        return {"lease": lid, "offsets": self._offsets(bufs), "slot_bytes": c.chunk_bytes,
-                "usable": self.l1.arena.growth()[0]}  # fmt: skip
+        return {
+            "lease": lid,
+            "offsets": self._offsets(bufs),
+            "slot_bytes": c.chunk_bytes,
+            "usable": self.l1.arena.growth()[0],
+        }
 
     def _held(self, rctx: RequestContext, wanted: list[bytes], tenant: bytes) -> list[Any]:
         """The stored prefix of ``wanted``, pinned. On the loop thread L1's only: when the remote

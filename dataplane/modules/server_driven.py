@@ -1,8 +1,10 @@
 """The server-driven transfer module: the server copies between worker memory and its tiers.
 
 REGISTER_KV_CACHE maps the worker's per-layer KV tensors; STORE gathers every full chunk not
-yet stored into L1; RETRIEVE scatters the longest stored prefix into the given blocks; LOOKUP
-counts the stored prefix; UNREGISTER_KV_CACHE releases. KV bytes never cross the socket.
+yet stored into L1; RETRIEVE scatters the longest stored prefix into the given blocks. KV bytes
+never cross the socket. LOOKUP (`dataplane.modules.lookup`) reads an instance's chunk-key scope
+through ``scope_of``; UNREGISTER_KV_CACHE (`dataplane.modules.management`), the reaper and the
+admin reap release an instance through the release path, which reaches this module's registry.
 
 The per-instance contexts and their liveness live in the module's `LivenessRegistry` behind one
 leaf lock, never held across mapping memory, a copy, a storage call or another component.
@@ -111,8 +113,13 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             raise
         logger.info(
             "transfer: registered instance %d (%s, rank %d/%d, %d layers, %s)",
-            reg.instance_id, reg.model_name, reg.worker_id, reg.world_size, len(reg.layers), reg.memory.value,
-        )  # fmt: skip
+            reg.instance_id,
+            reg.model_name,
+            reg.worker_id,
+            reg.world_size,
+            len(reg.layers),
+            reg.memory.value,
+        )
         return {"created": True, "chunk_size": self.chunk_size}
 
     def _context(
@@ -124,13 +131,27 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         )
         now = self._clock()
         info = InstanceInfo(
-            reg.transfer_mode.value, reg.memory.value, reg.model_name, reg.world_size, reg.worker_id,
-            reg.owner_pid, len(reg.layers), reg.dtype,
-        )  # fmt: skip
+            reg.transfer_mode.value,
+            reg.memory.value,
+            reg.model_name,
+            reg.world_size,
+            reg.worker_id,
+            reg.owner_pid,
+            len(reg.layers),
+            reg.dtype,
+        )
         return CacheContext(
-            reg.instance_id, now, now, scope, info, conn_fd=rctx.conn_fd, secret=reg.secret, layout=layout,
-            kv=kv, mapped_bytes=nbytes,
-        )  # fmt: skip
+            reg.instance_id,
+            now,
+            now,
+            scope,
+            info,
+            conn_fd=rctx.conn_fd,
+            secret=reg.secret,
+            layout=layout,
+            kv=kv,
+            mapped_bytes=nbytes,
+        )
 
     def _chunks(self, kv: MappedKV, p: Transfer, n_chunks: int) -> ChunkMap:
         """Where each of the first ``n_chunks`` chunks lives in the worker's blocks."""

@@ -118,9 +118,12 @@ class Settings(BaseSettings):
     remote_password: SecretStr | None = Field(None, description="Password for the remote tier.")
     remote_timeout_seconds: float = Field(1.0, gt=0, le=600, description="Bound on one remote get/put.")
     remote_key_prefix: str = Field(
-        "kvwarden:", min_length=1, max_length=64, pattern=r"^[!-~]+$",
+        "kvwarden:",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[!-~]+$",
         description="Prefix of every remote key (printable, no spaces): servers sharing chunks share it.",
-    )  # fmt: skip
+    )
     remote_write_queue_mb: int = Field(
         256, ge=1, le=1 << 20, description="Write-behind queue to the remote tier (MiB); more is dropped."
     )

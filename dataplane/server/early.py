@@ -10,25 +10,22 @@ naming one answers ``tracked: false``, as any fresh server does), and every othe
 held, in arrival order, up to ``MAX_HELD``, with the connection events seen meanwhile. `open`
 (by `Server.start`, once every module is added) has the loop replay the events to the
 connection listeners and serve the held requests, then the server runs as if started at once.
-This module imports no torch: `kvwarden serve` calls it first.
+`open_router` binds the ROUTER socket every server listens on, started early or not. This module
+imports neither torch nor the server loop: `kvwarden serve` calls it first.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, HandlerKind, RequestContext, ServerInfo
-from dataplane.server.config import Settings, fd_limit
 from dataplane.wire.errors import LimitExceeded
 from dataplane.wire.messages import Hello, MsgType, Ping
-
-if TYPE_CHECKING:
-    from dataplane.server.loop import Server
 
 MAX_HELD = 1024  # requests held while the data plane is built
 
@@ -107,19 +104,3 @@ def open_router(
         raise OSError(f"cannot bind {endpoint}: {exc}") from None
     monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
     return ctx, sock, monitor
-
-
-def new_server(settings: Settings, metrics: DataPlaneMetrics) -> Server:
-    """The data plane's server, bound (OSError when the endpoint cannot be), its connections
-    capped under the open-files limit as it is now (ValueError when the cap cannot be honoured:
-    `Settings.connection_cap`)."""
-    from dataplane.server.loop import Server
-
-    return Server(
-        settings.zmq_endpoint,
-        max_cpu_workers=settings.max_cpu_workers,
-        max_transfer_workers=settings.max_transfer_workers,
-        max_frame_bytes=settings.max_frame_bytes,
-        metrics=metrics,
-        max_connections=settings.connection_cap(fd_limit()),
-    )

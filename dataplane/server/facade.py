@@ -4,6 +4,9 @@
 sidecar's tests can serve the app over a fake. Every method is safe from any thread: each reads
 through a module's locked accessor (a leaf lock, taken, copied, let go) and returns copies or
 immutable values, never a structure the data plane mutates.
+
+The health types are the health monitor's own (`dataplane.health`), re-exported here:
+`CheckResult`, one check's result, which the sidecar's own checks return too, and `MonitorState`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from dataplane.health.base import CheckResult, Status
+from dataplane.health.monitor import MonitorState
 from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
@@ -18,40 +23,19 @@ from dataplane.storage.l1 import L1Stats
 from dataplane.storage.tenants import TenantStats
 
 __all__ = [
+    "CheckResult",
     "ComponentState",
     "ContextEntry",
     "DataPlaneView",
     "L1Stats",
     "LivenessRow",
     "LivenessStatus",
-    "MonitorCheck",
     "MonitorState",
     "RemoteState",
     "ServerInfo",
+    "Status",
     "TenantStats",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class MonitorCheck:
-    """The last result of one health-monitor check."""
-
-    name: str
-    healthy: bool
-    skipped: bool
-    policy: str
-    reason: str
-    bypassed_backend: str | None  # the backend this check bypassed (local_cpu), if any
-
-
-@dataclass(frozen=True, slots=True)
-class MonitorState:
-    healthy: bool
-    init_failure: str | None
-    irrecoverable: str | None
-    rounds: int
-    bypassed_backends: tuple[str, ...]
-    checks: tuple[MonitorCheck, ...]
 
 
 @dataclass(frozen=True, slots=True)

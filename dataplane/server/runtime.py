@@ -37,8 +37,8 @@ from dataplane.modules.management import ManagementModule
 from dataplane.modules.one_copy import DirectTransferModule
 from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.server.config import L1Backing, Settings
-from dataplane.server.early import new_server
-from dataplane.server.facade import ComponentState, LivenessStatus, MonitorCheck, MonitorState, RemoteState
+from dataplane.server.facade import ComponentState, LivenessStatus, MonitorState, RemoteState
+from dataplane.server.factory import new_server
 from dataplane.server.loop import Server
 from dataplane.storage.arena import Arena
 from dataplane.storage.l1 import L1Stats
@@ -149,16 +149,7 @@ class DataPlane:
         return self.management.force_reap(instance_id)
 
     def monitor_state(self) -> MonitorState:
-        m = self.monitor.summary_state()
-        bypassed = self.monitor.bypassed()
-        by_check = {check: backend for backend, check in bypassed.items()}
-        checks = tuple(
-            MonitorCheck(r.name, r.healthy, r.skipped, r.policy, r.reason, by_check.get(r.name))
-            for r in m.results
-        )
-        return MonitorState(
-            m.healthy, m.init_failure, m.irrecoverable, m.rounds, tuple(sorted(bypassed)), checks
-        )
+        return self.monitor.summary_state()
 
     def remote_state(self) -> RemoteState | None:
         b = self.remote
@@ -166,14 +157,32 @@ class DataPlane:
             return None
         s = b.stats()
         return RemoteState(
-            b.name, b.url, b.bypassed, s.ping_latency_s, s.ping_code, s.ping_successes, s.ping_errors,
-            s.gets, s.hits, s.misses, sum(s.bad_values.values()), sum(s.get_failures.values()), s.puts,
-            sum(s.put_failures.values()), s.bytes_read, s.bytes_written, s.queue_depth, s.queue_bytes,
+            b.name,
+            b.url,
+            b.bypassed,
+            s.ping_latency_s,
+            s.ping_code,
+            s.ping_successes,
+            s.ping_errors,
+            s.gets,
+            s.hits,
+            s.misses,
+            sum(s.bad_values.values()),
+            sum(s.get_failures.values()),
+            s.puts,
+            sum(s.put_failures.values()),
+            s.bytes_read,
+            s.bytes_written,
+            s.queue_depth,
+            s.queue_bytes,
             sum(s.drops.values()),
-            tuple((op, kind, n) for op, by in (("get", s.get_failures), ("put", s.put_failures))
-                  for kind, n in by.items()),
+            tuple(
+                (op, kind, n)
+                for op, by in (("get", s.get_failures), ("put", s.put_failures))
+                for kind, n in by.items()
+            ),
             tuple((op, DURATION_BUCKETS, tuple(c), s.duration_sums[op]) for op, c in s.durations.items()),
-        )  # fmt: skip
+        )
 
     def render_metrics(self) -> bytes:
         return generate_latest(self.metrics.registry)
@@ -222,9 +231,14 @@ def build_dataplane(
     server.add_connection_listener(quota.on_connection)
     lookup = LookupModule(l1, cs, metrics, [transfer.registry, engine.registry])
     for module in (
-        management, transfer, engine, DirectTransferModule(engine, l1, metrics), blend,
-        BlendDirectModule(blend, engine, l1, metrics), lookup,
-    ):  # fmt: skip
+        management,
+        transfer,
+        engine,
+        DirectTransferModule(engine, l1, metrics),
+        blend,
+        BlendDirectModule(blend, engine, l1, metrics),
+        lookup,
+    ):
         server.add_module(module)
     monitor = _monitor(settings, l1, remote, _self_checks(server, management), clock)
     if init_failure is not None:

@@ -114,8 +114,9 @@ class ArenaStats:
 
 
 class Arena:
-    def __init__(self, capacity: int, *, shared: bool | None = None, pin_memory: bool = False,
-                 prefault: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, capacity: int, *, shared: bool | None = None, pin_memory: bool = False, prefault: bool = True
+    ) -> None:
         """``shared`` None: shared when the segment directory has room for it; True: shared, or
         OSError (ENOSPC) naming the directory when it has no room; False: private."""
         self.capacity = _round_up(capacity, PAGE)
@@ -219,8 +220,13 @@ class Arena:
                 if self.segment is not None:
                     os.posix_fallocate(self.segment.lock_fd, off, n)  # releases the GIL
             except OSError as exc:
-                logger.error("arena: cannot reserve %d more bytes of L1 in %s: %s; L1 stays at %d bytes",
-                             n, SHM_DIR, exc.strerror, off)  # fmt: skip
+                logger.error(
+                    "arena: cannot reserve %d more bytes of L1 in %s: %s; L1 stays at %d bytes",
+                    n,
+                    SHM_DIR,
+                    exc.strerror,
+                    off,
+                )
                 return
             if populate:
                 populate = _populate(self._addr + off, n)
@@ -229,8 +235,9 @@ class Arena:
                 self._usable = max(self._usable, off + n)
                 self._faulted = off + n if populate else self._faulted
                 self._grew.notify_all()
-        logger.info("arena: %d bytes of L1 (%s) ready in %.1fs", self.capacity, self.backing,
-                    time.monotonic() - t0)  # fmt: skip
+        logger.info(
+            "arena: %d bytes of L1 (%s) ready in %.1fs", self.capacity, self.backing, time.monotonic() - t0
+        )
 
     def _reserve_all(self) -> None:
         assert self.segment is not None
@@ -265,8 +272,9 @@ def _populate(addr: int, n: int) -> bool:
     """Map [addr, addr+n) writable now; False when the kernel cannot (then first use faults)."""
     r = _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(n), _MADV_POPULATE_WRITE)
     if r != 0:
-        logger.info("arena: MADV_POPULATE_WRITE unavailable (errno %d): pages fault on first use",
-                    ctypes.get_errno())  # fmt: skip
+        logger.info(
+            "arena: MADV_POPULATE_WRITE unavailable (errno %d): pages fault on first use", ctypes.get_errno()
+        )
         return False
     return True
 

@@ -332,12 +332,25 @@ class RemoteBackend:
         with self._lock:
             s = self._stats
             return RemoteStats(
-                s.gets, s.hits, s.misses, s.bytes_read, s.puts, s.bytes_written,
-                dict(s.get_failures), dict(s.put_failures), dict(s.bad_values), dict(s.drops),
-                len(self._queue), self._queued_bytes,
-                s.ping_latency_s, s.ping_code, s.ping_successes, s.ping_errors,
-                {op: list(c) for op, c in s.durations.items()}, dict(s.duration_sums),
-            )  # fmt: skip
+                s.gets,
+                s.hits,
+                s.misses,
+                s.bytes_read,
+                s.puts,
+                s.bytes_written,
+                dict(s.get_failures),
+                dict(s.put_failures),
+                dict(s.bad_values),
+                dict(s.drops),
+                len(self._queue),
+                self._queued_bytes,
+                s.ping_latency_s,
+                s.ping_code,
+                s.ping_successes,
+                s.ping_errors,
+                {op: list(c) for op, c in s.durations.items()},
+                dict(s.duration_sums),
+            )
 
     def _take_all(self) -> list[_Write]:
         with self._lock:

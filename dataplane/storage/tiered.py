@@ -1,6 +1,6 @@
 """TieredStore: L1 first, then the remote tier, behind the health gate; what the modules use.
 
-It is the L1 store (`L1Store`, whose interface the transfer modules already use) with:
+A subclass of the L1 store (`L1Store`): the modules call it through L1's interface, and it adds:
 
 - **LOOKUP** (`prefix_hits`): the prefix L1 holds, then how far the remote tier continues it, in
   one pipelined round trip.

@@ -16,13 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.models import HealthPublic
 from dataplane.server.config import Settings
 from dataplane.server.facade import (
+    CheckResult,
     ComponentState,
     ContextEntry,
     DataPlaneView,
     L1Stats,
     LivenessRow,
     LivenessStatus,
-    MonitorCheck,
     MonitorState,
     RemoteState,
     ServerInfo,
@@ -165,12 +165,12 @@ class FakeDataPlane:
         """The data plane's own live checks, derived from ``state`` as the real data plane's
         monitor runs them, then whatever a test put in ``monitor``."""
         own = tuple(
-            MonitorCheck(name, problem is None, False, "recompute", problem or "", None)
+            CheckResult(name, "pass" if problem is None else "fail", problem or "")
             for name, problem in self_check_problems(self.state).items()
         )
-        checks = (*own, *self.monitor.checks)
+        results = (*own, *self.monitor.results)
         return replace(
-            self.monitor, healthy=self.monitor.healthy and all(c.healthy for c in own), checks=checks
+            self.monitor, healthy=self.monitor.healthy and all(c.healthy for c in own), results=results
         )
 
     def remote_state(self) -> RemoteState | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from app.core.health import CheckResult, FunctionCheck, HealthCheck, monitor_checks
+from app.core.health import CheckResult, FunctionCheck, SidecarCheck, monitor_checks
 from app.models import HealthPublic, StatusPublic
 from dataplane.server.runtime import DataPlane
 from tests.app.conftest import AppFactory, DataPlaneFactory
@@ -72,7 +72,7 @@ class _Bypassed:
 
 
 def test_a_pluggable_warning_check_answers_200_warn(dp: DataPlane, serve_app: AppFactory) -> None:
-    def providers_extra(_dp: DataPlane) -> list[HealthCheck]:
+    def providers_extra(_dp: DataPlane) -> list[SidecarCheck]:
         return [_Bypassed()]
 
     c = serve_app(dp, check_providers=[monitor_checks, providers_extra])
@@ -89,7 +89,7 @@ def test_a_check_that_raises_fails_the_health(dp: DataPlane, serve_app: AppFacto
     def broken() -> str | None:
         raise RuntimeError("probe exploded")
 
-    def provider(_dp: DataPlane) -> list[HealthCheck]:
+    def provider(_dp: DataPlane) -> list[SidecarCheck]:
         return [FunctionCheck("custom:broken", broken)]
 
     c = serve_app(dp, check_providers=[monitor_checks, provider])

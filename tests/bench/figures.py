@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dataplane.bench.results import newest
-from dataplane.bench.transfer import MODES, PHASES
+from kvbench.results import newest
+from kvbench.transfer import MODES, PHASES
 
 LAT = {"n", "p50_us", "p99_us"}
 MS = {"n", "p50", "p99"}

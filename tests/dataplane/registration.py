@@ -16,8 +16,19 @@ def register_message(
     instance_id: int, caches: list[torch.Tensor], model: str = "m", secret: bytes = SECRET
 ) -> Register:
     layout = describe_caches(caches)
-    return Register(instance_id, secret, model, 1, 0, TransferMode.SERVER_DRIVEN, layout.memory,
-                    layout.dtype, layout.kv_shape, os.getpid(), layout.layers)  # fmt: skip
+    return Register(
+        instance_id,
+        secret,
+        model,
+        1,
+        0,
+        TransferMode.SERVER_DRIVEN,
+        layout.memory,
+        layout.dtype,
+        layout.kv_shape,
+        os.getpid(),
+        layout.layers,
+    )
 
 
 def engine_register_message(instance_id: int, pool_chunks: int = 4, secret: bytes = SECRET) -> EngineRegister:

@@ -107,9 +107,16 @@ def test_kernel_and_torch_paths_agree_both_ways(dtype: torch.dtype, style: str) 
         back = np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in (0, 1, 10, 11)]).astype(np.int64)
         stored = chunks[0]
         move(
-            tables, chunk_side(stored, g), cache_side(kv, back), 300, g, splitter, True,
-            lambda w: w.copy_(stored), lambda w: kv.scatter(back, w),
-        )  # fmt: skip
+            tables,
+            chunk_side(stored, g),
+            cache_side(kv, back),
+            300,
+            g,
+            splitter,
+            True,
+            lambda w: w.copy_(stored),
+            lambda w: kv.scatter(back, w),
+        )
         again = torch.zeros_like(stored)
         kv.gather(back, again)
         orig = torch.zeros_like(stored)

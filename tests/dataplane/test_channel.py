@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import zmq
 
-from dataplane.bench.procs import free_port
 from dataplane.client.channel import Channel
 from dataplane.wire.errors import RequestAborted, RequestTimeout
 from dataplane.wire.messages import Hello
 from dataplane.wire.protocol import encode_ok, peek_request_id, unpack
+from kvbench.procs import free_port
 from tests.helpers import wait_until
 
 TIMEOUT = 30.0  # the request timeout: what a dead server used to cost

@@ -88,7 +88,7 @@ def test_register_inserts_an_unlatched_context_with_its_pool(module: Recording) 
     e = entry(module, 7)
     assert (e.registered_at, e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0, T0, False, 11)
     assert e.transfer_mode == "engine_driven"
-    assert module.registry.tracked_instance_count() == module.strategy_count() == 1
+    assert module.registry.tracked_instance_count() == 1
 
 
 def test_repeat_register_refreshes_without_rebuilding_or_latching(
@@ -100,7 +100,7 @@ def test_repeat_register_refreshes_without_rebuilding_or_latching(
     assert again["created"] is False and again["segment"] == first["segment"]
     e = entry(module, 7)
     assert (e.registered_at, e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0, T0 + 50, False, 12)
-    assert module.released == [] and module.strategy_count() == 1
+    assert module.released == [] and module.registry.tracked_instance_count() == 1
 
 
 def test_register_with_another_pool_replaces_context_and_pool(module: Recording) -> None:
@@ -109,13 +109,13 @@ def test_register_with_another_pool_replaces_context_and_pool(module: Recording)
     assert new["created"] is True and new["segment"] != old["segment"]
     assert not pool_exists(old["segment"]) and pool_exists(new["segment"])
     assert module.released == [(7, "re-registered")]
-    assert module.registry.tracked_instance_count() == module.strategy_count() == 1
+    assert module.registry.tracked_instance_count() == 1
 
 
-def test_touch_latches_get_and_touch_does_not(module: Recording, clock: FakeClock) -> None:
+def test_a_ping_latches_a_request_does_not(module: Recording, clock: FakeClock) -> None:
     register(module, 7)
     clock.advance(20)
-    assert module.registry.get_and_touch_context_entry(7).last_seen == T0 + 20
+    assert module.registry.touch(7, secret=SECRET).last_seen == T0 + 20
     assert entry(module, 7).has_liveness_signal is False
     clock.advance(20)
     assert module.registry.touch_instance(7, conn_fd=9) is True
@@ -135,7 +135,7 @@ def test_reap_pops_context_and_pool_together_and_spares_a_warming_entry(
     assert module.released == [(1, "reap")]
     assert not pool_exists(dead)  # the server's pool segment is unlinked
     assert module.registry.context_entry(1) is None
-    assert module.registry.tracked_instance_count() == module.strategy_count() == 1
+    assert module.registry.tracked_instance_count() == 1
     assert pool_exists(warming) and entry(module, 2).has_liveness_signal is False
 
 
@@ -148,11 +148,11 @@ def test_window_boundary_is_strict(
         module.registry.touch_instance(7)
     clock.advance(window)
     assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == []
-    assert pool_exists(pool) and module.strategy_count() == 1
+    assert pool_exists(pool) and module.registry.tracked_instance_count() == 1
     clock.advance(0.25)
     assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == [Reaped(7, reason, window + 0.25, pinged)]
     assert not pool_exists(pool)
-    assert module.registry.tracked_instance_count() == module.strategy_count() == 0
+    assert module.registry.tracked_instance_count() == 0
 
 
 def test_disconnect_boundary_and_reconnect(module: Recording, clock: FakeClock) -> None:
@@ -190,7 +190,7 @@ def test_remove_is_idempotent_and_unlinks_the_pool(module: Recording) -> None:
     assert module.registry.remove_instances([7], "unregister") == [7]
     assert module.registry.remove_instances([7], "unregister") == []
     assert module.released == [(7, "unregister")] and not pool_exists(pool)
-    assert module.strategy_count() == 0
+    assert module.registry.tracked_instance_count() == 0
 
 
 def test_reap_during_a_transfer_keeps_the_pool_until_it_ends(module: Recording, clock: FakeClock) -> None:
@@ -201,7 +201,7 @@ def test_reap_during_a_transfer_keeps_the_pool_until_it_ends(module: Recording, 
         assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == [
             Reaped(7, "timeout", TIMEOUT + 1, True)
         ]
-        assert module.strategy_count() == 0 and pool_exists(pool)
+        assert module.registry.tracked_instance_count() == 0 and pool_exists(pool)
     assert module.released == [(7, "deferred")] and not pool_exists(pool)
 
 
@@ -210,7 +210,7 @@ def test_close_unlinks_every_pool(clock: FakeClock) -> None:
     pools = [register(m, i)["segment"] for i in (1, 2, 3)]
     m.close()
     assert not any(pool_exists(p) for p in pools)
-    assert m.registry.tracked_instance_count() == m.strategy_count() == 0
+    assert m.registry.tracked_instance_count() == 0
 
 
 def test_reregister_racing_the_reaper_leaks_no_pool() -> None:
@@ -240,7 +240,7 @@ def test_reregister_racing_the_reaper_leaks_no_pool() -> None:
     for t in threads:
         t.join(60)
     assert not errors and not any(t.is_alive() for t in threads)
-    assert m.registry.tracked_instance_count() == m.strategy_count() <= 1
+    assert m.registry.tracked_instance_count() <= 1
     live = {e.instance_id for e in m.registry.context_entries_snapshot()}
     m.close()
     assert live <= {1}

@@ -43,9 +43,13 @@ def peer() -> Peer:
 
 def make(peer: Peer, clock: FakeClock, changes: list[bool] | None = None) -> Heartbeat:
     hb = Heartbeat(
-        peer.ping, peer.recover, lambda: peer.registered, 10.0,
-        None if changes is None else changes.append, clock,
-    )  # fmt: skip
+        peer.ping,
+        peer.recover,
+        lambda: peer.registered,
+        10.0,
+        None if changes is None else changes.append,
+        clock,
+    )
     hb.adopt(1)
     return hb
 

@@ -204,17 +204,17 @@ def test_touch_of_an_unknown_id_is_a_no_op(module: Recording) -> None:
     assert module.registry.reap_stale_instances(0, 0) == []
 
 
-def test_get_and_touch_refreshes_without_latching(
+def test_a_request_refreshes_without_latching(
     module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]
 ) -> None:
     register(module, 7, make_caches())
     clock.advance(40)
-    got = module.registry.get_and_touch_context_entry(7)
+    got = module.registry.touch(7, secret=SECRET)
     assert got.instance_id == 7 and got.last_seen == T0 + 40
     e = entry(module, 7)
     assert (e.last_seen, e.has_liveness_signal) == (T0 + 40, False)
     with pytest.raises(NotRegistered, match="not registered"):
-        module.registry.get_and_touch_context_entry(404)
+        module.registry.touch(404, secret=SECRET)
 
 
 def test_snapshot_is_a_copy(module: Recording, clock: FakeClock, make_caches: Callable[[], Caches]) -> None:

@@ -24,13 +24,15 @@ from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.server.config import Settings, validate_liveness
+from dataplane.server.facade import LivenessStatus
 from dataplane.server.loop import Server
+from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.messages import Message, MsgType, Ping, Register, Unregister
 from dataplane.wire.protocol import PROTOCOL_VERSION, decode_reply, encode_message
 from tests.dataplane.fakes import BlendLike
 from tests.dataplane.registration import SECRET, engine_register_message, register_message
-from tests.helpers import FakeClock, wait_until
+from tests.helpers import FakeClock, free_port, wait_until
 
 CHUNK = 16
 T0 = 1000.0
@@ -353,7 +355,6 @@ def test_timeout_zero_starts_no_reaper(metrics: DataPlaneMetrics) -> None:
     mgmt.start()
     assert mgmt.reaper is None and mgmt.reaper_alive() is None
     assert len(reaper_threads()) == before
-    assert mgmt.report_status()["worker_liveness"]["enabled"] is False
     mgmt.stop()
 
 
@@ -415,43 +416,57 @@ def test_shutdown_joins_the_reaper_before_any_module_clears_its_state(
 # --------------------------------------------------------------------------------- status
 
 
-def test_report_status_summarises_liveness(
-    metrics: DataPlaneMetrics, make_caches: Callable[[], Caches]
+@pytest.fixture
+def assembled() -> Iterator[Callable[..., DataPlane]]:
+    """Data planes assembled by ``build_dataplane`` with the liveness settings a test gives,
+    started, and stopped after the test."""
+    made: list[DataPlane] = []
+
+    def make(**liveness: float) -> DataPlane:
+        settings = Settings(
+            port=free_port(), http_port=free_port(), chunk_size=CHUNK, l1_size_gb=0.01, **liveness
+        )
+        dp = build_dataplane(settings)
+        made.append(dp)
+        dp.start()
+        return dp
+
+    yield make
+    for dp in made:
+        assert dp.stop(), "data plane did not stop within its bound"
+
+
+def test_liveness_status_summarises_liveness(
+    assembled: Callable[..., DataPlane], make_caches: Callable[[], Caches]
 ) -> None:
-    sd, ed = modules(metrics=metrics)
-    mgmt = management(
-        [sd.registry, ed.registry, BlendLike()],
-        metrics,
-        reap_timeout_s=120.0,
-        registration_grace_s=3600.0,
-        disconnect_grace_s=10.0,
+    dp = assembled(
+        worker_reap_timeout_seconds=120.0,
+        worker_registration_grace_seconds=3600.0,
+        worker_disconnect_grace_seconds=10.0,
     )
-    try:
-        register(sd, 1, make_caches())
-        register(sd, 2, make_caches())
-        engine_register(ed, 3)
-        assert mgmt.report_status() == {
-            "worker_liveness": {
-                "enabled": True,
-                "reap_timeout_seconds": 120.0,
-                "registration_grace_seconds": 3600.0,
-                "disconnect_grace_seconds": 10.0,
-                "tracked_instances": 3,
-                "reaped_total": 0,
-            }
-        }
-        assert mgmt.force_reap(2) == ["server_driven"]
-        status = mgmt.report_status()["worker_liveness"]
-        assert (status["tracked_instances"], status["reaped_total"]) == (2, 1)
-    finally:
-        sd.close()
-        ed.close()
+    register(dp.transfer, 1, make_caches())
+    register(dp.transfer, 2, make_caches())
+    engine_register(dp.engine, 3)
+    status = dp.liveness_status()
+    assert status == LivenessStatus(
+        enabled=True,
+        reap_timeout_seconds=120.0,
+        registration_grace_seconds=3600.0,
+        disconnect_grace_seconds=10.0,
+        tracked_instances=3,
+        reaped_total=0,
+        # the rotation kernel is per process: compiled already when an earlier test blended
+        blend_kernel=status.blend_kernel,
+    )
+    assert status.blend_kernel in ("idle", "compiling", "ready")
+    assert dp.force_reap(2) == ["server_driven"]
+    status = dp.liveness_status()
+    assert (status.tracked_instances, status.reaped_total) == (2, 1)
 
 
-def test_report_status_without_targets_has_no_liveness_key(metrics: DataPlaneMetrics) -> None:
-    mgmt = management([], metrics, reap_timeout_s=120.0)
-    assert "worker_liveness" not in mgmt.report_status()
-    assert "worker_liveness" not in management([], metrics).report_status()
+def test_liveness_status_without_a_reap_timeout_is_disabled(assembled: Callable[..., DataPlane]) -> None:
+    dp = assembled(worker_reap_timeout_seconds=0)
+    assert dp.management.reaper is None and dp.liveness_status().enabled is False
 
 
 # --------------------------------------------------------------------------- release paths

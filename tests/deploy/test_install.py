@@ -24,7 +24,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BIN = Path(sys.executable).parent
 # where the project tells people how to install things
 DOCUMENTS = ["README.md", "BENCHMARKS.md", "Makefile", "Dockerfile", "compose.yaml", ".ci/run"]
-DOC_DIRS = ["docs", "deploy", "scripts", "dataplane", "app"]
+DOC_DIRS = ["docs", "deploy", "scripts", "dataplane", "app", "kvbench"]
 
 
 def vllm_section() -> str:

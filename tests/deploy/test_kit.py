@@ -23,8 +23,14 @@ def compose(*args: str, token: str | None = "t0ken", cwd: Path = ROOT) -> subpro
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(cwd)}
     if token is not None:
         env["KVWARDEN_ADMIN_TOKEN"] = token
-    return subprocess.run(["docker-compose", "-f", str(cwd / "compose.yaml"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        ["docker-compose", "-f", str(cwd / "compose.yaml"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_compose_config_accepts_the_stack() -> None:

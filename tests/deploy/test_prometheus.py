@@ -23,8 +23,8 @@ import pytest
 import torch
 import yaml
 
-from dataplane.bench.procs import free_port
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from kvbench.procs import free_port
 from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
 from tests.redis_server import RedisServer
 

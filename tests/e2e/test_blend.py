@@ -115,8 +115,9 @@ def wait_for_kernels(srv: ServerProcess) -> None:
     assert kernel_state(srv) == "ready"
 
 
-@pytest.mark.parametrize(("mode", "backing"), [("server_driven", "auto"), ("engine_driven", "shm"),
-                                             ("engine_driven", "private")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "backing"), [("server_driven", "auto"), ("engine_driven", "shm"), ("engine_driven", "private")]
+)
 def test_a_chunk_stored_at_0_and_retrieved_at_512_equals_rope_at_512(
     tmp_path: Path, mode: str, backing: str
 ) -> None:

@@ -58,8 +58,9 @@ def test_serve_on_an_ipc_socket_of_its_user_only(make_server: ServerFactory, tmp
     if os.geteuid() != 0:
         pytest.skip("trying the socket as another user needs root (to drop to uid 65534)")
     env = subprocess_env(PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", _STRANGER, endpoint], capture_output=True, text=True,
-                         env=env, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _STRANGER, endpoint], capture_output=True, text=True, env=env, timeout=60
+    )
     assert out.stdout.strip() == "no answer", out.stdout + out.stderr
     assert server.proc.poll() is None
 
@@ -67,7 +68,11 @@ def test_serve_on_an_ipc_socket_of_its_user_only(make_server: ServerFactory, tmp
 def test_ipc_path_and_a_tcp_port_are_refused_together(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "app.cli", "serve", "--ipc-path", str(tmp_path / "s"), "--port", "6000"],
-        capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
     assert "ipc_path and host/port" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from dataplane.bench.vllm import EngineProcess
+from kvbench.vllm import EngineProcess
 from tests.e2e.test_vllm import CHUNK, VLLM_PYTHON, l1_chunks, serve
 from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
 
@@ -82,7 +82,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     root = tmp_path_factory.mktemp("isolation")
     out = Setup(root / "tiny-llama", {"a": root / "lora-a", "b": root / "lora-b"})
     code = (
-        "from dataplane.bench.vllm_model import TINY, build_model, write_lora; "
+        "from kvbench.vllm_model import TINY, build_model, write_lora; "
         f"build_model({str(out.model)!r}, TINY); "
         f"write_lora({str(out.adapters['a'])!r}, TINY, seed=1); "
         f"write_lora({str(out.adapters['b'])!r}, TINY, seed=2)"

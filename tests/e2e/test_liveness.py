@@ -413,7 +413,7 @@ def test_sigkilled_worker_is_reaped_by_timeout_with_disconnect_detection_off(
     assert timeout - heartbeat - 0.1 <= took <= 1.25 * timeout + 0.5, took
     wait_until(lambda: not mapped("self", seg), 2, what="the server unmapping the segment")
     wait_until(lambda: not shm_of(victim.pid), 2, what="the dead worker's segment unlinked")
-    assert dp.dp.management.report_status()["worker_liveness"]["reaped_total"] == 1
+    assert dp.dp.liveness_status().reaped_total == 1
 
     assert dp.tracked(other.instance_id)
     works(other, 3)

@@ -30,12 +30,16 @@ INTERVAL, TIMEOUT = 0.5, 0.3  # health_ping_interval, health_ping_timeout and re
 def serve(tmp: Path, r: RedisServer | RedisClusterServers, *args: str) -> ServerProcess:
     srv = ServerProcess(
         tmp,
-        "--remote-url", r.url,
-        "--remote-timeout-seconds", str(TIMEOUT),
-        "--health-ping-interval", str(INTERVAL),
-        "--health-ping-timeout", str(TIMEOUT),
+        "--remote-url",
+        r.url,
+        "--remote-timeout-seconds",
+        str(TIMEOUT),
+        "--health-ping-interval",
+        str(INTERVAL),
+        "--health-ping-timeout",
+        str(TIMEOUT),
         *args,
-    )  # fmt: skip
+    )
     srv.wait_ready()
     return srv
 
@@ -115,8 +119,12 @@ def test_a_prompt_stored_through_one_server_is_retrieved_through_another(
         assert wb.same(want, 3 * CS)
         out = subprocess.run(
             [sys.executable, "-m", "app.cli", "status", "--url", f"http://127.0.0.1:{b.http_port}"],
-            cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         line = next(x for x in out.stdout.splitlines() if x.startswith("remote "))
         assert redis_server.url in line and "ping" in line and " ok " in line and "hits 3" in line
@@ -256,10 +264,13 @@ def test_a_hung_redis_trips_the_counter_and_recovery_waits_for_the_window_and_th
 ) -> None:
     wait_s = 3.0
     srv = serve(
-        tmp_path, redis_server,
-        "--get-blocking-failed-threshold", "1",
-        "--waiting-time-for-recovery", str(wait_s),
-    )  # fmt: skip
+        tmp_path,
+        redis_server,
+        "--get-blocking-failed-threshold",
+        "1",
+        "--waiting-time-for-recovery",
+        str(wait_s),
+    )
     w = None
     try:
         w = Worker(srv)
@@ -339,10 +350,12 @@ def test_the_password_never_shows_and_a_refused_one_is_irrecoverable(tmp_path: P
     good = ServerProcess(tmp_path / "good", "--remote-url", url, "--health-ping-interval", str(INTERVAL))
     bad = ServerProcess(
         tmp_path / "bad",
-        "--remote-url", f"redis://127.0.0.1:{r.port}/0",
-        "--health-ping-interval", str(INTERVAL),
+        "--remote-url",
+        f"redis://127.0.0.1:{r.port}/0",
+        "--health-ping-interval",
+        str(INTERVAL),
         env=subprocess_env(KVWARDEN_REMOTE_PASSWORD="not-it-pw"),
-    )  # fmt: skip
+    )
     try:
         good.wait_ready()
         bad.wait_ready()
@@ -373,15 +386,43 @@ def test_rediss_carries_the_tier_over_tls(tmp_path: Path) -> None:
     assert openssl, "openssl is required (`make test` installs it)"
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     tls_port = free_port()
     r = RedisServer(
-        extra=["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-               "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
-    )  # fmt: skip
+        extra=[
+            "--tls-port",
+            str(tls_port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+        ]
+    )
     url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
     a = ServerProcess(tmp_path / "a", "--remote-url", url, "--health-ping-interval", str(INTERVAL))
     b = ServerProcess(tmp_path / "b", "--remote-url", url, "--health-ping-interval", str(INTERVAL))
@@ -417,11 +458,15 @@ def test_a_server_starts_while_redis_is_away_and_uses_it_once_it_is_up(tmp_path:
     port = free_port()
     srv = ServerProcess(
         tmp_path,
-        "--remote-url", f"redis://127.0.0.1:{port}/0",
-        "--remote-timeout-seconds", str(TIMEOUT),
-        "--health-ping-interval", str(INTERVAL),
-        "--health-ping-timeout", str(TIMEOUT),
-    )  # fmt: skip
+        "--remote-url",
+        f"redis://127.0.0.1:{port}/0",
+        "--remote-timeout-seconds",
+        str(TIMEOUT),
+        "--health-ping-interval",
+        str(INTERVAL),
+        "--health-ping-timeout",
+        str(TIMEOUT),
+    )
     r = None
     w = None
     try:

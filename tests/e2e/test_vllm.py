@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from dataplane.bench.vllm import EngineProcess
+from kvbench.vllm import EngineProcess
 from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -44,7 +44,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
     path = tmp_path_factory.mktemp("vllm") / "tiny-llama"
-    code = f"from dataplane.bench.vllm_model import TINY, build_model; build_model({str(path)!r}, TINY)"
+    code = f"from kvbench.vllm_model import TINY, build_model; build_model({str(path)!r}, TINY)"
     subprocess.run([str(VLLM_PYTHON), "-c", code], check=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     return path
 

@@ -132,10 +132,16 @@ class Crowd:
 def start_crowd(tmp: Path, shm: Path, plan: Plan) -> Crowd:
     server = Serve(
         tmp,
-        "--chunk-size", str(CHUNK), "--l1-size-gb", plan.l1_gb,
-        "--worker-disconnect-grace-seconds", str(GRACE_S), "--max-transfer-workers", "2",
+        "--chunk-size",
+        str(CHUNK),
+        "--l1-size-gb",
+        plan.l1_gb,
+        "--worker-disconnect-grace-seconds",
+        str(GRACE_S),
+        "--max-transfer-workers",
+        "2",
         env=env_for(shm),
-    )  # fmt: skip
+    )
     crowd = Crowd(tmp, server, shm)
     try:
         # the workers start with the server: their first request waits for its socket

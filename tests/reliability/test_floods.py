@@ -212,9 +212,17 @@ def start_bench(
 ) -> Bench:
     env = env_for(shm_dir)
     server = Serve(
-        tmp, "--chunk-size", str(CHUNK), "--worker-disconnect-grace-seconds", "1", "--l1-size-gb", "0.05",
-        *args, env=env, nofile=(1024, hard),
-    )  # fmt: skip
+        tmp,
+        "--chunk-size",
+        str(CHUNK),
+        "--worker-disconnect-grace-seconds",
+        "1",
+        "--l1-size-gb",
+        "0.05",
+        *args,
+        env=env,
+        nofile=(1024, hard),
+    )
     live = Proc(tmp, "live", "agent", Opts(server.endpoint, seed=1, prompts_seed=1, heartbeat=0.5), shm_dir)
     prober: Prober | None = None
     try:

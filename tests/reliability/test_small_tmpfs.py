@@ -96,8 +96,19 @@ def sparse_registration(path: Path, layer_bytes: int) -> Register:
     kv_shape = (2, layer_bytes // (2 * BLOCK * HEADS * HEAD_DIM * 2), BLOCK, HEADS, HEAD_DIM)
     strides = contiguous_strides(kv_shape)
     layers = (ShmLayer(path.name, 0, strides), ShmLayer(path.name, layer_bytes, strides))
-    return Register(7, SECRET, "m", 1, 0, TransferMode.SERVER_DRIVEN, MemoryKind.SHM, "bfloat16",
-                    kv_shape, os.getpid(), layers)  # fmt: skip
+    return Register(
+        7,
+        SECRET,
+        "m",
+        1,
+        0,
+        TransferMode.SERVER_DRIVEN,
+        MemoryKind.SHM,
+        "bfloat16",
+        kv_shape,
+        os.getpid(),
+        layers,
+    )
 
 
 def test_small_segment_directory_refuses_what_does_not_fit(

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from dataplane.bench.procs import free_port
+from kvbench.procs import free_port
 from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 64, 16, 8, 64  # 8 KiB of KV per token

@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, st
 from app.api.audit import AuditedRoute
 from app.api.deps import AdminDep, DataPlaneDep, StatusSourceDep
 from app.core.status import find_instance
-from app.models import InstancePublic, Message, ReapResult
+from app.models import Detail, InstancePublic, ReapResult
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ admin_router = APIRouter(prefix="/instances", tags=["instances"], route_class=Au
 
 InstanceId = Annotated[int, Path(ge=0, lt=1 << 63, description="63-bit instance id")]
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
-    404: {"model": Message, "description": "the id is not tracked"},
+    404: {"model": Detail, "description": "the id is not tracked"},
 }
 
 
@@ -52,8 +52,8 @@ def read_instance(dp: DataPlaneDep, instance_id: InstanceId) -> InstancePublic:
     'and counts kvwarden_instances_reaped_total{reason="admin"}. With '
     "`dry_run=true` only reports what would be released.",
     responses={
-        401: {"model": Message, "description": "missing or wrong bearer token"},
-        403: {"model": Message, "description": "no admin token is configured"},
+        401: {"model": Detail, "description": "missing or wrong bearer token"},
+        403: {"model": Detail, "description": "no admin token is configured"},
         **NOT_FOUND,
     },
 )

@@ -18,6 +18,8 @@ from dataplane.storage.remote import OK, TIMEOUT, RemoteAuthError, RemoteBackend
 
 
 class RemoteBackendHealthCheck(HealthCheck):
+    component_type = "datastore"
+
     def __init__(self, backend_name: str, backend: RemoteBackend, components: Components) -> None:
         self.backend_name = backend_name
         self.backend = backend

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dataplane.bench.targets import verdicts
+from kvbench.targets import verdicts
 
 
 @dataclass(frozen=True)

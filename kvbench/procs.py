@@ -46,7 +46,7 @@ def bench_env() -> dict[str, str]:
 
 
 @dataclass
-class Server:
+class BenchServer:
     """A ``kvwarden serve`` process on free ports."""
 
     proc: subprocess.Popen[bytes]
@@ -66,7 +66,7 @@ class Server:
         stop_process(self.proc)
 
 
-def launch(*args: str, env: dict[str, str] | None = None) -> Server:
+def launch(*args: str, env: dict[str, str] | None = None) -> BenchServer:
     """Start ``kvwarden serve`` with ``args`` on free ports (not waiting for it). Its standard
     output (the "serving on" line) is dropped, so a benchmark's own output stays clean; its
     warnings and errors still reach standard error."""
@@ -74,13 +74,7 @@ def launch(*args: str, env: dict[str, str] | None = None) -> Server:
     cmd = serve_command("--port", str(port), "--http-port", str(http_port), "--log-level", "warning", *args)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=bench_env() if env is None else env, stdout=subprocess.DEVNULL)
-    return Server(proc, f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", t0)
-
-
-def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """A ``kvwarden serve`` process on free ports; its ZMQ endpoint (see `launch`)."""
-    s = launch(*args, env=env)
-    return s.proc, s.endpoint
+    return BenchServer(proc, f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", t0)
 
 
 def wait_ready(probe: Callable[[], Any], proc: subprocess.Popen[Any], timeout_s: float) -> None:
@@ -113,12 +107,12 @@ def wait_server(proc: subprocess.Popen[Any], endpoint: str, timeout_s: float = 6
     wait_ready(hello, proc, timeout_s)
 
 
-def wait_http(server: Server, path: str = "/livez", timeout_s: float = 60.0) -> None:
+def wait_http(server: BenchServer, path: str = "/livez", timeout_s: float = 60.0) -> None:
     """Until the sidecar answers ``path``."""
     wait_ready(lambda: server.get(path, 2.0), server.proc, timeout_s)
 
 
-def wait_arena_ready(server: Server, timeout_s: float = 120.0) -> dict[str, Any]:
+def wait_arena_ready(server: BenchServer, timeout_s: float = 120.0) -> dict[str, Any]:
     """Until `/status` says L1's arena is reserved and faulted in; the arena's view then."""
 
     def ready() -> None:
@@ -129,7 +123,7 @@ def wait_arena_ready(server: Server, timeout_s: float = 120.0) -> dict[str, Any]
     return arena_view(server)
 
 
-def arena_view(server: Server) -> dict[str, Any]:
+def arena_view(server: BenchServer) -> dict[str, Any]:
     """`/status`'s ``storage.l1.arena`` (empty when the server shows none)."""
     a = server.json("/status")["storage"]["l1"].get("arena")
     return dict(a) if a else {}

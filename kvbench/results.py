@@ -96,7 +96,7 @@ def machine() -> dict[str, Any]:
 def source() -> dict[str, Any]:
     """The commit the measured code is at, and whether its tree had changes (when it is a git
     checkout); the benchmarks run the code of the working tree."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     try:
         rev = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],

@@ -9,13 +9,13 @@ import time
 from types import ModuleType
 from typing import Any
 
-from dataplane.bench.results import add_output_args
+from kvbench.results import add_output_args
 
 ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend")
 
 
 def modules() -> dict[str, ModuleType]:
-    from dataplane.bench import blend, ping, reaper, remote, sidecar, startup, transfer, vllm
+    from kvbench import blend, ping, reaper, remote, sidecar, startup, transfer, vllm
 
     return {
         "startup": startup, "transfer": transfer, "ping": ping, "reaper": reaper, "http": sidecar,

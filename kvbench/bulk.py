@@ -22,7 +22,7 @@ from dataplane.wire.protocol import decode_reply, encode_message
 _WINDOW = 256  # requests in flight at once
 
 
-class Registrar:
+class BulkRegistrar:
     """A registered template worker and a socket that registers more instances like it."""
 
     def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:

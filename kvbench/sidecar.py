@@ -1,7 +1,7 @@
 """`kvwarden bench http`: the HTTP sidecar with many tracked instances, and PING meanwhile.
 
 A server process is started with its instance limits raised; many instances are registered
-cheaply (`dataplane.bench.bulk`). Then, in order:
+cheaply (`kvbench.bulk`). Then, in order:
 
 - **load** (``--load-instances``, 1,000): PING round trips, paced (one every
   ``--ping-interval-ms``), in three blocks: idle, while another process GETs `/status`
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dataplane.bench import report
-from dataplane.bench.bulk import Registrar
-from dataplane.bench.procs import Server, launch, wait_arena_ready, wait_http
-from dataplane.bench.results import add_output_args, finish, latency, resolve
+from kvbench import report
+from kvbench.bulk import BulkRegistrar
+from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
+from kvbench.results import add_output_args, finish, latency, resolve
 
 
 def add_args(sub: Any) -> None:
@@ -60,7 +60,7 @@ def run_http(ns: argparse.Namespace) -> int:
     try:
         wait_http(server)
         wait_arena_ready(server)  # the fault-in thread is done: idle is idle
-        reg = Registrar(server.endpoint)
+        reg = BulkRegistrar(server.endpoint)
         try:
             out["load"] = _load_phase(ns, server, reg)
             if ns.instances:
@@ -105,7 +105,7 @@ class _Pinger:
 
 
 def _loader(url: str, *mode: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "dataplane.bench.loadgen", url, *mode]
+    cmd = [sys.executable, "-m", "kvbench.loadgen", url, *mode]
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     if p.stdout.readline().strip() != "ready":
@@ -140,11 +140,11 @@ def _ms(xs: list[float]) -> dict[str, float]:
     return {"n": len(xs), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
 
-def _tracked(server: Server) -> int:
+def _tracked(server: BenchServer) -> int:
     return int(server.json("/status")["worker_liveness"]["tracked_instances"])
 
 
-def _load_phase(ns: argparse.Namespace, server: Server, reg: Registrar) -> dict[str, Any]:
+def _load_phase(ns: argparse.Namespace, server: BenchServer, reg: BulkRegistrar) -> dict[str, Any]:
     reg.grow_to(ns.load_instances)
     pinger = _Pinger(server.endpoint, reg.ping_frame(), ns.ping_interval_ms / 1e3)
     try:
@@ -170,7 +170,7 @@ def _load_phase(ns: argparse.Namespace, server: Server, reg: Registrar) -> dict[
     }
 
 
-def _large_phase(ns: argparse.Namespace, server: Server, reg: Registrar) -> dict[str, Any]:
+def _large_phase(ns: argparse.Namespace, server: BenchServer, reg: BulkRegistrar) -> dict[str, Any]:
     t0 = time.perf_counter()
     reg.grow_to(ns.instances)
     took = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """`kvwarden bench vllm`: time to first token of real vLLM engines, with and without kvwarden.
 
-On a random-weight Llama built here where prefill dominates (`dataplane.bench.vllm_model`
+On a random-weight Llama built here where prefill dominates (`kvbench.vllm_model`
 ``PREFILL``: hidden 1,024, 8 layers, 8 KV heads, head dim 128), a prompt of ~2,900 tokens, one
 output token (so the time of a request is its time to first token). In one run, engines one
 after another, each prompt new to every cache:
@@ -35,15 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from dataplane.bench.procs import bench_env, launch, wait_http
-from dataplane.bench.results import add_output_args, finish, resolve
+from kvbench.procs import bench_env, launch, wait_http
+from kvbench.results import add_output_args, finish, resolve
 
 ENGINE_START_S = 300.0
 CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
 
 
 class EngineProcess:
-    """One vLLM engine (`dataplane.bench.vllm_engine`) driven over its stdin and stdout, in a
+    """One vLLM engine (`kvbench.vllm_engine`) driven over its stdin and stdout, in a
     process group of its own (``kill`` takes its engine core and worker too)."""
 
     def __init__(
@@ -59,7 +59,7 @@ class EngineProcess:
     ) -> None:
         """``lora``: LoRA on, with these engine options (``max_lora_rank``, ``max_loras``...)."""
         env = {**os.environ, **(env_extra or {})}
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env["KVWARDEN_ENGINE_CONNECTOR_EXTRA"] = json.dumps(extra or {})
         env["KVWARDEN_ENGINE_PREFIX_CACHING"] = "1" if prefix_caching else "0"
@@ -67,7 +67,7 @@ class EngineProcess:
         if lora is not None:
             env["KVWARDEN_ENGINE_LORA"] = json.dumps(lora)
         self.log = log
-        cmd = [str(python), "-m", "dataplane.bench.vllm_engine", str(model), url or ""]
+        cmd = [str(python), "-m", "kvbench.vllm_engine", str(model), url or ""]
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=root,
@@ -169,13 +169,13 @@ def run_vllm(ns: argparse.Namespace) -> int:
     if ns.rounds < 1 or ns.prompt_tokens < 2 * CHUNK:
         print(f"bench: --rounds >= 1 and --prompt-tokens >= {2 * CHUNK}", file=sys.stderr)
         return 2
-    from dataplane.bench.vllm_model import PREFILL, TINY
+    from kvbench.vllm_model import PREFILL, TINY
 
     shape = TINY if ns.tiny else PREFILL
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-vllm-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        code = f"from dataplane.bench.vllm_model import *; build_model({str(model)!r}, {shape!r})"
+        code = f"from kvbench.vllm_model import *; build_model({str(model)!r}, {shape!r})"
         subprocess.run([python, "-c", code], check=True, env=bench_env())
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ns.reserved_cpus)}
         out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env)

@@ -19,11 +19,11 @@ from typing import Any
 
 import zmq
 
-from dataplane.bench import report
-from dataplane.bench.procs import launch, memory_of, wait_arena_ready, wait_http
-from dataplane.bench.results import add_output_args, finish, resolve
 from dataplane.wire.messages import Ping
 from dataplane.wire.protocol import decode_reply, encode_message
+from kvbench import report
+from kvbench.procs import launch, memory_of, wait_arena_ready, wait_http
+from kvbench.results import add_output_args, finish, resolve
 
 
 def add_args(sub: Any) -> None:

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane.bench import report
-from dataplane.bench.movers import start_redis
-from dataplane.bench.procs import Server, launch, wait_arena_ready, wait_http
-from dataplane.bench.results import add_output_args, finish, resolve
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from kvbench import report
+from kvbench.movers import start_redis
+from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
+from kvbench.results import add_output_args, finish, resolve
 
 BS, CS = 16, 256
 
@@ -70,7 +70,7 @@ def run_remote(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _workers(layers: int, servers: list[Server]) -> list[WorkerAdapter]:
+def _workers(layers: int, servers: list[BenchServer]) -> list[WorkerAdapter]:
     """One server-driven worker per server (Llama-3-8B's heads), its cache random."""
     heads, head_dim = 8, 128
     workers = []
@@ -86,7 +86,7 @@ def _workers(layers: int, servers: list[Server]) -> list[WorkerAdapter]:
     return workers
 
 
-def _measure(ns: argparse.Namespace, servers: list[Server], raw: Any) -> dict[str, Any]:
+def _measure(ns: argparse.Namespace, servers: list[BenchServer], raw: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     workers = _workers(ns.layers, servers)
     blocks = np.arange(CS // BS)
@@ -138,7 +138,7 @@ def _measure(ns: argparse.Namespace, servers: list[Server], raw: Any) -> dict[st
     }
 
 
-def _drained(server: Server, n: int) -> None:
+def _drained(server: BenchServer, n: int) -> None:
     """Wait (polling, 120 s at most) until ``n`` chunks reached Redis."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """A real vLLM engine (offline ``LLM``) that a test drives over stdin/stdout, one JSON line each.
 
-    python -m dataplane.bench.vllm_engine MODEL_DIR [KVWARDEN_URL]    (no URL: no connector)
+    python -m kvbench.vllm_engine MODEL_DIR [KVWARDEN_URL]    (no URL: no connector)
 
 Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for each line
 ``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "cached": n, "s": s}``
@@ -11,7 +11,7 @@ the Python of the vLLM environment (``.venv-vllm``); greedy sampling, so outputs
 token for token. ``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by
 default); ``KVWARDEN_ENGINE_LORA``, a JSON object, turns LoRA on with those engine options (such
 as ``{"max_lora_rank": 8, "max_loras": 2}``; ``{}``: vLLM's defaults); ``KVWARDEN_ENGINE_CONNECTOR_EXTRA``
-holds more ``kv_connector_extra_config`` keys, as JSON. Used by `dataplane.bench.vllm` and the
+holds more ``kv_connector_extra_config`` keys, as JSON. Used by `kvbench.vllm` and the
 vLLM tests.
 """
 

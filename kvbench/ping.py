@@ -16,11 +16,11 @@ from typing import Any
 
 import zmq
 
-from dataplane.bench import report
-from dataplane.bench.procs import launch, wait_arena_ready, wait_http
-from dataplane.bench.results import add_output_args, finish, latency, resolve
 from dataplane.wire.messages import Ping
 from dataplane.wire.protocol import encode_message
+from kvbench import report
+from kvbench.procs import launch, wait_arena_ready, wait_http
+from kvbench.results import add_output_args, finish, latency, resolve
 
 _ECHO = """
 import sys, zmq

@@ -1,8 +1,8 @@
 """An HTTP load generator for `kvwarden bench http`, run as its own process (its own GIL):
 
-    python -m dataplane.bench.loadgen URL paced RATE   # GET /status RATE times a second
-    python -m dataplane.bench.loadgen URL closed       # GET /status, /metrics, ... back to back
-    python -m dataplane.bench.loadgen URL spin         # no requests: one core kept busy
+    python -m kvbench.loadgen URL paced RATE   # GET /status RATE times a second
+    python -m kvbench.loadgen URL closed       # GET /status, /metrics, ... back to back
+    python -m kvbench.loadgen URL spin         # no requests: one core kept busy
 
 ``spin`` is the yardstick for the closed loop: it keeps a core as busy as a client does, without
 a request, so PING meanwhile shows what the machine's scheduler alone costs.

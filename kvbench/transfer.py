@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from dataplane.bench import report
-from dataplane.bench.movers import Baselines, CopyFloor, Mover, Shape, start_redis
-from dataplane.bench.procs import Server, arena_view, launch, wait_arena_ready, wait_http, wait_server
-from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.wire.messages import SUPPORTED_DTYPES
+from kvbench import report
+from kvbench.movers import Baselines, CopyFloor, Mover, Shape, start_redis
+from kvbench.procs import BenchServer, arena_view, launch, wait_arena_ready, wait_http, wait_server
+from kvbench.results import add_output_args, finish, int_list, resolve
 
 MODES = ("server_driven", "engine_driven")
 PHASES = ("starting", "fresh", "warm")
@@ -161,7 +161,7 @@ def _run_config(
         server.stop()
 
 
-def _arena_after(server: Server) -> dict[str, Any]:
+def _arena_after(server: BenchServer) -> dict[str, Any]:
     """The arena's state now (after a first-fill phase): was it still being faulted in?"""
     wait_http(server)
     return arena_view(server)
@@ -187,7 +187,7 @@ def _first_fill(
 
 
 def _warm(
-    server: Server, mover: Mover, base: Baselines, l1_bytes: int, rounds: int, floor: CopyFloor | None
+    server: BenchServer, mover: Mover, base: Baselines, l1_bytes: int, rounds: int, floor: CopyFloor | None
 ) -> dict[str, list[float]]:
     wait_arena_ready(server)
     for _ in range(math.ceil(l1_bytes / mover.shape.request_bytes) + 1):  # L1 full: buffers recycle

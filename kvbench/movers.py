@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import zmq
 
-from dataplane.bench.procs import free_port
 from dataplane.client import WorkerAdapter, allocate_kv_caches, free_kv_caches
 from dataplane.memory.copies import ChunkMap, CopySplitter, server_copy_ways
 from dataplane.memory.kvmemory import TORCH_DTYPES, map_local_tensors
+from kvbench.procs import free_port
 
 # An engine-driven worker of the benchmark copies on threads of its own (`copy_threads`), torch's
 # intra-op threads at 1 in this process (as in the server): toggling torch's thread count around

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from dataplane.bench import report
-from dataplane.bench.movers import Baselines, Mover, Shape
-from dataplane.bench.procs import Server, launch, wait_arena_ready, wait_ready, wait_server
-from dataplane.bench.results import add_output_args, finish, resolve
 from dataplane.memory import rope_kernel
 from dataplane.memory.rope import RopeParams
+from kvbench import report
+from kvbench.movers import Baselines, Mover, Shape
+from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_ready, wait_server
+from kvbench.results import add_output_args, finish, resolve
 
 MODES = ("server_driven", "engine_driven")
 FIGURES = ("memcpy", "retrieve", "blend_retrieve", "store", "blend_store")
@@ -72,7 +72,7 @@ def _rope() -> RopeParams:
     return RopeParams(128, 500000.0, "neox", 1.0, 32768)
 
 
-def _kernel_state(server: Server) -> str:
+def _kernel_state(server: BenchServer) -> str:
     return str(server.json("/status")["worker_liveness"]["blend_kernel"])
 
 
@@ -118,7 +118,7 @@ def _worker_compiled() -> None:
         raise RuntimeError("this worker's blend kernels are compiling")
 
 
-def _compiled(server: Server) -> None:
+def _compiled(server: BenchServer) -> None:
     if _kernel_state(server) == "compiling":
         raise RuntimeError("the blend kernels are compiling")
 

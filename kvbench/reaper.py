@@ -16,9 +16,6 @@ import sys
 import time
 from typing import Any
 
-from dataplane.bench import report
-from dataplane.bench.procs import free_port
-from dataplane.bench.results import add_output_args, finish, int_list, resolve
 from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.reaper import WorkerReaper
 from dataplane.liveness.registry import LivenessRegistry
@@ -26,6 +23,9 @@ from dataplane.server.config import SWITCH_INTERVAL_S, Settings
 from dataplane.server.gcfreeze import CollectorFreezer
 from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.wire.messages import MemoryKind, TransferMode
+from kvbench import report
+from kvbench.procs import free_port
+from kvbench.results import add_output_args, finish, int_list, resolve
 
 PINGER = r"""
 import sys, time, zmq
