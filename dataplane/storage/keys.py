@@ -63,9 +63,9 @@ def span_marks(ctx: KeyContext | None, n_chunks: int, chunk_size: int) -> dict[i
     """Chunk index (below ``n_chunks``) -> the encoded spans that overlap it, each with its start
     and end relative to the chunk (so a chunk keys the same in a window of its sequence). The
     spans are sorted and disjoint, so this is linear in spans plus chunks."""
-    marks: dict[int, bytearray] = {}
     if ctx is None:
         return {}
+    marks: dict[int, bytearray] = {}
     for start, end, digest in ctx.spans:
         if end <= 0:
             continue
@@ -82,21 +82,28 @@ def span_marks(ctx: KeyContext | None, n_chunks: int, chunk_size: int) -> dict[i
     return {i: bytes(m) for i, m in marks.items()}
 
 
+def _chunks(
+    scope: bytes, token_ids: np.ndarray, chunk_size: int, ctx: KeyContext | None
+) -> tuple[bytes, list[tuple[memoryview, bytes | None]]]:
+    """What both kinds of key hash: the chain's start, and each full chunk's token bytes with
+    the spans over it (None: no span)."""
+    tokens = np.ascontiguousarray(token_ids, dtype=ID_DTYPE)
+    n = len(tokens) // chunk_size
+    marks = span_marks(ctx, n, chunk_size) if ctx is not None and ctx.spans else {}
+    raw = memoryview(tokens.tobytes())
+    step = chunk_size * ID_DTYPE.itemsize
+    return context_start(scope, ctx), [(raw[i * step : (i + 1) * step], marks.get(i)) for i in range(n)]
+
+
 def chunk_keys(
     scope: bytes, token_ids: np.ndarray, chunk_size: int, ctx: KeyContext | None = None
 ) -> list[bytes]:
     """Keys of every *full* chunk of ``token_ids`` (a trailing partial chunk has no key)."""
-    tokens = np.ascontiguousarray(token_ids, dtype=ID_DTYPE)
-    n_full = len(tokens) // chunk_size
+    prev, chunks = _chunks(scope, token_ids, chunk_size, ctx)
     keys: list[bytes] = []
-    prev = context_start(scope, ctx)
-    marks = span_marks(ctx, n_full, chunk_size) if ctx is not None and ctx.spans else {}
-    raw = memoryview(tokens.tobytes())
-    step = chunk_size * ID_DTYPE.itemsize
-    for i in range(n_full):
+    for raw, mark in chunks:
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
-        h.update(raw[i * step : (i + 1) * step])
-        mark = marks.get(i)
+        h.update(raw)
         if mark is not None:
             h.update(mark)
         prev = h.digest()
@@ -109,17 +116,11 @@ def blend_keys(
 ) -> list[bytes]:
     """A key per full chunk, from the scope (under the request's context) and that chunk's
     tokens alone (and the context's spans over it)."""
-    tokens = np.ascontiguousarray(token_ids, dtype=ID_DTYPE)
-    step = chunk_size * ID_DTYPE.itemsize
-    raw = memoryview(tokens.tobytes())
-    n = len(tokens) // chunk_size
-    start = context_start(scope, ctx)
-    marks = span_marks(ctx, n, chunk_size)
+    start, chunks = _chunks(scope, token_ids, chunk_size, ctx)
     out = []
-    for i in range(n):
+    for raw, mark in chunks:
         h = hashlib.blake2b(start, digest_size=KEY_BYTES, person=b"kvwarden-blend")
-        h.update(raw[i * step : (i + 1) * step])
-        mark = marks.get(i)
+        h.update(raw)
         if mark is not None:
             h.update(mark)
         out.append(h.digest())
