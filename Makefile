@@ -32,19 +32,20 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(PYPROJECT_HASH)
 REQUIRED_PROGRAMS := redis-server:redis-server redis-cli:redis-tools promtool:prometheus \
   prometheus:prometheus openssl:openssl docker-compose:docker-compose
 
-.PHONY: vllm-env help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi clean
+.PHONY: vllm-env help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi protocol-doc clean
 
 help:
 	@echo "kvwarden make targets:"
 	@echo "  run        install into $(VENV) (once) and start 'kvwarden serve' (ARGS=... adds flags)"
 	@echo "  test       dev install, external programs, then ruff, mypy and pytest"
-	@echo "  lint       ruff check and format --check, import contracts (lint-imports), sizes"
+	@echo "  lint       ruff check and format --check, import contracts (lint-imports), sizes, protocol doc"
 	@echo "  typecheck  mypy (configured in pyproject.toml)"
 	@echo "  pytest     pytest only (PYTEST_ARGS=... adds arguments)"
 	@echo "  vllm-env   $(VLLM_VENV): vLLM's CPU build with kvwarden, for the vLLM tests and bench vllm"
 	@echo "  soak       the slow suites: workers crash and return for minutes (KVWARDEN_SOAK_SECONDS)"
 	@echo "  bench      kvwarden bench all: every benchmark (ARGS=... adds flags, e.g. --quick --json)"
 	@echo "  openapi    regenerate openapi/openapi.json"
+	@echo "  protocol-doc  regenerate docs/protocol.md's message tables from dataplane/wire/table.py"
 	@echo "  clean      remove caches, build outputs and install stamps (keeps $(VENV))"
 
 # ------------------------------------------------------------------------------ environment
@@ -162,6 +163,8 @@ lint-steps:
 	$(BIN)/lint-imports
 	@echo "==> module and function sizes"
 	$(BIN)/python scripts/check_shape.py dataplane app kvbench
+	@echo "==> docs/protocol.md agrees with the protocol table (dataplane/wire/table.py)"
+	$(BIN)/python scripts/gen_protocol_doc.py --check
 
 typecheck: $(DEV_STAMP)
 	$(BIN)/python -m mypy
@@ -177,6 +180,9 @@ bench: $(DEV_STAMP)
 
 openapi: $(INSTALL_STAMP)
 	$(BIN)/python scripts/gen_openapi.py
+
+protocol-doc: $(INSTALL_STAMP)
+	$(BIN)/python scripts/gen_protocol_doc.py
 
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -99,7 +99,7 @@ def _run_mode(ns: argparse.Namespace, base: Baselines, mode: str, shape: Shape) 
         first["kernel_at_first_retrieve"] = _kernel_state(server)
         took, hits = _timed(lambda: w.retrieve_blend(blend_prompt, n + mover.rng.permutation(n), 512))
         first["blend_retrieve_ms"] = took * 1e3
-        if r["stored"] != 1 or hits != [(0, True)]:
+        if r.stored != 1 or hits != [(0, True)]:
             raise RuntimeError(f"blend: the first chunk was not stored and found again ({r}, {hits})")
         wait_ready(lambda: _compiled(server), server.proc, 300.0)
         if (state := _kernel_state(server)) != "ready":
@@ -140,7 +140,7 @@ def _rounds(ns: argparse.Namespace, base: Baselines, mover: Mover) -> dict[str, 
         ms["store"].append(mover.shape.chunk_bytes / mover.store(mover.prompt()) * 1e3)
         p = mover.prompt()
         took, r = _timed(lambda: w.store_blend(p, mover.rng.permutation(n), at))  # noqa: B023
-        if r["stored"] != 1:
+        if r.stored != 1:
             raise RuntimeError(f"blend STORE did not store its new chunk: {r}")
         ms["blend_store"].append(took * 1e3)
     med = {k: statistics.median(v) for k, v in ms.items()}

@@ -109,7 +109,7 @@ class Mover:
         t0 = time.perf_counter()
         r = self.adapter.store_detail(tokens, blocks)
         took = time.perf_counter() - t0
-        if r["rejected"] or r["stored"] + r["present"] != self.shape.chunks_per_request:
+        if r.rejected or r.stored + r.present != self.shape.chunks_per_request:
             raise RuntimeError(f"STORE did not keep every chunk: {r}")
         return self.shape.request_bytes / took
 

@@ -103,7 +103,7 @@ def _measure(ns: argparse.Namespace, servers: list[BenchServer], raw: Any) -> di
                 (workers[1], remote_s, prompts[2 * i + 1]),
             ):
                 t0 = time.perf_counter()
-                if w.store_detail(p, blocks)["stored"] != 1:
+                if w.store_detail(p, blocks).stored != 1:
                     raise RuntimeError("bench remote: a STORE was not kept")
                 times.append(time.perf_counter() - t0)
         _drained(servers[1], ns.samples)

@@ -18,9 +18,15 @@ def modules() -> dict[str, ModuleType]:
     from kvbench import blend, ping, reaper, remote, sidecar, startup, transfer, vllm
 
     return {
-        "startup": startup, "transfer": transfer, "ping": ping, "reaper": reaper, "http": sidecar,
-        "remote": remote, "blend": blend, "vllm": vllm,
-    }  # fmt: skip
+        "startup": startup,
+        "transfer": transfer,
+        "ping": ping,
+        "reaper": reaper,
+        "http": sidecar,
+        "remote": remote,
+        "blend": blend,
+        "vllm": vllm,
+    }
 
 
 def add_args(sub: Any) -> None:

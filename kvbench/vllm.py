@@ -70,9 +70,14 @@ class EngineProcess:
         cmd = [str(python), "-m", "kvbench.vllm_engine", str(model), url or ""]
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=root,
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                cwd=root,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         self._buf = b""
         self.ready = self._answer(ENGINE_START_S)
 
@@ -156,9 +161,11 @@ def add_args(sub: Any) -> None:
     p.add_argument("--prompt-tokens", type=int, default=None, help="default 2900")
     p.add_argument("--vllm-python", default=None, help="the Python of vLLM's environment (.venv-vllm)")
     p.add_argument(
-        "--reserved-cpus", type=int, default=1,
+        "--reserved-cpus",
+        type=int,
+        default=1,
         help="cores vLLM keeps from its worker (VLLM_CPU_NUM_OF_RESERVED_CPU), the same for every engine",
-    )  # fmt: skip
+    )
     add_output_args(p)
     p.set_defaults(func=run_vllm)
 
@@ -180,9 +187,11 @@ def run_vllm(ns: argparse.Namespace) -> int:
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ns.reserved_cpus)}
         out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env)
     out["params"] = {
-        "rounds": ns.rounds, "prompt_tokens": ns.prompt_tokens, "model": str(shape),
+        "rounds": ns.rounds,
+        "prompt_tokens": ns.prompt_tokens,
+        "model": str(shape),
         "reserved_cpus": ns.reserved_cpus,
-    }  # fmt: skip
+    }
     finish(ns, "vllm", out, _show)
     return 0
 
@@ -192,8 +201,9 @@ def _prompts(seed: int, n: int, tokens: int) -> list[list[int]]:
     return [[int(x) for x in rng.integers(3, 1000, tokens)] for _ in range(n)]
 
 
-def _measure(python: str, model: Path, work: Path, rounds: int, tokens: int,
-             env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def _measure(
+    python: str, model: Path, work: Path, rounds: int, tokens: int, env: dict[str, str]
+) -> dict[str, Any]:
     own, ours = _prompts(1, rounds, tokens), _prompts(2, rounds, tokens)
     keys = ("none", "vllm_miss", "vllm_hit", "miss", "hit")
     cases: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
@@ -243,8 +253,10 @@ def _show(rep: dict[str, Any]) -> None:
         ("kvwarden miss (fresh server)", "miss"),
         ("kvwarden hit (another engine)", "hit"),
     ]
-    print(f"vLLM time to first token, {rep['params']['prompt_tokens']}-token prompt, medians of "
-          f"{rep['params']['rounds']}:")  # fmt: skip
+    print(
+        f"vLLM time to first token, {rep['params']['prompt_tokens']}-token prompt, medians of "
+        f"{rep['params']['rounds']}:"
+    )
     for label, key in rows:
         print(f"  {label:32s} {1000 * t[key]:9.1f} ms   cached {c[key]:.0f}   runs {rep['runs'][key]}")
     print(f"  kvwarden hit / vLLM hit  {rep['hit_vs_vllm_hit']:.2f}x (target <= 1.1x)")

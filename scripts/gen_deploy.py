@@ -231,12 +231,14 @@ def rule_tests() -> dict[str, Any]:
                 notes = {k: render(v, full) for k, v in rule.get("annotations", {}).items()}
                 exp.append({"exp_labels": full, "exp_annotations": notes})
             cases.append({"eval_time": at, "alertname": name, "exp_alerts": exp})
-        tests.append({
-            "name": name,
-            "interval": "1m",
-            "input_series": [{"series": s, "values": v} for s, v in series],
-            "alert_rule_test": cases,
-        })  # fmt: skip
+        tests.append(
+            {
+                "name": name,
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in series],
+                "alert_rule_test": cases,
+            }
+        )
     return {"rule_files": ["../alerts.yml"], "evaluation_interval": "1m", "tests": tests}
 
 
@@ -256,24 +258,42 @@ def dashboard() -> dict[str, Any]:
     ds = {"type": "prometheus", "uid": "${datasource}"}
     panels = []
     for i, (title, unit, kind, queries) in enumerate(PANELS):
-        panels.append({
-            "id": i + 1, "type": kind, "title": title, "datasource": ds,
-            "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": 8 * (i // 3)},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "targets": [
-                {"refId": chr(65 + j), "datasource": ds, "expr": expr, "legendFormat": legend}
-                for j, (expr, legend) in enumerate(queries)
-            ],
-        })  # fmt: skip
+        panels.append(
+            {
+                "id": i + 1,
+                "type": kind,
+                "title": title,
+                "datasource": ds,
+                "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": 8 * (i // 3)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [
+                    {"refId": chr(65 + j), "datasource": ds, "expr": expr, "legendFormat": legend}
+                    for j, (expr, legend) in enumerate(queries)
+                ],
+            }
+        )
     return {
-        "uid": "kvwarden", "title": "kvwarden", "tags": ["kvwarden"], "timezone": "browser",
-        "schemaVersion": 39, "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": [{
-            "name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus",
-            "current": {"text": "Prometheus", "value": "prometheus"},
-        }]},
+        "uid": "kvwarden",
+        "title": "kvwarden",
+        "tags": ["kvwarden"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "label": "Prometheus",
+                    "current": {"text": "Prometheus", "value": "prometheus"},
+                }
+            ]
+        },
         "panels": panels,
-    }  # fmt: skip
+    }
 
 
 def panel_queries() -> list[str]:

@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from dataplane.wire.messages import MsgType
-from dataplane.wire.protocol import Reply, decode_reply, encode_request
+from dataplane.wire.protocol import ReplyFrame, decode_reply, encode_request
 from kvbench.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,12 +76,12 @@ def request(sock: zmq.Socket[Any], frames: bytes | Sequence[bytes], timeout: flo
     return sock.recv_multipart()
 
 
-def call(sock: zmq.Socket[Any], frame: bytes | Sequence[bytes], timeout: float = 10.0) -> Reply:
+def call(sock: zmq.Socket[Any], frame: bytes | Sequence[bytes], timeout: float = 10.0) -> ReplyFrame:
     """Send a request and decode the (last frame of the) reply."""
     return decode_reply(request(sock, frame, timeout)[-1])
 
 
-def error_of(reply: Reply) -> tuple[str, str]:
+def error_of(reply: ReplyFrame) -> tuple[str, str]:
     assert reply.ok is False, f"expected an error reply, got {reply}"
     assert isinstance(reply.body, dict), reply.body
     return str(reply.body["code"]), str(reply.body["message"])
@@ -96,7 +96,7 @@ def next_rid() -> int:
 
 def ping(
     sock: zmq.Socket[Any], instance_id: int | None = None, timeout: float = 10.0, secret: bytes = bytes(16)
-) -> Reply:
+) -> ReplyFrame:
     """A PING; with an id it carries ``secret`` (a wrong one answers ``tracked: false``)."""
     rid = next_rid()
     payload = [instance_id, None if instance_id is None else secret]

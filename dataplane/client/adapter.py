@@ -51,21 +51,32 @@ from dataplane.memory.rope import RopeParams
 from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout
 from dataplane.wire.messages import (
     BlendRegister,
+    EngineRegister,
     Hello,
     KeyContext,
     KVFormat,
     Lookup,
     Message,
     Ping,
+    Register,
     TransferMode,
     Unregister,
+)
+from dataplane.wire.records import Reply
+from dataplane.wire.replies import (
+    NO_STORE,
+    PingReply,
+    PoolRegistered,
+    Registered,
+    ServerHello,
+    StoreCounts,
 )
 
 logger = logging.getLogger(__name__)
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 T = TypeVar("T")
-_NO_STORE = {"chunks": 0, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
+R = TypeVar("R", bound=Reply)
 
 
 def _id_array(x: TokenIds) -> np.ndarray:
@@ -135,7 +146,7 @@ class WorkerAdapter:
             on_health_change,
         )
         self._reg_lock = threading.Lock()  # guards _registration, registrations, refreshes
-        self._registration: Message | None = None
+        self._registration: Register | EngineRegister | None = None
         self._blend: BlendRegister | None = None  # RoPE parameters given (re-sent on a fresh context)
         self.chunk_size: int | None = None
         self.registrations = 0  # REGISTERs that built a fresh server context
@@ -158,7 +169,7 @@ class WorkerAdapter:
         return self._heartbeat.boot_token
 
     @property
-    def registration(self) -> Message | None:
+    def registration(self) -> Register | EngineRegister | None:
         """The REGISTER message this adapter sends (None before ``register_kv_caches``)."""
         with self._reg_lock:
             return self._registration
@@ -168,9 +179,8 @@ class WorkerAdapter:
         """The shared-memory segments of the registered caches (none when engine-driven)."""
         return list(self._transport.segments)
 
-    def server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = self._chan.request(Hello(), self.request_timeout)
-        return info
+    def server_info(self) -> ServerHello:
+        return self._chan.request(Hello(), self.request_timeout)
 
     # ----------------------------------------------------------- registration
     def register_kv_caches(self, caches: Sequence[torch.Tensor], kv_format: str = "token_major") -> None:
@@ -184,21 +194,22 @@ class WorkerAdapter:
         msg = self._transport.registration(caches, KVFormat(kv_format))
         with self._reg_lock:
             info = self.server_info()
-            self.chunk_size = int(info["chunk_size"])
-            self._heartbeat.adopt(int(info["boot_token"]))
+            self.chunk_size = info.chunk_size
+            self._heartbeat.adopt(info.boot_token)
             self._registration = msg
             self._send_register(self._chan, msg)
         self.start_heartbeat()
 
-    def _send_register(self, chan: Channel, msg: Message) -> None:
+    def _send_register(self, chan: Channel, msg: Register | EngineRegister) -> None:
         """One REGISTER and its bookkeeping; ``_reg_lock`` held."""
-        result = chan.request(msg, self.request_timeout)
-        if result.get("created"):
+        result: Reply = chan.request(msg, self.request_timeout)
+        assert isinstance(result, Registered | PoolRegistered)  # (the table's rows for both)
+        if result.created:
             self.registrations += 1
         else:
             self.refreshes += 1
         self._transport.registered(result)
-        if self._blend is not None and result.get("created"):  # a fresh context: RoPE again
+        if self._blend is not None and result.created:  # a fresh context: RoPE again
             chan.request(self._blend, self.request_timeout)
 
     def start_heartbeat(self) -> None:
@@ -208,11 +219,8 @@ class WorkerAdapter:
         """One PING and its consequences (public so tests can drive it without the thread)."""
         self._heartbeat.beat()
 
-    def _ping(self) -> dict[str, Any]:
-        reply: dict[str, Any] = self._hb_chan.request(
-            Ping(self.instance_id, self._secret), self.heartbeat_interval
-        )
-        return reply
+    def _ping(self) -> PingReply:
+        return self._hb_chan.request(Ping(self.instance_id, self._secret), self.heartbeat_interval)
 
     def _recover(self) -> bool:
         """Re-register on the heartbeat's channel (a no-op refresh when the server kept us)."""
@@ -236,19 +244,18 @@ class WorkerAdapter:
         """Store every full chunk; True when all of them are held by the server afterwards.
         False, without waiting, while unhealthy or when the server no longer knew us."""
         r = self._store(token_ids, block_ids, key)
-        return r is not None and r["rejected"] == 0 and not r.get("skipped")
+        return r is not None and r.complete
 
     def store_detail(
         self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None
-    ) -> dict[str, int]:
-        """STORE's counts: chunks, stored (written now), present (already held), rejected."""
+    ) -> StoreCounts:
+        """STORE's counts: chunks, stored (written now), present (already held), rejected,
+        skipped (`dataplane.wire.replies.StoreCounts`); all 0 without an answer."""
         r = self._store(token_ids, block_ids, key)
-        return dict(_NO_STORE) if r is None else r
+        return NO_STORE if r is None else r
 
-    def _store(
-        self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None
-    ) -> dict[str, int] | None:
-        def run() -> dict[str, int] | None:
+    def _store(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None) -> StoreCounts | None:
+        def run() -> StoreCounts | None:
             tokens, blocks = _id_array(token_ids), _id_array(block_ids)
             return self._transport.store(self._send, tokens, blocks, self.chunk_size, key)
 
@@ -257,7 +264,7 @@ class WorkerAdapter:
     def lookup(self, token_ids: TokenIds, key: KeyContext | None = None) -> int:
         """Prefix tokens the server holds (0 while unhealthy)."""
         msg = Lookup(self.instance_id, self._secret, _id_array(token_ids), key)
-        return self._unless_outage(lambda: int(self._send(msg)["hit_tokens"]), 0)
+        return self._unless_outage(lambda: self._send(msg).hit_tokens, 0)
 
     def retrieve(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None) -> int:
         """Write the longest stored prefix into ``block_ids``; returns its token count."""
@@ -268,7 +275,7 @@ class WorkerAdapter:
 
         return self._unless_outage(run, 0)
 
-    def _send(self, msg: Message) -> Any:
+    def _send(self, msg: Message[R]) -> R:
         """A transfer request; abandoned (RequestAborted) as soon as the heartbeat declares the
         server unhealthy, so a frozen server never holds a worker for the whole timeout."""
         return self._chan.request(msg, self.request_timeout, abort=lambda: not self.is_healthy)
@@ -338,13 +345,13 @@ class WorkerAdapter:
 
     def store_blend(
         self, token_ids: TokenIds, block_ids: TokenIds, position: int, key: KeyContext | None = None
-    ) -> dict[str, int]:
+    ) -> StoreCounts:
         """Store every full chunk independently of what precedes it; chunk i is at ``position +
         i * chunk_size`` in this sequence. STORE's counts (all zero during an outage)."""
         tokens, blocks = _id_array(token_ids), _id_array(block_ids)
         return self._unless_outage(
             lambda: self._transport.store_blend(self._send, tokens, blocks, position, self.chunk_size, key),
-            dict(_NO_STORE),
+            NO_STORE,
         )
 
     def retrieve_blend(

@@ -23,7 +23,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -32,11 +32,21 @@ from dataplane.wire.errors import RequestAborted, RequestTimeout, ServerClosed, 
 from dataplane.wire.frames import has_message
 from dataplane.wire.messages import Message
 from dataplane.wire.protocol import decode_reply, encode_message
+from dataplane.wire.records import Reply
+from dataplane.wire.table import decode_body, decode_error
 
 ABORT_POLL_S = 0.1
 _WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 Abort = Callable[[], bool] | None
+R = TypeVar("R", bound=Reply)
+
+
+class Send(Protocol):
+    """A request sent and its typed reply awaited (an adapter's transfers: `Channel.request`
+    with the adapter's timeout and abort)."""
+
+    def __call__(self, msg: Message[R]) -> R: ...
 
 
 def _ms(seconds: float) -> int:
@@ -73,9 +83,11 @@ class Channel:
         self.sock.connect(endpoint)
         self.lock = threading.Lock()  # guards sock, _monitor, connected: one request at a time
 
-    def request(self, msg: Message, timeout_s: float, abort: Abort = None) -> Any:
-        """Send ``msg`` and wait for the reply. ``abort`` is checked every ``ABORT_POLL_S``
-        while waiting: when it turns true the wait ends with ``RequestAborted``."""
+    def request(self, msg: Message[R], timeout_s: float, abort: Abort = None) -> R:
+        """Send ``msg`` and wait for its typed reply (`dataplane.wire.table`: a reply that does
+        not check raises `ProtocolError`; an error reply, its error class). ``abort`` is checked
+        every ``ABORT_POLL_S`` while waiting: when it turns true the wait ends with
+        ``RequestAborted``."""
         rid = next(self._ids)
         frame = encode_message(rid, msg)  # ValueError on ids that do not fit: nothing is sent
         mtype = str(msg.TYPE)
@@ -85,7 +97,9 @@ class Channel:
                 raise ServerClosed("adapter is closed")
             self._events(None)
             self._send(frame, mtype, timeout_s, abort)
-            return self._reply(rid, mtype, deadline, timeout_s, abort)
+            body = self._reply(rid, mtype, deadline, timeout_s, abort)
+        reply: R = decode_body(msg.TYPE, body)  # type: ignore[assignment]
+        return reply
 
     def _events(self, in_flight: str | None) -> None:
         """Consume the monitor's events; lock held. While a request of type ``in_flight`` is
@@ -155,8 +169,8 @@ class Channel:
                     continue  # a late reply to an earlier, timed-out request
                 # (id 0: the server could not read our id; one request is in flight: it is ours)
                 if not reply.ok:
-                    body = reply.body if isinstance(reply.body, dict) else {}
-                    raise error_from_reply(str(body.get("code")), str(body.get("message")))
+                    err = decode_error(reply.body)
+                    raise error_from_reply(err.code, err.message)
                 return reply.body
             self._events(mtype)
             _check_abort(abort, mtype)

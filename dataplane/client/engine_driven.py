@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from dataplane.client.blend import WorkerRope
 from dataplane.client.one_copy import ArenaCopier
-from dataplane.client.transport import NO_BLOCKS, Hits, Identity, Key, Send
+from dataplane.client.transport import NO_BLOCKS, BlendHits, Identity, Key, Send
 from dataplane.memory.blockkv import BlockKV, LocalKV
 from dataplane.memory.copies import ChunkMap, CopySplitter
 from dataplane.memory.kvmemory import DTYPE_NAMES, map_local_tensors
@@ -32,6 +31,7 @@ from dataplane.wire.messages import (
     KVFormat,
     Lookup,
 )
+from dataplane.wire.replies import ArenaInfo, PoolRegistered, Registered, StoreCounts
 
 
 class EngineDrivenTransport:
@@ -83,11 +83,13 @@ class EngineDrivenTransport:
             local.block_size,
         )
 
-    def registered(self, result: dict[str, Any]) -> None:
+    def registered(self, result: Registered | PoolRegistered) -> None:
         """Map the pool the server handed out (kept when it is the one already mapped), and
         its L1 arena when it offers it (then transfers copy once, straight into L1)."""
-        name, slot_bytes, slots = str(result["segment"]), int(result["slot_bytes"]), int(result["slots"])
-        self._map_arena(result.get("arena"))
+        if not isinstance(result, PoolRegistered):
+            raise ClientError(f"ENGINE_REGISTER answered {type(result).__name__}")
+        name, slot_bytes, slots = result.segment, result.slot_bytes, result.slots
+        self._map_arena(result.arena)
         with self._lock:
             if self._pool is not None and self._pool[0].name == name:
                 return
@@ -98,7 +100,7 @@ class EngineDrivenTransport:
         if old is not None:
             _close_pool(old)
 
-    def _map_arena(self, arena: dict[str, Any] | None) -> None:
+    def _map_arena(self, arena: ArenaInfo | None) -> None:
         with self._lock:
             if arena is None:  # (a restarted server may keep L1 private: back to the pool)
                 old, self._arena = self._arena, None
@@ -106,11 +108,11 @@ class EngineDrivenTransport:
                     old[1].close()
                     old[0].close()
                 return
-            if self._arena is not None and self._arena[0].name == arena["segment"]:
+            if self._arena is not None and self._arena[0].name == arena.segment:
                 return
             # sparse: the server reserves its space as it grows and hands out only what it has
-            seg = Segment.attach(str(arena["segment"]), int(arena["bytes"]), allow_sparse=True)
-            copier = ArenaCopier(self.who.instance_id, self.who.secret, seg.as_tensor(), int(arena["usable"]))
+            seg = Segment.attach(arena.segment, arena.bytes, allow_sparse=True)
+            copier = ArenaCopier(self.who.instance_id, self.who.secret, seg.as_tensor(), arena.usable)
             old, self._arena = self._arena, (seg, copier)
         if old is not None:
             old[1].close()
@@ -118,17 +120,16 @@ class EngineDrivenTransport:
 
     def store(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
-    ) -> dict[str, int]:
+    ) -> StoreCounts:
         cs, local = self._require_local(chunk_size)
         with self._lock:
             if self._arena is not None:
                 return self._arena[1].store(send, local, tokens, blocks, cs, self._splitter, ctx)
         n_full = len(tokens) // cs
-        present = (
-            int(send(Lookup(self.who.instance_id, self.who.secret, tokens, ctx))["hit_tokens"]) // cs
-        )  # those need no copy
+        # the chunks held need no copy
+        present = send(Lookup(self.who.instance_id, self.who.secret, tokens, ctx)).hit_tokens // cs
         chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
-        total = {"chunks": n_full, "stored": 0, "present": present, "rejected": 0, "skipped": 0}
+        total = StoreCounts(n_full, 0, present, 0, 0)
         first = present
         with self._lock:
             pool = self._slots()
@@ -142,13 +143,12 @@ class EngineDrivenTransport:
                         self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k, ctx
                     )
                 )
-                for key in ("stored", "present", "rejected", "skipped"):
-                    total[key] += int(r.get(key, 0))
-                if r["rejected"]:
-                    total["rejected"] += n_full - first - k
+                total = total.plus_round(r)
+                if r.rejected:
+                    total = total.plus(rejected=n_full - first - k)
                     break
-                if r.get("skipped"):  # the server is unhealthy: it writes nothing now
-                    total["skipped"] += n_full - first - k
+                if r.skipped:  # the server is unhealthy: it writes nothing now
+                    total = total.plus(skipped=n_full - first - k)
                     break
                 first += k
         return total
@@ -169,7 +169,7 @@ class EngineDrivenTransport:
                 msg = EngineRetrieve(
                     self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k, ctx
                 )
-                got = int(send(msg)["chunks"])
+                got = send(msg).chunks
                 chunks = ChunkMap(blocks, local.block_size, local.num_blocks, first + got, cs)
                 for i in range(got):
                     c = first + i
@@ -187,7 +187,7 @@ class EngineDrivenTransport:
         position: int,
         chunk_size: int | None,
         ctx: Key = None,
-    ) -> dict[str, int]:
+    ) -> StoreCounts:
         """One copy through L1's arena when the server shares it (this worker rotating), else
         chunk i of a batch in pool slot i, as many chunks a request as the pool has slots."""
         cs, local = self._require_local(chunk_size)
@@ -198,7 +198,7 @@ class EngineDrivenTransport:
                 )
         n_full = len(tokens) // cs
         chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
-        total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
+        total = StoreCounts(n_full, 0, 0, 0, 0)
         with self._lock:
             pool = self._slots()
             for first in range(0, n_full, len(pool)):
@@ -210,8 +210,7 @@ class EngineDrivenTransport:
                 at = position + first * cs
                 window = None if ctx is None else ctx.window(first * cs)
                 r = send(BlendStore(self.who.instance_id, self.who.secret, batch, NO_BLOCKS, at, window))
-                for key in ("stored", "present", "rejected", "skipped"):
-                    total[key] += int(r.get(key, 0))
+                total = total.plus_round(r)
         return total
 
     def retrieve_blend(
@@ -222,7 +221,7 @@ class EngineDrivenTransport:
         position: int,
         chunk_size: int | None,
         ctx: Key = None,
-    ) -> Hits:
+    ) -> BlendHits:
         cs, local = self._require_local(chunk_size)
         with self._lock:
             if self._arena is not None and self._rope is not None:
@@ -232,7 +231,7 @@ class EngineDrivenTransport:
                 )
         n_full = len(tokens) // cs
         chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
-        hits: Hits = []
+        hits: BlendHits = []
         with self._lock:
             pool = self._slots()
             for first in range(0, n_full, len(pool)):
@@ -240,11 +239,11 @@ class EngineDrivenTransport:
                 at = position + first * cs
                 window = None if ctx is None else ctx.window(first * cs)
                 msg = BlendRetrieve(self.who.instance_id, self.who.secret, batch, NO_BLOCKS, at, window)
-                for i, hit in send(msg)["chunks"]:
-                    c = first + int(i)
+                for i, hit in send(msg).chunks:
+                    c = first + i
                     if hit:
-                        local.scatter(chunks[c], pool[int(i)], self._splitter)
-                    hits.append((c, bool(hit)))
+                        local.scatter(chunks[c], pool[i], self._splitter)
+                    hits.append((c, hit))
         return hits
 
     def set_rope(self, params: RopeParams) -> None:

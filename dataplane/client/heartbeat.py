@@ -20,11 +20,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from dataplane.wire.errors import KVWardenError
+from dataplane.wire.replies import PingReply
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class Heartbeat:
     def __init__(
         self,
-        ping: Callable[[], dict[str, Any]],
+        ping: Callable[[], PingReply],
         recover: Callable[[], bool],
         registered: Callable[[], bool],
         interval_s: float,
@@ -85,12 +85,12 @@ class Heartbeat:
             return
         if self._stop.is_set():
             return
-        token = int(reply["boot_token"])
+        token = reply.boot_token
         known = self.boot_token
         reason = None
         if known is not None and token != known:
             reason = f"server restarted (boot token {known} -> {token})"
-        elif self._registered() and reply.get("tracked") is False:
+        elif self._registered() and reply.tracked is False:
             reason = "server no longer tracks this instance"
         if reason is None and self.healthy.is_set():
             return

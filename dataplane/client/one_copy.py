@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
 
 from dataplane.client.blend import WorkerRope
+from dataplane.client.channel import Send
 from dataplane.memory.blockkv import LocalKV
 from dataplane.memory.copies import ChunkMap, CopySplitter, token_slots
 from dataplane.memory.kvmemory import MappedKV
@@ -38,10 +38,8 @@ from dataplane.wire.messages import (
     EngineRelease,
     EngineReserve,
     KeyContext,
-    Message,
 )
-
-Send = Callable[[Message], Any]
+from dataplane.wire.replies import Reserved, StoreCounts
 
 PAGE = 4096
 LOOKAHEAD = 1 << 30  # mapped ahead of the highest offset the server has handed out
@@ -151,10 +149,10 @@ class ArenaCopier:
         cs: int,
         splitter: CopySplitter | None = None,
         ctx: KeyContext | None = None,
-    ) -> dict[str, int]:
+    ) -> StoreCounts:
         n_full = len(tokens) // cs
         chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
-        total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
+        total = StoreCounts(n_full, 0, 0, 0, 0)
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
             r = send(EngineReserve(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k, ctx))
@@ -162,14 +160,13 @@ class ArenaCopier:
             def write(c: int, buf: torch.Tensor) -> None:
                 local.gather(chunks[c], buf, splitter)
 
-            total["stored"] += self._write_reserved(send, r, first, write)
-            total["present"] += int(r["present"])
-            total["rejected"] += int(r["rejected"])
-            if r["rejected"]:
-                total["rejected"] += n_full - first - k
+            stored = self._write_reserved(send, r, first, write)
+            total = total.plus(stored, r.present, r.rejected)
+            if r.rejected:
+                total = total.plus(rejected=n_full - first - k)
                 break
-            if r.get("skipped"):  # the server is unhealthy: it writes nothing now
-                total["skipped"] += int(r["skipped"]) + n_full - first - k
+            if r.skipped:  # the server is unhealthy: it writes nothing now
+                total = total.plus(skipped=r.skipped + n_full - first - k)
                 break
         return total
 
@@ -188,9 +185,9 @@ class ArenaCopier:
         while first < n_full:
             k = min(MAX_POOL_CHUNKS, n_full - first)
             r = send(EngineAcquire(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k, ctx))
-            offsets, cb = [int(o) for o in r["offsets"]], int(r["slot_bytes"])
-            self.toucher.want(max(offsets, default=-cb) + cb, int(r["usable"]))
-            with self._lease(send, int(r["lease"]), commit=False):
+            offsets, cb = r.offsets, r.slot_bytes
+            self.toucher.want(max(offsets, default=-cb) + cb, r.usable)
+            with self._lease(send, r.lease, commit=False):
                 chunks = ChunkMap(blocks, local.block_size, local.num_blocks, first + len(offsets), cs)
                 for i, off in enumerate(offsets):
                     c = first + i
@@ -212,12 +209,12 @@ class ArenaCopier:
         cs: int,
         splitter: CopySplitter,
         ctx: KeyContext | None = None,
-    ) -> dict[str, int]:
+    ) -> StoreCounts:
         """BLEND_RESERVE, each missing chunk written with its keys as if at 0, ENGINE_COMMIT."""
         kv, n_full = _as_mapped(local), len(tokens) // cs
         rope.params.check_span(position, n_full * cs)
         slots = token_slots(blocks, kv.block_size, kv.num_blocks, n_full * cs)
-        total = {"chunks": n_full, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
+        total = StoreCounts(n_full, 0, 0, 0, 0)
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             batch = tokens[first * cs : (first + MAX_POOL_CHUNKS) * cs]
             r = send(
@@ -229,9 +226,8 @@ class ArenaCopier:
             def write(c: int, buf: torch.Tensor) -> None:
                 rope.into_chunk(kv, slots[c * cs : (c + 1) * cs], buf, position + c * cs, cs, splitter)
 
-            total["stored"] += self._write_reserved(send, r, first, write)
-            for key in ("present", "rejected", "skipped"):
-                total[key] += int(r[key])
+            stored = self._write_reserved(send, r, first, write)
+            total = total.plus(stored, r.present, r.rejected, r.skipped)
         return total
 
     def retrieve_blend(
@@ -258,11 +254,11 @@ class ArenaCopier:
                     self.instance_id, self.secret, batch, None if ctx is None else ctx.window(first * cs)
                 )
             )
-            cb = int(r["slot_bytes"])
-            self.toucher.want(max((int(off) + cb for _, off in r["chunks"]), default=0), int(r["usable"]))
-            with self._lease(send, int(r["lease"]), commit=False):
-                for idx, off in r["chunks"]:
-                    c = first + int(idx)
+            cb = r.slot_bytes
+            self.toucher.want(max((off + cb for _, off in r.chunks), default=0), r.usable)
+            with self._lease(send, r.lease, commit=False):
+                for idx, off in r.chunks:
+                    c = first + idx
                     if off >= 0:
                         chunk = slots[c * cs : (c + 1) * cs]
                         rope.out_of_chunk(
@@ -272,24 +268,24 @@ class ArenaCopier:
         return hits
 
     def _write_reserved(
-        self, send: Send, r: dict[str, Any], first: int, write: Callable[[int, torch.Tensor], None]
+        self, send: Send, r: Reserved, first: int, write: Callable[[int, torch.Tensor], None]
     ) -> int:
         """``write(chunk, buffer)`` for every buffer a reserve handed out (chunk ``first`` + its
         index), then commit; the chunks stored."""
-        cb = int(r["slot_bytes"])
-        self.toucher.want(max((int(off) + cb for _, off in r["slots"]), default=0), int(r["usable"]))
-        with self._lease(send, int(r["lease"]), commit=True) as done:
-            for idx, off in r["slots"]:
+        cb = r.slot_bytes
+        self.toucher.want(max((off + cb for _, off in r.slots), default=0), r.usable)
+        with self._lease(send, r.lease, commit=True) as done:
+            for idx, off in r.slots:
                 self.toucher.ensure(off, off + cb)
-                write(first + int(idx), self.arena[off : off + cb])
-        return done["stored"]
+                write(first + idx, self.arena[off : off + cb])
+        return done[0]
 
     @contextlib.contextmanager
-    def _lease(self, send: Send, lease: int, commit: bool) -> Iterator[dict[str, int]]:
-        """Commit (a reserve) or release (an acquire) once the copies are done, the commit's
-        count in the yielded dict; on a failure release at once (best effort: a server that is
-        gone drops the lease with the instance)."""
-        done = {"stored": 0}
+    def _lease(self, send: Send, lease: int, commit: bool) -> Iterator[list[int]]:
+        """Commit (a reserve) or release (an acquire) once the copies are done, the chunks the
+        commit stored in the yielded cell; on a failure release at once (best effort: a server
+        that is gone drops the lease with the instance)."""
+        done = [0]
         try:
             yield done
         except BaseException:
@@ -298,7 +294,7 @@ class ArenaCopier:
             raise
         try:
             if commit:
-                done["stored"] = int(send(EngineCommit(self.instance_id, self.secret, lease))["stored"])
+                done[0] = send(EngineCommit(self.instance_id, self.secret, lease)).stored
             else:
                 send(EngineRelease(self.instance_id, self.secret, lease))
         except RequestError as exc:  # the instance was released mid-copy (reaped, re-registered)

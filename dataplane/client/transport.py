@@ -9,29 +9,30 @@ worker keeps ordinary tensors and copies itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from dataplane.client.channel import Send as Send
 from dataplane.client.kvalloc import describe_caches
 from dataplane.memory.rope import RopeParams
 from dataplane.wire.messages import (
     BlendRetrieve,
     BlendStore,
+    EngineRegister,
     KeyContext,
     KVFormat,
-    Message,
     Register,
     Retrieve,
     Store,
     TransferMode,
 )
+from dataplane.wire.replies import PoolRegistered, Registered, StoreCounts
 
-Send = Callable[[Message], Any]  # a transfer request; its reply body
-Hits = list[tuple[int, bool]]  # (chunk index, hit) of a blend retrieve
+BlendHits = list[tuple[int, bool]]  # (chunk index, hit) of a blend retrieve
 Key = KeyContext | None  # what the chunks' KV depends on beyond their tokens (salt, adapter, ...)
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
@@ -51,13 +52,15 @@ class Identity:
 class Transport(Protocol):
     segments: list[str]  # the worker's own segments, unlinked at close
 
-    def registration(self, caches: Sequence[torch.Tensor], kv_format: KVFormat) -> Message: ...
+    def registration(
+        self, caches: Sequence[torch.Tensor], kv_format: KVFormat
+    ) -> Register | EngineRegister: ...
 
-    def registered(self, result: dict[str, Any]) -> None: ...
+    def registered(self, result: Registered | PoolRegistered) -> None: ...
 
     def store(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
-    ) -> dict[str, int]: ...
+    ) -> StoreCounts: ...
 
     def retrieve(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
@@ -74,7 +77,7 @@ class Transport(Protocol):
         position: int,
         chunk_size: int | None,
         ctx: Key = None,
-    ) -> dict[str, int]: ...
+    ) -> StoreCounts: ...
 
     def retrieve_blend(
         self,
@@ -84,7 +87,7 @@ class Transport(Protocol):
         position: int,
         chunk_size: int | None,
         ctx: Key = None,
-    ) -> Hits: ...
+    ) -> BlendHits: ...
 
     def close(self) -> None: ...
 
@@ -117,20 +120,19 @@ class ServerDrivenTransport:
             layout.layers,
         )
 
-    def registered(self, result: dict[str, Any]) -> None:
+    def registered(self, result: Registered | PoolRegistered) -> None:
         return None
 
     def store(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
-    ) -> dict[str, int]:
-        r: dict[str, int] = send(Store(self.who.instance_id, self.who.secret, tokens, blocks, ctx))
-        return r
+    ) -> StoreCounts:
+        return send(Store(self.who.instance_id, self.who.secret, tokens, blocks, ctx))
 
     def retrieve(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
     ) -> int:
         msg = Retrieve(self.who.instance_id, self.who.secret, tokens, blocks, ctx)
-        return int(send(msg)["retrieved_tokens"])
+        return send(msg).retrieved_tokens
 
     def set_rope(self, params: RopeParams) -> None:
         return None  # the server rotates
@@ -143,8 +145,8 @@ class ServerDrivenTransport:
         position: int,
         chunk_size: int | None,
         ctx: Key = None,
-    ) -> dict[str, int]:
-        return dict(send(BlendStore(self.who.instance_id, self.who.secret, tokens, blocks, position, ctx)))
+    ) -> StoreCounts:
+        return send(BlendStore(self.who.instance_id, self.who.secret, tokens, blocks, position, ctx))
 
     def retrieve_blend(
         self,
@@ -154,9 +156,9 @@ class ServerDrivenTransport:
         position: int,
         chunk_size: int | None,
         ctx: Key = None,
-    ) -> Hits:
+    ) -> BlendHits:
         r = send(BlendRetrieve(self.who.instance_id, self.who.secret, tokens, blocks, position, ctx))
-        return [(int(i), bool(h)) for i, h in r["chunks"]]
+        return list(r.chunks)
 
     def close(self) -> None:
         return None

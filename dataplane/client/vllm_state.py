@@ -144,11 +144,11 @@ class ScopeLookup:
                 logger.warning("kvwarden: lookups answer 0 (recompute) until the server is back: %s", exc)
             return 0
         with self._lock:
-            self.chunk_size = int(reply["chunk_size"])
+            self.chunk_size = reply.chunk_size
             back, self._down = self._down, False
         if back:
             logger.info("kvwarden: lookups answered again")
-        return int(reply["hit_tokens"])
+        return reply.hit_tokens
 
     def close(self) -> None:
         self._chan.close()

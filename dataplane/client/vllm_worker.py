@@ -176,7 +176,7 @@ class Saver:
             self.failed += 1
             logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)
             return
-        self.stored_chunks += int(r["stored"])
+        self.stored_chunks += r.stored
 
 
 def load(adapter: WorkerAdapter | None, job: Load, block_size: int) -> set[int]:

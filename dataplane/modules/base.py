@@ -7,18 +7,12 @@ management module's connection events) to the loop.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dataplane.wire.messages import MsgType
-
-
-class HandlerKind(enum.Enum):
-    LOOP = "loop"  # cheap and non-blocking: runs on the socket loop itself
-    NORMAL = "normal"  # control and metadata: the NORMAL pool
-    TRANSFER = "transfer"  # STORE / RETRIEVE copies: the transfer pool, ordered per instance
+from dataplane.wire.replies import ServerHello
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,16 +28,18 @@ class Deferred(Exception):
     remote tier, say): it has changed nothing, and the loop hands the request to its pool."""
 
 
-HandlerFn = Callable[[RequestContext, Any], Any]
+HandlerFn = Callable[[RequestContext, Any], Any]  # returns the reply record of its table row
 
 
 @dataclass(frozen=True, slots=True)
 class Handler:
-    kind: HandlerKind
+    """A module's function for one message type; where it runs, and what it must return, is
+    the type's row in `dataplane.wire.table`."""
+
     fn: HandlerFn
-    # TRANSFER handlers: requests with the same key run in arrival order
+    # TRANSFER rows (all of them): requests with the same key run in arrival order
     order_key: Callable[[Any], int] | None = None
-    # TRANSFER handlers: True for a request that will not wait and is cheap: the loop answers
+    # TRANSFER rows declared inline: True for a request that will not wait and is cheap: the loop answers
     # it itself when no earlier request with its key is waiting or running (two thread
     # hand-offs less, ~0.3-0.5 ms of a round trip on a busy 2-core host); called with
     # ``rctx.inline`` set, the handler may still raise `Deferred` to run on the pool instead
@@ -63,9 +59,16 @@ class ServerInfo:
     chunk_size: int
     max_frame_bytes: int
 
-    def hello_body(self) -> dict[str, Any]:
+    def hello_body(self) -> ServerHello:
         """What HELLO and GET_SERVER_INFO answer: everything but the start time and endpoint."""
-        return {k: v for k, v in asdict(self).items() if k not in ("started_at", "endpoint")}
+        return ServerHello(
+            self.server_id,
+            self.boot_token,
+            self.version,
+            self.protocol_version,
+            self.chunk_size,
+            self.max_frame_bytes,
+        )
 
 
 class Module(Protocol):

@@ -38,7 +38,7 @@ from dataplane.memory.copies import token_slots
 from dataplane.memory.kvmemory import TORCH_DTYPES, MappedKV
 from dataplane.memory.rope import RopeParams, RopeTables
 from dataplane.memory.rope_kernel import KernelWarmup
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.storage.keys import blend_keys
@@ -52,6 +52,7 @@ from dataplane.wire.messages import (
     KVFormat,
     MsgType,
 )
+from dataplane.wire.replies import BlendRegistered, BlendRetrieved, StoreCounts
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,9 @@ class BlendModule(InstanceLivenessTarget):
     def handlers(self) -> dict[MsgType, Handler]:
         key = self.transfer.order_key
         return {
-            MsgType.BLEND_REGISTER: Handler(HandlerKind.NORMAL, self._register),
-            MsgType.BLEND_STORE: Handler(HandlerKind.TRANSFER, self._store, key),
-            MsgType.BLEND_RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, key),
+            MsgType.BLEND_REGISTER: Handler(self._register),
+            MsgType.BLEND_STORE: Handler(self._store, key),
+            MsgType.BLEND_RETRIEVE: Handler(self._retrieve, key),
         }
 
     def start(self) -> None:
@@ -137,7 +138,7 @@ class BlendModule(InstanceLivenessTarget):
             assert c.kv is not None
             return c.kv.head_dim
 
-    def _register(self, rctx: RequestContext, p: BlendRegister) -> dict[str, Any]:
+    def _register(self, rctx: RequestContext, p: BlendRegister) -> BlendRegistered:
         head_dim = self._head_dim(rctx, p)
         params = RopeParams(p.rotary_dim, p.base, p.style, p.scaling, p.max_positions)
         try:
@@ -148,7 +149,7 @@ class BlendModule(InstanceLivenessTarget):
         with self._lock:
             self._tables[p.instance_id] = tables
         self.kernels.start()  # (once: compiled on its own thread, torch until then)
-        return {"table_bytes": tables.nbytes}
+        return BlendRegistered(tables.nbytes)
 
     def tables_of(self, iid: int) -> RopeTables:
         with self._lock:
@@ -160,7 +161,7 @@ class BlendModule(InstanceLivenessTarget):
         return t
 
     @contextlib.contextmanager
-    def _open(self, rctx: RequestContext, p: BlendTransfer) -> Iterator[_Opened]:
+    def _open(self, rctx: RequestContext, p: BlendTransfer[Any]) -> Iterator[_Opened]:
         """What BLEND_STORE and BLEND_RETRIEVE both check and derive (the instance held in use
         meanwhile)."""
         tables, cs = self.tables_of(p.instance_id), self.chunk_size
@@ -201,7 +202,7 @@ class BlendModule(InstanceLivenessTarget):
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def _store(self, rctx: RequestContext, p: BlendStore) -> dict[str, Any]:
+    def _store(self, rctx: RequestContext, p: BlendStore) -> StoreCounts:
         cs, splitter = self.chunk_size, self.transfer.splitter
         with self._open(rctx, p) as o:
 
@@ -220,10 +221,10 @@ class BlendModule(InstanceLivenessTarget):
             tenant = tenant_of(p.key)
             return self.transfer.write_chunks(p.instance_id, o.keys, o.chunk_bytes, fill, tenant=tenant)
 
-    def _retrieve(self, rctx: RequestContext, p: BlendRetrieve) -> dict[str, Any]:
+    def _retrieve(self, rctx: RequestContext, p: BlendRetrieve) -> BlendRetrieved:
         cs, l1 = self.chunk_size, self.transfer.l1
         with self._open(rctx, p) as o:
-            hits: list[list[Any]] = []
+            hits: list[tuple[int, bool]] = []
             for i, key in enumerate(o.keys):
                 got = l1.acquire_prefix([key], tenant_of(p.key))
                 if got:
@@ -231,10 +232,10 @@ class BlendModule(InstanceLivenessTarget):
                         self._deliver(o, i, got[0], p.position + i * cs)
                     finally:
                         l1.release([key])
-                hits.append([i, bool(got)])
+                hits.append((i, bool(got)))
         n_hit = sum(1 for _, h in hits if h)
         self.transfer.metrics.transfer_bytes.labels(direction="retrieve").inc(n_hit * o.chunk_bytes)
-        return {"chunks": hits}
+        return BlendRetrieved(tuple(hits))
 
     def _deliver(self, o: _Opened, i: int, stored: torch.Tensor, offset: int) -> None:
         """A stored chunk (keys at position 0) to the worker's side, keys rotated to ``offset``."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.blend import BlendModule
 from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
@@ -24,6 +24,7 @@ from dataplane.storage.l1 import L1Store
 from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MAX_POOL_CHUNKS, BlendAcquire, BlendReserve, MsgType
+from dataplane.wire.replies import BlendAcquired, Reserved
 
 
 class BlendDirectModule:
@@ -40,8 +41,8 @@ class BlendDirectModule:
     def handlers(self) -> dict[MsgType, Handler]:
         key = self.engine.order_key  # in arrival order with the instance's other transfers
         return {
-            MsgType.BLEND_RESERVE: Handler(HandlerKind.TRANSFER, self._reserve, key),
-            MsgType.BLEND_ACQUIRE: Handler(HandlerKind.TRANSFER, self._acquire, key),
+            MsgType.BLEND_RESERVE: Handler(self._reserve, key),
+            MsgType.BLEND_ACQUIRE: Handler(self._acquire, key),
         }
 
     def start(self) -> None:
@@ -65,7 +66,7 @@ class BlendDirectModule:
     def _offsets(self, bufs: list[Any]) -> list[int]:
         return [self.l1.arena.offset_of(b) for b in bufs]
 
-    def _reserve(self, rctx: RequestContext, p: BlendReserve) -> dict[str, Any]:
+    def _reserve(self, rctx: RequestContext, p: BlendReserve) -> Reserved:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             keys = self._keys(c, p)
             c.leases.room(self.l1)
@@ -77,40 +78,27 @@ class BlendDirectModule:
             except BaseException:
                 lease.abort(self.l1)
                 raise
-            slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
+            slots = tuple(zip(handed, self._offsets(lease.bufs), strict=True))
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
-        return {
-            "lease": lid,
-            "slots": slots,
-            "slot_bytes": c.chunk_bytes,
-            "present": present,
-            "rejected": rejected,
-            "skipped": skipped,
-            "chunks": len(keys),
-            "usable": self.l1.arena.growth()[0],
-        }
+        usable = self.l1.arena.growth()[0]
+        return Reserved(lid, slots, c.chunk_bytes, present, rejected, skipped, len(keys), usable)
 
-    def _acquire(self, rctx: RequestContext, p: BlendAcquire) -> dict[str, Any]:
+    def _acquire(self, rctx: RequestContext, p: BlendAcquire) -> BlendAcquired:
         with self.engine.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             keys = self._keys(c, p)
             c.leases.room(self.l1)
             lease = Lease()
-            chunks: list[list[int]] = []
+            chunks: list[tuple[int, int]] = []
             try:
                 for i, key in enumerate(keys):  # each chunk on its own, not a prefix
                     got = self.l1.acquire_prefix([key], tenant_of(p.key))
                     if got:
                         lease.pinned.append(key)
-                    chunks.append([i, self.l1.arena.offset_of(got[0]) if got else -1])
+                    chunks.append((i, self.l1.arena.offset_of(got[0]) if got else -1))
                 lid = c.leases.add(lease)
             except BaseException:
                 lease.abort(self.l1)
                 raise
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(lease.pinned) * c.chunk_bytes)
-        return {
-            "lease": lid,
-            "chunks": chunks,
-            "slot_bytes": c.chunk_bytes,
-            "usable": self.l1.arena.growth()[0],
-        }
+        return BlendAcquired(lid, tuple(chunks), c.chunk_bytes, self.l1.arena.growth()[0])

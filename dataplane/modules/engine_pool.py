@@ -32,7 +32,7 @@ from dataplane.memory.copies import CopySplitter
 from dataplane.memory.kvmemory import TORCH_DTYPES
 from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.leases import Leases
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
@@ -49,6 +49,7 @@ from dataplane.wire.messages import (
     MsgType,
     TransferMode,
 )
+from dataplane.wire.replies import ArenaInfo, PoolRegistered, PoolRetrieved, StoreCounts
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +114,9 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
 
     def handlers(self) -> dict[MsgType, Handler]:
         return {
-            MsgType.ENGINE_REGISTER: Handler(HandlerKind.NORMAL, self._register),
-            MsgType.ENGINE_STORE: Handler(HandlerKind.TRANSFER, self._store, self.order_key),
-            MsgType.ENGINE_RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, self.order_key),
+            MsgType.ENGINE_REGISTER: Handler(self._register),
+            MsgType.ENGINE_STORE: Handler(self._store, self.order_key),
+            MsgType.ENGINE_RETRIEVE: Handler(self._retrieve, self.order_key),
         }
 
     # ---------------------------------------------------------------- hooks
@@ -128,7 +129,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         logger.info("engine: released instance %d (%s)", c.instance_id, why)
 
     # ------------------------------------------------------------- handlers
-    def _register(self, rctx: RequestContext, reg: EngineRegister) -> dict[str, Any]:
+    def _register(self, rctx: RequestContext, reg: EngineRegister) -> PoolRegistered:
         if reg.kv_format is not KVFormat.TOKEN_MAJOR and self.chunk_size % reg.block_size:
             raise InvalidLayout(
                 f"block_size: the server's chunk_size {self.chunk_size} is not a multiple of the "
@@ -224,20 +225,13 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         else:
             self.splitter.run(part, 16)
 
-    def _pool_info(self, s: PoolStrategy, chunk_bytes: int, created: bool) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "created": created,
-            "chunk_size": self.chunk_size,
-            "segment": s.segment.name,
-            "slot_bytes": chunk_bytes,
-            "slots": len(s.slots),
-        }
-        arena = self.l1.arena.segment
-        if arena is not None:  # one-copy transfers: the worker maps L1's arena too
-            info["arena"] = {"segment": arena.name, "bytes": arena.size, "usable": self.l1.arena.growth()[0]}
-        return info
+    def _pool_info(self, s: PoolStrategy, chunk_bytes: int, created: bool) -> PoolRegistered:
+        seg = self.l1.arena.segment
+        # one-copy transfers: the worker maps L1's arena too
+        arena = None if seg is None else ArenaInfo(seg.name, seg.size, self.l1.arena.growth()[0])
+        return PoolRegistered(created, self.chunk_size, s.segment.name, chunk_bytes, len(s.slots), arena)
 
-    def _check(self, p: EngineTransfer, s: PoolStrategy, keys: list[bytes]) -> None:
+    def _check(self, p: EngineTransfer[Any], s: PoolStrategy, keys: list[bytes]) -> None:
         if p.n_chunks > len(s.slots):
             raise RequestError(f"n_chunks: {p.n_chunks} exceeds the pool's {len(s.slots)} slots")
         if p.first_chunk + p.n_chunks > len(keys) and p.n_chunks:
@@ -246,7 +240,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 f"{len(keys)} full chunks of token_ids"
             )
 
-    def _batch(self, c: EngineContext, p: EngineTransfer) -> tuple[PoolStrategy, list[bytes]]:
+    def _batch(self, c: EngineContext, p: EngineTransfer[Any]) -> tuple[PoolStrategy, list[bytes]]:
         """The pool and every full chunk's key, the request checked against both."""
         s = c.strategy
         assert s is not None
@@ -254,7 +248,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         self._check(p, s, keys)
         return s, keys
 
-    def _store(self, rctx: RequestContext, p: EngineStore) -> dict[str, Any]:
+    def _store(self, rctx: RequestContext, p: EngineStore) -> StoreCounts:
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             slots = s.slots
@@ -267,7 +261,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 tenant=tenant_of(p.key),
             )
 
-    def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> dict[str, Any]:
+    def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> PoolRetrieved:
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             wanted = keys[p.first_chunk : p.first_chunk + p.n_chunks]
@@ -278,4 +272,4 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             finally:
                 self.l1.release(wanted[: len(bufs)])
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
-        return {"chunks": len(bufs)}
+        return PoolRetrieved(len(bufs))

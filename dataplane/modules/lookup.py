@@ -4,14 +4,15 @@ no memory), the prefix every rank of the scope holds."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Handler, RequestContext
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import NotRegistered
 from dataplane.wire.messages import Lookup, LookupScope, MsgType
+from dataplane.wire.replies import Hits, ScopeHits
 
 
 class ScopeSource(Protocol):
@@ -31,8 +32,8 @@ class LookupModule:
 
     def handlers(self) -> dict[MsgType, Handler]:
         return {
-            MsgType.LOOKUP: Handler(HandlerKind.NORMAL, self._lookup),
-            MsgType.LOOKUP_SCOPE: Handler(HandlerKind.NORMAL, self._lookup_scope),
+            MsgType.LOOKUP: Handler(self._lookup),
+            MsgType.LOOKUP_SCOPE: Handler(self._lookup_scope),
         }
 
     def start(self) -> None:
@@ -44,7 +45,7 @@ class LookupModule:
     def close(self) -> None:
         return None
 
-    def _lookup(self, rctx: RequestContext, p: Lookup) -> dict[str, Any]:
+    def _lookup(self, rctx: RequestContext, p: Lookup) -> Hits:
         for src in self.sources:
             scope = src.scope_of(p.instance_id, rctx.conn_fd, p.secret)
             if scope is not None:
@@ -52,9 +53,9 @@ class LookupModule:
         else:
             raise NotRegistered(f"instance {p.instance_id} is not registered")
         keys = chunk_keys(scope, p.token_ids, self.chunk_size, p.key)
-        return self._answer(len(p.token_ids), self.l1.prefix_hits(keys))
+        return Hits(self._answer(len(p.token_ids), self.l1.prefix_hits(keys)))
 
-    def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> dict[str, Any]:
+    def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> ScopeHits:
         chunks = len(p.token_ids) // self.chunk_size
         for rank in range(p.world_size):
             if chunks == 0:
@@ -72,10 +73,11 @@ class LookupModule:
             )
             keys = chunk_keys(scope, p.token_ids[: chunks * self.chunk_size], self.chunk_size, p.key)
             chunks = min(chunks, self.l1.prefix_hits(keys))
-        return {**self._answer(len(p.token_ids), chunks), "chunk_size": self.chunk_size}
+        return ScopeHits(self._answer(len(p.token_ids), chunks), self.chunk_size)
 
-    def _answer(self, tokens: int, chunks: int) -> dict[str, Any]:
+    def _answer(self, tokens: int, chunks: int) -> int:
+        """The hit tokens of ``chunks`` held chunks, counted in the metrics."""
         hit = chunks * self.chunk_size
         self.metrics.lookup_tokens.inc(tokens)
         self.metrics.hit_tokens.inc(hit)
-        return {"hit_tokens": hit}
+        return hit

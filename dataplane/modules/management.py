@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from dataplane.liveness.reaper import WorkerReaper
 from dataplane.liveness.release import InstanceReleaser
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext, ServerInfo
+from dataplane.modules.base import Handler, RequestContext, ServerInfo
 from dataplane.wire.messages import Hello, MsgType, Ping, Unregister
+from dataplane.wire.replies import PingReply, ServerHello, Unregistered
 
 
 class ManagementModule:
@@ -54,10 +54,10 @@ class ManagementModule:
         # PING runs on the loop: it is a dict lookup under leaf locks, nothing on the loop can
         # block, and answering it there keeps its latency within a few x a raw ZMQ round trip.
         return {
-            MsgType.HELLO: Handler(HandlerKind.LOOP, self._hello),
-            MsgType.GET_SERVER_INFO: Handler(HandlerKind.LOOP, self._hello),
-            MsgType.PING: Handler(HandlerKind.LOOP, self._ping),
-            MsgType.UNREGISTER_KV_CACHE: Handler(HandlerKind.NORMAL, self._unregister),
+            MsgType.HELLO: Handler(self._hello),
+            MsgType.GET_SERVER_INFO: Handler(self._hello),
+            MsgType.PING: Handler(self._ping),
+            MsgType.UNREGISTER_KV_CACHE: Handler(self._unregister),
         }
 
     # ------------------------------------------------------------- lifecycle
@@ -90,20 +90,20 @@ class ManagementModule:
             self.reaper.note_closed(fd, self._clock())  # the scan runs on the reaper thread
 
     # --------------------------------------------------------------- handlers
-    def _unregister(self, rctx: RequestContext, p: Unregister) -> dict[str, Any]:
+    def _unregister(self, rctx: RequestContext, p: Unregister) -> Unregistered:
         for t in self.releaser.targets:  # only the owner unregisters (the admin route reaps)
             t.check_owner(p.instance_id, p.secret)
         held = self.releaser.release([p.instance_id], "unregister")
-        return {"removed": p.instance_id in held}
+        return Unregistered(p.instance_id in held)
 
-    def _hello(self, rctx: RequestContext, _: Hello) -> dict[str, Any]:
+    def _hello(self, rctx: RequestContext, _: Hello) -> ServerHello:
         return self._hello_body
 
-    def _ping(self, rctx: RequestContext, p: Ping) -> dict[str, Any]:
+    def _ping(self, rctx: RequestContext, p: Ping) -> PingReply:
         self._metrics.pings.inc()
         tracked: bool | None = None
         if p.instance_id is not None:
             tracked = False
             for t in self.releaser.targets:
                 tracked = t.touch_instance(p.instance_id, rctx.conn_fd, p.secret) or tracked
-        return {"boot_token": self.info.boot_token, "tracked": tracked}
+        return PingReply(self.info.boot_token, tracked)

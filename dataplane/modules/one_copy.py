@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Deferred, Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Deferred, Handler, RequestContext
 from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import chunk_keys
@@ -31,6 +31,7 @@ from dataplane.wire.messages import (
     EngineTransfer,
     MsgType,
 )
+from dataplane.wire.replies import Acquired, Committed, Released, Reserved
 
 _QUICK_CHUNKS = 64  # chunk keys a reserve or acquire on the loop thread may hash
 
@@ -47,12 +48,12 @@ class DirectTransferModule:
         key = self.engine.order_key  # in arrival order with the instance's other transfers
         return {
             # on the loop thread when they cannot wait (`_quick`), else in order on the pool
-            MsgType.ENGINE_RESERVE: Handler(HandlerKind.TRANSFER, self._reserve, key, self._quick),
+            MsgType.ENGINE_RESERVE: Handler(self._reserve, key, self._quick),
             # on the loop thread: they only publish or drop a lease's buffers under L1's and the
             # leases' locks (no copy, no wait); two thread hand-offs less per transfer
-            MsgType.ENGINE_COMMIT: Handler(HandlerKind.LOOP, self._commit),
-            MsgType.ENGINE_ACQUIRE: Handler(HandlerKind.TRANSFER, self._acquire, key, self._quick),
-            MsgType.ENGINE_RELEASE: Handler(HandlerKind.LOOP, self._release),
+            MsgType.ENGINE_COMMIT: Handler(self._commit),
+            MsgType.ENGINE_ACQUIRE: Handler(self._acquire, key, self._quick),
+            MsgType.ENGINE_RELEASE: Handler(self._release),
         }
 
     def start(self) -> None:
@@ -65,14 +66,14 @@ class DirectTransferModule:
         return None
 
     # ------------------------------------------------------------------ helpers
-    def _quick(self, p: EngineTransfer) -> bool:
+    def _quick(self, p: EngineTransfer[Any]) -> bool:
         """Whether a reserve or acquire can run on the loop thread: L1's arena is all reserved
         (a reserve never waits for it to grow) and the keys to hash (`_wanted`: up to the last
         chunk asked for, however long ``token_ids``) are few (~1 us each). An acquire whose
         prefix the remote tier might continue moves on to the pool (`_held`)."""
         return p.first_chunk + p.n_chunks <= _QUICK_CHUNKS and self.l1.arena.growth()[1]
 
-    def _wanted(self, c: EngineContext, p: EngineTransfer) -> tuple[list[bytes], list[bytes]]:
+    def _wanted(self, c: EngineContext, p: EngineTransfer[Any]) -> tuple[list[bytes], list[bytes]]:
         """(the keys before ``first_chunk``, the keys of the chunks asked for)."""
         if self.l1.arena.segment is None:
             raise RequestError("one-copy transfers need L1's arena in shared memory; use ENGINE_STORE")
@@ -91,7 +92,7 @@ class DirectTransferModule:
     # Reserve and acquire touch the instance rather than hold it (`use`): they only build a
     # lease under L1's and the leases' locks, and a release meanwhile refuses to add it
     # (`Leases.add`), so it is aborted here; a release never waits for them.
-    def _reserve(self, rctx: RequestContext, p: EngineReserve) -> dict[str, Any]:
+    def _reserve(self, rctx: RequestContext, p: EngineReserve) -> Reserved:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         before, wanted = self._wanted(c, p)
         c.leases.room(self.l1)
@@ -104,21 +105,13 @@ class DirectTransferModule:
         except BaseException:
             lease.abort(self.l1)
             raise
-        slots = [[i, off] for i, off in zip(handed, self._offsets(lease.bufs), strict=True)]
+        slots = tuple(zip(handed, self._offsets(lease.bufs), strict=True))
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)
-        return {
-            "lease": lid,
-            "slots": slots,
-            "slot_bytes": c.chunk_bytes,
-            "present": present,
-            "rejected": rejected,
-            "skipped": skipped,
-            "chunks": len(wanted),
-            "usable": self.l1.arena.growth()[0],
-        }
+        usable = self.l1.arena.growth()[0]
+        return Reserved(lid, slots, c.chunk_bytes, present, rejected, skipped, len(wanted), usable)
 
-    def _commit(self, rctx: RequestContext, p: EngineCommit) -> dict[str, Any]:
+    def _commit(self, rctx: RequestContext, p: EngineCommit) -> Committed:
         # not `use`: a release of the instance meanwhile aborts the leases still open, and this
         # one is no longer among them once taken (its bytes were written before COMMIT was sent)
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
@@ -129,9 +122,9 @@ class DirectTransferModule:
         lease.bufs = []
         self.l1.release(lease.pinned)
         self.metrics.transfer_bytes.labels(direction="store").inc(stored * c.chunk_bytes)
-        return {"stored": stored}
+        return Committed(stored)
 
-    def _acquire(self, rctx: RequestContext, p: EngineAcquire) -> dict[str, Any]:
+    def _acquire(self, rctx: RequestContext, p: EngineAcquire) -> Acquired:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         _, wanted = self._wanted(c, p)
         c.leases.room(self.l1)
@@ -143,12 +136,7 @@ class DirectTransferModule:
             lease.abort(self.l1)
             raise
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
-        return {
-            "lease": lid,
-            "offsets": self._offsets(bufs),
-            "slot_bytes": c.chunk_bytes,
-            "usable": self.l1.arena.growth()[0],
-        }
+        return Acquired(lid, tuple(self._offsets(bufs)), c.chunk_bytes, self.l1.arena.growth()[0])
 
     def _held(self, rctx: RequestContext, wanted: list[bytes], tenant: bytes) -> list[Any]:
         """The stored prefix of ``wanted``, pinned. On the loop thread L1's only: when the remote
@@ -161,7 +149,7 @@ class DirectTransferModule:
             raise Deferred
         return bufs
 
-    def _release(self, rctx: RequestContext, p: EngineRelease) -> dict[str, Any]:
+    def _release(self, rctx: RequestContext, p: EngineRelease) -> Released:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         c.leases.take(p.lease).abort(self.l1)  # an acquire lease holds pins only
-        return {"released": True}
+        return Released(True)

@@ -31,13 +31,14 @@ from dataplane.memory.copies import ChunkMap, CopySplitter
 from dataplane.memory.kvmemory import TORCH_DTYPES, MappedKV, map_registration
 from dataplane.memory.shm import unlink_if_owner_gone
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer, TransferMode
+from dataplane.wire.replies import Registered, Retrieved, StoreCounts
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,9 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
 
     def handlers(self) -> dict[MsgType, Handler]:
         return {
-            MsgType.REGISTER_KV_CACHE: Handler(HandlerKind.NORMAL, self._register),
-            MsgType.STORE: Handler(HandlerKind.TRANSFER, self._store, self.order_key),
-            MsgType.RETRIEVE: Handler(HandlerKind.TRANSFER, self._retrieve, self.order_key),
+            MsgType.REGISTER_KV_CACHE: Handler(self._register),
+            MsgType.STORE: Handler(self._store, self.order_key),
+            MsgType.RETRIEVE: Handler(self._retrieve, self.order_key),
         }
 
     # ------------------------------------------------------------- internals
@@ -92,10 +93,10 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         )
 
     # -------------------------------------------------------------- handlers
-    def _register(self, rctx: RequestContext, reg: Register) -> dict[str, Any]:
+    def _register(self, rctx: RequestContext, reg: Register) -> Registered:
         layout = _layout_digest(reg)
         if self.registry.refresh_if(reg.instance_id, lambda c: c.layout == layout, rctx.conn_fd, reg.secret):
-            return {"created": False, "chunk_size": self.chunk_size}  # a repeat: refreshed
+            return Registered(False, self.chunk_size)  # a repeat: refreshed
         nbytes = _registered_bytes(reg)
         if self.descriptors is not None:
             self.descriptors.check(f"the KV cache of instance {reg.instance_id}")
@@ -120,7 +121,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             len(reg.layers),
             reg.memory.value,
         )
-        return {"created": True, "chunk_size": self.chunk_size}
+        return Registered(True, self.chunk_size)
 
     def _context(
         self, rctx: RequestContext, reg: Register, layout: bytes, kv: MappedKV, nbytes: int
@@ -153,14 +154,14 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             mapped_bytes=nbytes,
         )
 
-    def _chunks(self, kv: MappedKV, p: Transfer, n_chunks: int) -> ChunkMap:
+    def _chunks(self, kv: MappedKV, p: Transfer[Any], n_chunks: int) -> ChunkMap:
         """Where each of the first ``n_chunks`` chunks lives in the worker's blocks."""
         try:
             return ChunkMap(p.block_ids, kv.block_size, kv.num_blocks, n_chunks, self.chunk_size)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 
-    def _store(self, rctx: RequestContext, p: Store) -> dict[str, Any]:
+    def _store(self, rctx: RequestContext, p: Store) -> StoreCounts:
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             kv = c.kv
             assert kv is not None
@@ -175,7 +176,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             return self.write_chunks(p.instance_id, keys, nbytes, fill, tenant=tenant_of(p.key))
 
     @staticmethod
-    def _check_blocks(kv: MappedKV, p: Transfer) -> None:
+    def _check_blocks(kv: MappedKV, p: Transfer[Any]) -> None:
         """Every block id given must lie in the registered cache, hit or miss."""
         ids = p.block_ids
         if not len(ids) or (ids.min() >= 0 and ids.max() < kv.num_blocks):  # two reductions
@@ -185,7 +186,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             f"block_ids[{i}]: block {int(ids[i])} is outside the registered cache [0, {kv.num_blocks})"
         )
 
-    def _retrieve(self, rctx: RequestContext, p: Retrieve) -> dict[str, Any]:
+    def _retrieve(self, rctx: RequestContext, p: Retrieve) -> Retrieved:
         cs = self.chunk_size
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             keys = chunk_keys(c.scope, p.token_ids, cs, p.key)
@@ -204,7 +205,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(nbytes)
         self.metrics.lookup_tokens.inc(len(p.token_ids))
         self.metrics.hit_tokens.inc(len(bufs) * cs)
-        return {"retrieved_tokens": len(bufs) * cs}
+        return Retrieved(len(bufs) * cs)
 
 
 def _registered_bytes(reg: Register) -> int:

@@ -26,6 +26,7 @@ from dataplane.memory.copies import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.tenants import NO_TENANT
+from dataplane.wire.replies import StoreCounts
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class TransferModule(Generic[E]):
         fill: Callable[[int, torch.Tensor], None],
         prefix: list[bytes] | None = None,
         tenant: bytes = NO_TENANT,
-    ) -> dict[str, int]:
+    ) -> StoreCounts:
         """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes, as
         ``tenant``'s chunks (`dataplane.storage.tenants`).
 
@@ -90,7 +91,7 @@ class TransferModule(Generic[E]):
         Returns the STORE reply counts: chunks, stored, present, rejected, skipped (all of
         them while the server is unhealthy: nothing is written)."""
         if not self.l1.writable():
-            return {"chunks": len(keys), "stored": 0, "present": 0, "rejected": 0, "skipped": len(keys)}
+            return StoreCounts(len(keys), 0, 0, 0, skipped=len(keys))
         _, pinned = self.l1.pin_present(prefix or [])
         missing, held = self.l1.pin_present(keys)
         pinned += held
@@ -116,10 +117,4 @@ class TransferModule(Generic[E]):
                 "transfer: STORE of instance %d: L1 full, %d chunk(s) not stored", instance_id, rejected
             )
         self.metrics.transfer_bytes.labels(direction="store").inc(stored * nbytes)
-        return {
-            "chunks": len(keys),
-            "stored": stored,
-            "present": len(keys) - len(missing),
-            "rejected": rejected,
-            "skipped": 0,
-        }
+        return StoreCounts(len(keys), stored, len(keys) - len(missing), rejected, skipped=0)

@@ -23,9 +23,10 @@ from typing import Any
 import zmq
 
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext, ServerInfo
+from dataplane.modules.base import Handler, RequestContext, ServerInfo
 from dataplane.wire.errors import LimitExceeded
 from dataplane.wire.messages import Hello, MsgType, Ping
+from dataplane.wire.replies import PingReply, ServerHello
 
 MAX_HELD = 1024  # requests held while the data plane is built
 
@@ -39,9 +40,9 @@ class StartGate:
         self._boot_token = info.boot_token
         self._metrics = metrics
         self.handlers = {
-            MsgType.HELLO: Handler(HandlerKind.LOOP, self._answer_hello),
-            MsgType.GET_SERVER_INFO: Handler(HandlerKind.LOOP, self._answer_hello),
-            MsgType.PING: Handler(HandlerKind.LOOP, self._answer_ping),
+            MsgType.HELLO: Handler(self._answer_hello),
+            MsgType.GET_SERVER_INFO: Handler(self._answer_hello),
+            MsgType.PING: Handler(self._answer_ping),
         }
         self.held: list[list[zmq.Frame]] = []
         self.events: list[tuple[int, bool]] = []  # (fd, connected), as the monitor saw them
@@ -63,12 +64,12 @@ class StartGate:
         self.held.append(frames)
         return None
 
-    def _answer_hello(self, rctx: RequestContext, _: Hello) -> dict[str, Any]:
+    def _answer_hello(self, rctx: RequestContext, _: Hello) -> ServerHello:
         return self._hello
 
-    def _answer_ping(self, rctx: RequestContext, p: Ping) -> dict[str, Any]:
+    def _answer_ping(self, rctx: RequestContext, p: Ping) -> PingReply:
         self._metrics.pings.inc()
-        return {"boot_token": self._boot_token, "tracked": None if p.instance_id is None else False}
+        return PingReply(self._boot_token, None if p.instance_id is None else False)
 
 
 def _bind(sock: zmq.Socket[Any], endpoint: str) -> None:

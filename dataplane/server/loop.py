@@ -1,16 +1,13 @@
-"""The server loop: one ROUTER socket owned by one thread, two worker pools, ordered transfers.
+"""The server loop: one ROUTER socket owned by one thread, and the server's lifecycle.
 
-    client DEALER ──► ROUTER (loop thread) ──► decode + validate ──► LOOP handler (inline)
-                                                        ├──► NORMAL pool  (control, lookup)
-                                                        └──► transfer pool (STORE/RETRIEVE,
-                                                              ordered per instance; one that
-                                                              cannot wait runs inline when none
-                                                              of its instance's is queued)
+    client DEALER ──► ROUTER (loop thread) ──► decode + validate ──► `Dispatcher` (where the
+                                                                     protocol table says)
     pool thread ──► reply queue + eventfd wake-up ──► loop thread sends the reply
 
 ZMQ sockets are not thread-safe, so only the loop thread touches the ROUTER. Pool threads hand
 replies back through a queue and wake the loop with an eventfd, which any thread may write.
-A bad request gets an error reply; a handler exception becomes an error reply to that request.
+A bad request gets an error reply; a handler exception becomes an error reply to that request
+(`dataplane.server.dispatch`).
 A connection past ``max_connections`` is shut down as it is accepted (`dataplane.server.connections`).
 Shutdown (``stop``) stops reading new requests, answers requests that arrive meanwhile with
 SHUTTING_DOWN, drains the in-flight ones within a bound, then closes the socket.
@@ -22,13 +19,11 @@ import contextlib
 import enum
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -36,29 +31,13 @@ import zmq
 from dataplane import __version__
 from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Deferred, Handler, HandlerKind, Module, RequestContext, ServerInfo
+from dataplane.modules.base import Module, ServerInfo
 from dataplane.server.connections import ConnectionTracker
+from dataplane.server.dispatch import Dispatcher
 from dataplane.server.early import StartGate, open_router
-from dataplane.server.ordered import KeyedSerialExecutor
-from dataplane.wire.errors import (
-    KVWardenError,
-    LimitExceeded,
-    NotOwner,
-    ProtocolError,
-    ServerError,
-    ShuttingDown,
-    Unsupported,
-)
+from dataplane.wire.errors import KVWardenError, ProtocolError, ShuttingDown
 from dataplane.wire.frames import has_message, recv_message, send_message
-from dataplane.wire.messages import MsgType
-from dataplane.wire.protocol import (
-    PROTOCOL_VERSION,
-    decode_request,
-    encode_error,
-    encode_ok,
-    peek_request_id,
-    unpack,
-)
+from dataplane.wire.protocol import PROTOCOL_VERSION, decode_request, encode_error, peek_request_id, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -94,35 +73,27 @@ class Server:
         self.max_frame_bytes = max_frame_bytes
         self.metrics = metrics or DataPlaneMetrics()
         self._drain_timeout_s = drain_timeout_s
-        self._handlers: dict[MsgType, Handler] = {}
         self._modules: list[Module] = []
         self._conn_listeners: list[ConnListener] = []
         self._ctx, self._sock, self._monitor = open_router(endpoint, max_frame_bytes)
         self.connections = ConnectionTracker(max_connections, self.metrics)  # loop thread only
         self.bound_endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pool_sizes = (max_cpu_workers, max_transfer_workers)
-        self._normal = ThreadPoolExecutor(max_cpu_workers, thread_name_prefix="kvwarden-normal")
-        self._transfer_pool = ThreadPoolExecutor(max_transfer_workers, thread_name_prefix="kvwarden-transfer")
-        self._transfer = KeyedSerialExecutor(self._transfer_pool)
+        self._dispatch = Dispatcher(self.metrics, self._pool_sizes, self._wake)
         self._pools_shut = threading.Event()  # set once both pools were shut down
-        self._replies: queue.SimpleQueue[tuple[list[bytes], bytes]] = queue.SimpleQueue()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # guards _wake_fd against close while a late pool thread writes to it (a closed fd
         # number may be reused by another file)
         self._wake_lock = threading.Lock()
         self._state = Lifecycle.CREATED
         self._state_lock = threading.Lock()  # guards _state transitions
-        self._inflight = 0  # loop thread only
         self._thread: threading.Thread | None = None
         self.loop_error: BaseException | None = None
         self._gate: StartGate | None = None  # while STARTING (loop thread only, once started)
 
     # ------------------------------------------------------------------ wiring
     def add_module(self, module: Module) -> None:
-        for mtype, handler in module.handlers().items():
-            if mtype in self._handlers:
-                raise ValueError(f"{mtype} already has a handler")
-            self._handlers[mtype] = handler
+        self._dispatch.add(module.handlers())
         self._modules.append(module)
 
     def add_connection_listener(self, fn: ConnListener) -> None:
@@ -131,8 +102,16 @@ class Server:
 
     def info(self, chunk_size: int) -> ServerInfo:
         """Who this server is (what HELLO answers), for a data plane of ``chunk_size``."""
-        return ServerInfo(self.server_id, self.boot_token, self.version, PROTOCOL_VERSION, self.started_at,
-                          self.bound_endpoint, chunk_size, self.max_frame_bytes)  # fmt: skip
+        return ServerInfo(
+            self.server_id,
+            self.boot_token,
+            self.version,
+            PROTOCOL_VERSION,
+            self.started_at,
+            self.bound_endpoint,
+            chunk_size,
+            self.max_frame_bytes,
+        )
 
     @property
     def state(self) -> Lifecycle:
@@ -163,8 +142,8 @@ class Server:
             early = self._state is Lifecycle.STARTING
             if not early:
                 self._state = Lifecycle.RUNNING
-        spawn_all(self._normal, self._pool_sizes[0])
-        spawn_all(self._transfer_pool, self._pool_sizes[1])
+        spawn_all(self._dispatch.normal, self._pool_sizes[0])
+        spawn_all(self._dispatch.transfer_pool, self._pool_sizes[1])
         for m in self._modules:
             m.start()
         if self._gate is not None:  # the loop serves what it held, then runs
@@ -214,8 +193,7 @@ class Server:
                 logger.error("server: loop thread still alive after %.1fs", bound + 2.0)
                 clean = False
         self._pools_shut.set()
-        self._normal.shutdown(wait=False, cancel_futures=True)
-        self._transfer_pool.shutdown(wait=False, cancel_futures=True)
+        self._dispatch.shutdown()
         for m in self._modules:
             m.close()
         self._close_wake()
@@ -248,9 +226,10 @@ class Server:
                     now = time.monotonic()
                     if drain_deadline is None:
                         drain_deadline = now + self._drain_timeout_s
-                    if (self._inflight == 0 and self._gate is None) or now > drain_deadline:
-                        if self._inflight:
-                            logger.error("server: %d request(s) still in flight at shutdown", self._inflight)
+                    inflight = self._dispatch.inflight
+                    if (inflight == 0 and self._gate is None) or now > drain_deadline:
+                        if inflight:
+                            logger.error("server: %d request(s) still in flight at shutdown", inflight)
                         break
         except BaseException as exc:  # fatal: /health reports it
             self.loop_error = exc
@@ -280,13 +259,8 @@ class Server:
             os.eventfd_read(self._wake_fd)
 
     def _send_replies(self) -> None:
-        while True:
-            try:
-                envelope, data = self._replies.get_nowait()
-            except queue.Empty:
-                return
-            self._inflight -= 1
-            self._send(envelope, data)
+        while (done := self._dispatch.take_done()) is not None:
+            self._send(*done)
 
     def _send(self, envelope: list[bytes], data: bytes) -> None:
         if not send_message(self._sock, envelope, data):
@@ -340,60 +314,5 @@ class Server:
         if gate is None and self._state is not Lifecycle.RUNNING:
             self._send(envelope, encode_error(req.request_id, ShuttingDown("server is stopping")))
             return
-        handler = gate.handlers[req.type] if gate is not None else self._handlers.get(req.type)
-        if handler is None:
-            err = Unsupported(f"{req.type} has no handler on this server")
-            self._send(envelope, encode_error(req.request_id, err))
-            return
-        rctx = RequestContext(req.request_id, req.type, fd)
-        key = handler.order_key(req.payload) if handler.order_key is not None else None
-        if handler.kind is HandlerKind.LOOP:
-            self._send(envelope, self._call(handler, rctx, req.payload))
-            return
-        if self._inline(handler, req.payload, key):
-            inline = RequestContext(req.request_id, req.type, fd, inline=True)
-            with contextlib.suppress(Deferred):  # it would wait after all: on to the pool
-                self._send(envelope, self._call(handler, inline, req.payload))
-                return
-        self._inflight += 1
-
-        def task() -> None:
-            data = self._call(handler, rctx, req.payload)
-            self._replies.put((envelope, data))
-            self._wake()
-
-        if handler.kind is HandlerKind.TRANSFER and key is not None:
-            self._transfer.submit(key, task)
-        else:
-            self._normal.submit(task)
-
-    def _inline(self, handler: Handler, payload: Any, key: int | None) -> bool:
-        """A TRANSFER request the loop answers itself (`Handler.inline`): in order, since no
-        earlier one with its key waits or runs."""
-        if handler.inline is None or key is None or self._transfer.busy(key):
-            return False
-        return handler.inline(payload)
-
-    def _call(self, handler: Handler, rctx: RequestContext, payload: Any) -> bytes:
-        t0 = time.perf_counter()
-        try:
-            result = handler.fn(rctx, payload)
-            data = encode_ok(rctx.request_id, result)
-            outcome = "ok"
-        except KVWardenError as exc:
-            data = encode_error(rctx.request_id, exc)
-            outcome = "error"
-            if isinstance(exc, LimitExceeded):
-                self.metrics.limits_exceeded.labels(limit=exc.limit).inc()
-            elif isinstance(exc, NotOwner):
-                self.metrics.not_owner.inc()
-        except Exception as exc:
-            if isinstance(exc, Deferred) and rctx.inline:
-                raise  # (the caller hands it to the pool)
-            logger.exception("server: %s handler failed", rctx.type)
-            data = encode_error(rctx.request_id, ServerError(f"{rctx.type} failed: {exc}"))
-            outcome = "error"
-        m = self.metrics
-        m.duration.labels(type=rctx.type.value).observe(time.perf_counter() - t0)
-        m.requests.labels(type=rctx.type.value, outcome=outcome).inc()
-        return data
+        handlers = gate.handlers if gate is not None else self._dispatch.handlers
+        self._dispatch.route(envelope, req, fd, handlers.get(req.type), self._send)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any
 
-from dataplane.wire.checks import blob, type_name
+from dataplane.wire.checks import blob, type_name, wire_type
 from dataplane.wire.errors import ProtocolError
 from dataplane.wire.records import Record, decode_record
 
@@ -37,6 +37,7 @@ MAX_SPAN_END = 1 << 21  # MAX_TOKENS_PER_REQUEST
 Span = tuple[int, int, bytes]
 
 
+@wire_type(f"array of at most {MAX_SPANS} [int, int, bin of 1 to {MAX_SPAN_DIGEST_BYTES} bytes]")
 def _spans(v: Any, where: str) -> tuple[Span, ...]:
     if not isinstance(v, list):
         raise ProtocolError(f"{where}: expected an array of [start, end, digest], got {type_name(v)}")
@@ -68,9 +69,19 @@ def _spans(v: Any, where: str) -> tuple[Span, ...]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeyContext(Record):
-    salt: Annotated[bytes, blob(MAX_SALT_BYTES)] = b""
-    namespace: Annotated[bytes, blob(MAX_NAMESPACE_BYTES)] = b""
-    spans: Annotated[tuple[Span, ...], _spans] = ()
+    salt: Annotated[
+        bytes,
+        blob(MAX_SALT_BYTES),
+        "the tenant's secret (vLLM's cache_salt): only requests with the same salt share chunks",
+    ] = b""
+    namespace: Annotated[
+        bytes, blob(MAX_NAMESPACE_BYTES), "what applies to every token: a LoRA adapter's identity"
+    ] = b""
+    spans: Annotated[
+        tuple[Span, ...],
+        _spans,
+        "[start, end, digest] ranges with content of their own (multimodal inputs), sorted, apart",
+    ] = ()
 
     def __bool__(self) -> bool:
         """False when it changes no key (the chunks are keyed on tokens alone)."""
@@ -85,6 +96,7 @@ class KeyContext(Record):
         return dataclasses.replace(self, spans=spans)
 
 
+@wire_type("`KeyContext` or nil")
 def opt_key_context(v: Any, where: str) -> KeyContext | None:
     """A message's ``key`` field: nil, or ``[salt, namespace, spans]``."""
     return None if v is None else decode_record(KeyContext, v, where)

@@ -1,17 +1,18 @@
 """Every message's payload, declared once, as a typed record.
 
 A record's fields, in declaration order, are its payload's positional fields, and each field's
-annotation carries the check that validates it at the edge (``Annotated[int, u63]``). The
-parser of every message type (`PARSERS`) and the encoder (`encode_payload`) are derived from
-these declarations: nothing outside `dataplane.wire` knows a field's position. Rules that span
+annotation carries the check that validates it at the edge (``Annotated[int, u63]``). A
+record's type parameter is the reply that answers it (`dataplane.wire.replies`); its handling
+is declared in `dataplane.wire.table`, whose parsers and encoders are derived from these
+declarations: nothing outside `dataplane.wire` knows a field's position. Rules that span
 fields (a rank below the world size, layers of the kind ``memory`` names) live in a record's
-``_checked`` hook. docs/protocol.md describes every message.
+``_checked`` hook. docs/protocol.md's message tables are
+generated from them (scripts/gen_protocol_doc.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import numpy as np
@@ -19,8 +20,6 @@ import numpy as np
 from dataplane.wire.checks import (
     INT64_MAX,
     array_of,
-    blob,
-    boolean,
     id_array,
     int_list,
     member_of,
@@ -31,6 +30,7 @@ from dataplane.wire.checks import (
     small_int,
     type_name,
     u63,
+    wire_type,
 )
 from dataplane.wire.context import KeyContext as KeyContext
 from dataplane.wire.context import opt_key_context
@@ -39,13 +39,35 @@ from dataplane.wire.kinds import KVFormat as KVFormat
 from dataplane.wire.kinds import MemoryKind as MemoryKind
 from dataplane.wire.kinds import MsgType as MsgType
 from dataplane.wire.kinds import TransferMode as TransferMode
+from dataplane.wire.layers import CudaLayer as CudaLayer
+from dataplane.wire.layers import ShmLayer as ShmLayer
 from dataplane.wire.records import Message as Message
 from dataplane.wire.records import Record as Record
 from dataplane.wire.records import RecT as RecT
+from dataplane.wire.records import RepT
 from dataplane.wire.records import decode_record as decode_record
 from dataplane.wire.records import encode_payload as encode_payload
 from dataplane.wire.records import field_checks as field_checks
 from dataplane.wire.records import field_names as field_names
+from dataplane.wire.replies import (
+    Acquired,
+    BlendAcquired,
+    BlendRegistered,
+    BlendRetrieved,
+    Committed,
+    Hits,
+    PingReply,
+    PoolRegistered,
+    PoolRetrieved,
+    Registered,
+    Released,
+    Reserved,
+    Retrieved,
+    ScopeHits,
+    ServerHello,
+    StoreCounts,
+    Unregistered,
+)
 
 MAX_TOKENS_PER_REQUEST = 1 << 21
 MAX_LAYERS = 1024
@@ -55,6 +77,7 @@ MAX_BLOCK_SIZE = 1 << 16
 MAX_SCOPE_RANKS = 64  # ranks one LOOKUP_SCOPE checks
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 
+Layer = ShmLayer | CudaLayer
 
 # ------------------------------------------------------------------------------- records
 
@@ -62,12 +85,10 @@ _IDS = id_array(MAX_TOKENS_PER_REQUEST)
 _RANKS = small_int(1, MAX_RANKS)
 _RANK = small_int(0, MAX_RANKS)
 _PID = small_int(0, 1 << 31)
-_STRIDES = int_list(5, 0, INT64_MAX)
-_OFFSET = small_int(0, INT64_MAX)
-_HANDLE = blob(1024)
 SECRET_BYTES = (16, 64)  # an instance's secret: random bytes only its registrant knows
 
 
+@wire_type("secret: bin of 16 to 64 bytes")
 def _secret(v: Any, where: str) -> bytes:
     lo, hi = SECRET_BYTES
     if not isinstance(v, bytes):
@@ -77,6 +98,7 @@ def _secret(v: Any, where: str) -> bytes:
     return v
 
 
+@wire_type("secret or nil")
 def _opt_secret(v: Any, where: str) -> bytes | None:
     return None if v is None else _secret(v, where)
 
@@ -87,23 +109,25 @@ def _rank_below_world(where: str, worker_id: int, world_size: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Hello(Message):
+class Hello(Message[ServerHello]):
     TYPE = MsgType.HELLO
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class GetServerInfo(Message):
+class GetServerInfo(Message[ServerHello]):
     TYPE = MsgType.GET_SERVER_INFO
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Ping(Message):
+class Ping(Message[PingReply]):
     """``instance_id`` None: a probe that touches nothing. With an id, ``secret`` must be the
     one the instance registered with, else the PING touches nothing and answers untracked."""
 
     TYPE = MsgType.PING
-    instance_id: Annotated[int | None, opt_u63]
-    secret: Annotated[bytes | None, _opt_secret]  # None with a probe
+    instance_id: Annotated[
+        int | None, opt_u63, "the worker whose liveness this is; nil: a probe that touches nothing"
+    ]
+    secret: Annotated[bytes | None, _opt_secret, "the instance's secret; nil with a probe"]
 
     def _checked(self, where: str) -> Ping:
         if (self.instance_id is None) != (self.secret is None):
@@ -112,44 +136,29 @@ class Ping(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ShmLayer(Record):
-    segment: Annotated[str, name]
-    offset: Annotated[int, _OFFSET]  # bytes from the start of the segment
-    strides: Annotated[tuple[int, ...], _STRIDES]  # in elements
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CudaLayer(Record):
-    device_uuid: Annotated[str, name]
-    device_index: Annotated[int, small_int(0, 1024)]
-    ipc_handle: Annotated[bytes, _HANDLE]
-    storage_nbytes: Annotated[int, _OFFSET]
-    storage_offset: Annotated[int, _OFFSET]  # bytes of the storage inside its IPC allocation
-    tensor_offset: Annotated[int, _OFFSET]  # bytes of the layer inside its storage
-    ref_counter_handle: Annotated[bytes, _HANDLE]
-    ref_counter_offset: Annotated[int, _OFFSET]
-    event_handle: Annotated[bytes, _HANDLE]
-    event_sync_required: Annotated[bool, boolean]
-    strides: Annotated[tuple[int, ...], _STRIDES]  # in elements
-
-
-Layer = ShmLayer | CudaLayer
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Register(Message):
+class Register(Message[Registered]):
     TYPE = MsgType.REGISTER_KV_CACHE
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    model_name: Annotated[str, name]
-    world_size: Annotated[int, _RANKS]
-    worker_id: Annotated[int, _RANK]
-    transfer_mode: Annotated[TransferMode, member_of(TransferMode, [TransferMode.SERVER_DRIVEN])]
-    memory: Annotated[MemoryKind, member_of(MemoryKind)]
-    dtype: Annotated[str, one_of(SUPPORTED_DTYPES)]
-    kv_shape: Annotated[tuple[int, ...], int_list(5, 1, 1 << 31)]  # [2, blocks, block, heads, dim]
-    owner_pid: Annotated[int, _PID]  # informational: shown to operators
-    layers: Annotated[tuple[Layer, ...], array_of(1, MAX_LAYERS, "layers")]
+    instance_id: Annotated[int, u63, "the worker's id: uuid4().int & (2^63 - 1), never a PID"]
+    secret: Annotated[bytes, _secret, "the instance's secret: random bytes only its registrant knows"]
+    model_name: Annotated[str, name, "part of the chunk keys' scope"]
+    world_size: Annotated[int, _RANKS, "tensor-parallel ranks"]
+    worker_id: Annotated[int, _RANK, "this rank, < world_size"]
+    transfer_mode: Annotated[
+        TransferMode,
+        member_of(TransferMode, [TransferMode.SERVER_DRIVEN]),
+        "the server maps the memory and copies",
+    ]
+    memory: Annotated[MemoryKind, member_of(MemoryKind), "what every layer descriptor is"]
+    dtype: Annotated[str, one_of(SUPPORTED_DTYPES), "the KV tensors' element type"]
+    kv_shape: Annotated[
+        tuple[int, ...], int_list(5, 1, 1 << 31), "[2, num_blocks, block_size, num_kv_heads, head_dim]"
+    ]
+    owner_pid: Annotated[int, _PID, "informational: shown to operators"]
+    layers: Annotated[
+        tuple[Layer, ...],
+        array_of(1, MAX_LAYERS, "layers"),
+        "one descriptor per layer, all of the kind `memory` names (`ShmLayer`, `CudaLayer`)",
+    ]
 
     def _checked(self, where: str) -> Register:
         _rank_below_world(where, self.worker_id, self.world_size)
@@ -161,79 +170,81 @@ class Register(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unregister(Message):
+class Unregister(Message[Unregistered]):
     TYPE = MsgType.UNREGISTER_KV_CACHE
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
+    instance_id: Annotated[int, u63, "the instance to free"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Transfer(Message):
+class Transfer(Message[RepT]):
     """STORE and RETRIEVE: token i lives in block ``block_ids[i // block_size]``."""
 
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    token_ids: Annotated[np.ndarray, _IDS]
-    block_ids: Annotated[np.ndarray, _IDS]
-    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
+    instance_id: Annotated[int, u63, "a registered instance"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
+    token_ids: Annotated[np.ndarray, _IDS, "the prompt; its full chunks are stored or retrieved"]
+    block_ids: Annotated[np.ndarray, _IDS, "token i lives in block block_ids[i // block_size]"]
+    key: Annotated[
+        KeyContext | None, opt_key_context, "what the KV depends on beyond the tokens (`KeyContext`), or nil"
+    ] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Store(Transfer):
+class Store(Transfer[StoreCounts]):
     TYPE = MsgType.STORE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Retrieve(Transfer):
+class Retrieve(Transfer[Retrieved]):
     TYPE = MsgType.RETRIEVE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Lookup(Message):
+class Lookup(Message[Hits]):
     TYPE = MsgType.LOOKUP
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    token_ids: Annotated[np.ndarray, _IDS]
-    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
+    instance_id: Annotated[int, u63, "a registered instance (either transfer mode)"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
+    token_ids: Annotated[np.ndarray, _IDS, "the prompt"]
+    key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LookupScope(Message):
+class LookupScope(Message[ScopeHits]):
     """LOOKUP for a process that holds no KV memory (an engine's scheduler): the scope is named
     by what a worker's ENGINE_REGISTER would carry, for every rank of ``world_size``; the answer
     is the prefix every rank holds."""
 
     TYPE = MsgType.LOOKUP_SCOPE
-    model_name: Annotated[str, name]
-    world_size: Annotated[int, small_int(1, MAX_SCOPE_RANKS)]
-    dtype: Annotated[str, one_of(SUPPORTED_DTYPES)]
-    num_layers: Annotated[int, small_int(1, MAX_LAYERS)]
-    heads: Annotated[int, small_int(1, 1 << 16)]
+    model_name: Annotated[str, name, "as its workers register"]
+    world_size: Annotated[int, small_int(1, MAX_SCOPE_RANKS), "ranks 0 .. world_size-1 are checked"]
+    dtype: Annotated[str, one_of(SUPPORTED_DTYPES), "as for REGISTER_KV_CACHE"]
+    num_layers: Annotated[int, small_int(1, MAX_LAYERS), "layers of the model"]
+    heads: Annotated[int, small_int(1, 1 << 16), "KV heads"]
     head_dim: Annotated[int, small_int(1, 1 << 16)]
-    kv_format: Annotated[KVFormat, member_of(KVFormat)]
-    block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE)]
-    token_ids: Annotated[np.ndarray, _IDS]
-    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
+    kv_format: Annotated[KVFormat, member_of(KVFormat), "as for ENGINE_REGISTER"]
+    block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE), "as for ENGINE_REGISTER"]
+    token_ids: Annotated[np.ndarray, _IDS, "the prompt"]
+    key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineRegister(Message):
+class EngineRegister(Message[PoolRegistered]):
     """Engine-driven: the worker keeps ordinary tensors; the server hands out a chunk pool."""
 
     TYPE = MsgType.ENGINE_REGISTER
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    model_name: Annotated[str, name]
-    world_size: Annotated[int, _RANKS]
-    worker_id: Annotated[int, _RANK]
-    dtype: Annotated[str, one_of(SUPPORTED_DTYPES)]
-    num_layers: Annotated[int, small_int(1, MAX_LAYERS)]
-    heads: Annotated[int, small_int(1, 1 << 16)]
+    instance_id: Annotated[int, u63, "as for REGISTER_KV_CACHE"]
+    secret: Annotated[bytes, _secret, "as for REGISTER_KV_CACHE"]
+    model_name: Annotated[str, name, "part of the chunk keys' scope"]
+    world_size: Annotated[int, _RANKS, "tensor-parallel ranks"]
+    worker_id: Annotated[int, _RANK, "this rank, < world_size"]
+    dtype: Annotated[str, one_of(SUPPORTED_DTYPES), "as for REGISTER_KV_CACHE"]
+    num_layers: Annotated[int, small_int(1, MAX_LAYERS), "layers of the model"]
+    heads: Annotated[int, small_int(1, 1 << 16), "KV heads"]
     head_dim: Annotated[int, small_int(1, 1 << 16)]
-    pool_chunks: Annotated[int, small_int(1, MAX_POOL_CHUNKS)]
-    owner_pid: Annotated[int, _PID]
-    kv_format: Annotated[KVFormat, member_of(KVFormat)]
-    block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE)]  # tokens per block of the engine
+    pool_chunks: Annotated[int, small_int(1, MAX_POOL_CHUNKS), "chunk slots of the pool the server creates"]
+    owner_pid: Annotated[int, _PID, "informational"]
+    kv_format: Annotated[KVFormat, member_of(KVFormat), "what a chunk's bytes are (part of the scope)"]
+    block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE), "tokens per block of the engine's paged memory"]
 
     def _checked(self, where: str) -> EngineRegister:
         _rank_below_world(where, self.worker_id, self.world_size)
@@ -241,30 +252,32 @@ class EngineRegister(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineTransfer(Message):
+class EngineTransfer(Message[RepT]):
     """ENGINE_STORE: pool slot i holds chunk ``first_chunk + i`` (``n_chunks`` of them).
     ENGINE_RETRIEVE: fill up to ``n_chunks`` slots from chunk ``first_chunk`` on."""
 
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    token_ids: Annotated[np.ndarray, _IDS]
-    first_chunk: Annotated[int, small_int(0, MAX_TOKENS_PER_REQUEST)]
-    n_chunks: Annotated[int, small_int(0, MAX_POOL_CHUNKS)]
-    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
+    instance_id: Annotated[int, u63, "an engine-driven instance"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
+    token_ids: Annotated[
+        np.ndarray, _IDS, "gives the chunks their keys (up to the last chunk named is enough)"
+    ]
+    first_chunk: Annotated[int, small_int(0, MAX_TOKENS_PER_REQUEST), "the first chunk named"]
+    n_chunks: Annotated[int, small_int(0, MAX_POOL_CHUNKS), "chunks named from first_chunk on"]
+    key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineStore(EngineTransfer):
+class EngineStore(EngineTransfer[StoreCounts]):
     TYPE = MsgType.ENGINE_STORE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineRetrieve(EngineTransfer):
+class EngineRetrieve(EngineTransfer[PoolRetrieved]):
     TYPE = MsgType.ENGINE_RETRIEVE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineReserve(EngineTransfer):
+class EngineReserve(EngineTransfer[Reserved]):
     """One copy, STORE: L1 buffers for the chunks ``first_chunk ..`` not yet held, handed out
     (offsets in the L1 arena) for the worker to write, under a lease it then commits."""
 
@@ -272,7 +285,7 @@ class EngineReserve(EngineTransfer):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineAcquire(EngineTransfer):
+class EngineAcquire(EngineTransfer[Acquired]):
     """One copy, RETRIEVE: the held prefix of the chunks ``first_chunk ..``, pinned under a
     lease while the worker copies out of the arena."""
 
@@ -280,117 +293,80 @@ class EngineAcquire(EngineTransfer):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineLease(Message):
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    lease: Annotated[int, u63]
+class EngineLease(Message[RepT]):
+    instance_id: Annotated[int, u63, "the instance the lease belongs to"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
+    lease: Annotated[int, u63, "from its ENGINE_RESERVE, ENGINE_ACQUIRE, BLEND_RESERVE or BLEND_ACQUIRE"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineCommit(EngineLease):
+class EngineCommit(EngineLease[Committed]):
     """Publish the chunks written into a reserve's buffers."""
 
     TYPE = MsgType.ENGINE_COMMIT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EngineRelease(EngineLease):
+class EngineRelease(EngineLease[Released]):
     """Let go of an acquire's pins (the worker copied out)."""
 
     TYPE = MsgType.ENGINE_RELEASE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlendRegister(Message):
+class BlendRegister(Message[BlendRegistered]):
     """A worker's RoPE parameters, for blend transfers (checked by the blend module, which
     names a bad one: rotary_dim even and <= head_dim, base and scaling finite and > 0, ...)."""
 
     TYPE = MsgType.BLEND_REGISTER
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    rotary_dim: Annotated[int, small_int(0, 1 << 16)]
-    base: Annotated[float, number]
-    style: Annotated[str, name]
-    scaling: Annotated[float, number]
-    max_positions: Annotated[int, small_int(0, INT64_MAX)]
+    instance_id: Annotated[int, u63, "a registered instance"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
+    rotary_dim: Annotated[int, small_int(0, 1 << 16), "even, at most head_dim"]
+    base: Annotated[float, number, "RoPE base, finite and > 0"]
+    style: Annotated[str, name, "`neox` or `interleaved`"]
+    scaling: Annotated[float, number, "position scaling, finite and > 0"]
+    max_positions: Annotated[int, small_int(0, INT64_MAX), "in [1, 131072]"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlendTransfer(Message):
+class BlendTransfer(Message[RepT]):
     """Chunks independent of what precedes them: chunk i of ``token_ids`` is at ``position +
     i * chunk_size`` in the worker's sequence (``block_ids`` as for STORE)."""
 
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    token_ids: Annotated[np.ndarray, _IDS]
-    block_ids: Annotated[np.ndarray, _IDS]
-    position: Annotated[int, small_int(0, 1 << 31)]
-    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
+    instance_id: Annotated[int, u63, "a registered instance"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
+    token_ids: Annotated[np.ndarray, _IDS, "chunks keyed on their own tokens, not the prefix"]
+    block_ids: Annotated[np.ndarray, _IDS, "as for STORE (empty: the engine-driven pool)"]
+    position: Annotated[int, small_int(0, 1 << 31), "chunk i is at position + i * chunk_size"]
+    key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlendStore(BlendTransfer):
+class BlendStore(BlendTransfer[StoreCounts]):
     TYPE = MsgType.BLEND_STORE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlendRetrieve(BlendTransfer):
+class BlendRetrieve(BlendTransfer[BlendRetrieved]):
     TYPE = MsgType.BLEND_RETRIEVE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlendLease(Message):
+class BlendLease(Message[RepT]):
     """One copy, engine-driven, the worker rotating: each full chunk of ``token_ids`` on its own
     (at most MAX_POOL_CHUNKS); finished by ENGINE_COMMIT / ENGINE_RELEASE of the lease."""
 
-    instance_id: Annotated[int, u63]
-    secret: Annotated[bytes, _secret]
-    token_ids: Annotated[np.ndarray, _IDS]
-    key: Annotated[KeyContext | None, opt_key_context] = None  # salt, adapter, ...: context.py
+    instance_id: Annotated[int, u63, "an engine-driven instance"]
+    secret: Annotated[bytes, _secret, "the instance's secret"]
+    token_ids: Annotated[np.ndarray, _IDS, "each full chunk on its own"]
+    key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlendReserve(BlendLease):
+class BlendReserve(BlendLease[Reserved]):
     TYPE = MsgType.BLEND_RESERVE  # L1 buffers for the chunks not held
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlendAcquire(BlendLease):
+class BlendAcquire(BlendLease[BlendAcquired]):
     TYPE = MsgType.BLEND_ACQUIRE  # the held chunks pinned, their offsets
-
-
-MESSAGES: tuple[type[Message], ...] = (
-    Hello,
-    GetServerInfo,
-    Ping,
-    Register,
-    Unregister,
-    Store,
-    Retrieve,
-    Lookup,
-    LookupScope,
-    EngineRegister,
-    EngineStore,
-    EngineRetrieve,
-    EngineReserve,
-    EngineCommit,
-    EngineAcquire,
-    EngineRelease,
-    BlendRegister,
-    BlendStore,
-    BlendRetrieve,
-    BlendReserve,
-    BlendAcquire,
-)
-BY_TYPE: dict[MsgType, type[Message]] = {m.TYPE: m for m in MESSAGES}
-assert set(BY_TYPE) == set(MsgType), "every message type has exactly one record"
-
-
-# ------------------------------------------------------------------ derived: parse, encode
-
-
-def _parser(cls: type[Message]) -> Callable[[Any], Message]:
-    return lambda v: decode_record(cls, v, cls.TYPE.value)
-
-
-PARSERS: dict[MsgType, Callable[[Any], Message]] = {t: _parser(c) for t, c in BY_TYPE.items()}

@@ -2,7 +2,8 @@
 
 Request  = msgpack ``[version, request_id, type, payload]``  (payload: a msgpack array)
 Reply    = msgpack ``[version, request_id, ok, body]``
-           ``body`` is the result when ``ok`` is true, else ``{"code": str, "message": str}``.
+           ``body`` is the map of the reply record that answers the request (`dataplane.wire.table`)
+           when ``ok`` is true, else an ``ErrorReply``'s: ``{"code": str, "message": str}``.
 
 A DEALER client sends one frame per request; a REQ client's empty delimiter frame is accepted too.
 Nothing on the wire is pickled: token and block ids travel as little-endian int32 arrays in
@@ -19,11 +20,16 @@ import msgpack
 
 from dataplane.wire.checks import U64_LIMIT, type_name
 from dataplane.wire.errors import FrameTooLarge, KVWardenError, ProtocolError, VersionMismatch
-from dataplane.wire.messages import PARSERS, Message, MsgType, encode_payload
+from dataplane.wire.messages import Message, MsgType, encode_payload
+from dataplane.wire.records import Reply, reply_to_wire
+from dataplane.wire.replies import MAX_ERROR_CHARS, ErrorReply
+from dataplane.wire.table import PARSERS
 
 # 2: every request of an instance carries its secret; 3: ENGINE_REGISTER names its KV format and block
-# size; 4: every message that names tokens carries their key context (salt, adapter, spans)
-PROTOCOL_VERSION = 4
+# size; 4: every message that names tokens carries their key context (salt, adapter, spans); 5: every
+# reply is a typed record with exactly its declared fields (ENGINE_REGISTER's `arena` is nil, not
+# absent, without an arena), checked by the client
+PROTOCOL_VERSION = 5
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 
 # The liveness contract both sides size themselves against: the server's reap timeout is never
@@ -36,7 +42,7 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
 class Request:
     request_id: int
     type: MsgType
-    payload: Message
+    payload: Message[Any]
 
 
 def peek_request_id(raw: Any) -> int:
@@ -88,32 +94,36 @@ def encode_request(
     return data
 
 
-def encode_message(request_id: int, msg: Message) -> bytes:
+def encode_message(request_id: int, msg: Message[Any]) -> bytes:
     """The request frame of a typed message."""
     return encode_request(request_id, msg.TYPE, encode_payload(msg))
 
 
-def encode_ok(request_id: int, body: Any) -> bytes:
-    data: bytes = msgpack.packb([PROTOCOL_VERSION, request_id, True, body], use_bin_type=True)
+def encode_ok(request_id: int, body: Reply) -> bytes:
+    data: bytes = msgpack.packb(
+        [PROTOCOL_VERSION, request_id, True, body], use_bin_type=True, default=reply_to_wire
+    )
     return data
 
 
 def encode_error(request_id: int, err: KVWardenError) -> bytes:
+    body = ErrorReply(err.code, str(err)[:MAX_ERROR_CHARS])
     data: bytes = msgpack.packb(
-        [PROTOCOL_VERSION, request_id, False, {"code": err.code, "message": str(err)}],
-        use_bin_type=True,
+        [PROTOCOL_VERSION, request_id, False, body], use_bin_type=True, default=reply_to_wire
     )
     return data
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
+class ReplyFrame:
+    """A reply as it arrived: ``body`` still a map (`dataplane.wire.table.decode_body` types it)."""
+
     request_id: int
     ok: bool
     body: Any
 
 
-def decode_reply(data: bytes) -> Reply:
+def decode_reply(data: bytes) -> ReplyFrame:
     raw = msgpack.unpackb(data, raw=False)
     if not isinstance(raw, list) or len(raw) != 4:
         raise ProtocolError("malformed reply")
@@ -122,4 +132,4 @@ def decode_reply(data: bytes) -> Reply:
         raise VersionMismatch(
             f"protocol version mismatch: server speaks v{version}, client speaks v{PROTOCOL_VERSION}"
         )
-    return Reply(int(request_id), bool(ok), body)
+    return ReplyFrame(int(request_id), bool(ok), body)

@@ -27,13 +27,15 @@ def status(client: httpx.Client) -> StatusPublic:
 
 
 def test_status_describes_the_server(client: httpx.Client, dp: DataPlane) -> None:
+    before = time.time() - dp.server.started_at
     s = status(client)
+    after = time.time() - dp.server.started_at
     assert s.server.server_id == dp.server.server_id
     assert s.server.boot_token == dp.server.boot_token
     assert s.server.version == dp.server.version
     assert s.server.zmq_endpoint == dp.server.bound_endpoint
     assert s.server.chunk_size == CHUNK
-    assert 0 <= s.server.uptime_seconds < 120
+    assert max(0.0, before) <= s.server.uptime_seconds <= after  # read between the two
     assert s.is_healthy is True
     assert s.worker_liveness.enabled is True
     assert s.worker_liveness.reap_timeout_seconds == 120.0
@@ -144,11 +146,7 @@ class TestAtScale:
         self, client: httpx.Client, dp: DataPlane, make_worker: WorkerFactory
     ) -> None:
         """10,000 tracked instances (REGISTERs of one shared cache under distinct ids): every one
-        listed once, and both routes within their budget (50 ms each; the strict figure is checked
-        with KVWARDEN_SLOW=1, on a quiet machine). By default the bound is 1 s, 20x looser: the
-        suite runs on a shared 2-core machine, where other processes can take the CPU for hundreds
-        of milliseconds at a time and bounds under 0.5 s flake (it takes ~50 ms there when quiet);
-        1 s still fails a regression of an order of magnitude (say, a build gone quadratic)."""
+        listed once, by /status and /metrics (their time: the ``bench`` test below)."""
         w = make_worker()
         register_many(dp.server.bound_endpoint, w.adapter, 9_999)
         doc = client.get("/status").json()
@@ -159,6 +157,18 @@ class TestAtScale:
         assert (
             'kvwarden_tracked_instances{transfer_mode="server_driven"} 10000.0' in client.get("/metrics").text
         )
+
+    @pytest.mark.bench
+    def test_status_and_metrics_with_10000_instances_within_budget(
+        self, client: httpx.Client, dp: DataPlane, make_worker: WorkerFactory
+    ) -> None:
+        """Both routes within their budget with 10,000 tracked instances (50 ms each; the strict
+        figure is checked with KVWARDEN_SLOW=1, on a quiet machine). By default the bound is 1 s,
+        20x looser: it still fails a regression of an order of magnitude (say, a build gone
+        quadratic). A measurement: it runs with the benchmarks only (``-m bench``)."""
+        w = make_worker()
+        register_many(dp.server.bound_endpoint, w.adapter, 9_999)
+        assert client.get("/status").json()["worker_liveness"]["tracked_instances"] == 10_000
         budget = 0.05 if os.environ.get("KVWARDEN_SLOW") else 1.0
         status_s = _median_seconds(client, "/status")
         metrics_s = _median_seconds(client, "/metrics")

@@ -19,7 +19,6 @@ import stat
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -484,7 +483,9 @@ def test_fault_in_makes_no_progress_while_told_to_step_aside(shm_dir: Path, aren
     assert a.stats().ready
 
 
-def test_stop_while_stepping_aside_ends_the_thread(shm_dir: Path, arenas: list[Arena]) -> None:
+def test_stop_while_stepping_aside_ends_the_thread(
+    shm_dir: Path, arenas: list[Arena], monkeypatch: pytest.MonkeyPatch
+) -> None:
     a = Arena(CAP, shared=True)
     arenas.append(a)
     gate = Gate(upto=SLICE)
@@ -495,9 +496,10 @@ def test_stop_while_stepping_aside_ends_the_thread(shm_dir: Path, arenas: list[A
     assert a.join(5)
     assert a.growth() == (SLICE, True)  # final: nothing more will come
     assert a.stats().ready is False
-    t0 = time.monotonic()
-    assert a.wait_usable(SLICE, 5) is False  # no wait for growth that will not come
-    assert time.monotonic() - t0 < 1
+    waits: list[float | None] = []
+    monkeypatch.setattr(a._grew, "wait", lambda timeout=None: waits.append(timeout) or False)
+    assert a.wait_usable(SLICE, 5) is False
+    assert waits == []  # no wait for growth that will not come
 
 
 # ---------------------------------------------------------------------- L1 on the arena
@@ -562,10 +564,17 @@ def test_reserve_gives_up_after_the_bound_then_evicts_once_grown(
         wait_until(lambda: gate.parked_at(SLICE), 10, what="the thread to park")
         for i in range(SLICE // CHUNK):
             put(l1, i)
-        t0 = time.monotonic()
+        waits: list[tuple[float, bool]] = []  # each wait for growth: (its bound, grew)
+        wait_usable = a.wait_usable
+
+        def spied(above: int, timeout_s: float) -> bool:
+            grew = wait_usable(above, timeout_s)
+            waits.append((timeout_s, grew))
+            return grew
+
+        monkeypatch.setattr(a, "wait_usable", spied)
         assert l1.reserve(CHUNK) is None
-        waited = time.monotonic() - t0
-        assert bound * 0.9 <= waited < 5, waited  # it waited the bound, no more
+        assert waits == [(bound, False)]  # it waited the bound, once, no more
         s = l1.stats()
         assert (s.rejected, s.evictions, s.chunks) == (1, 0, 4)
         assert present(l1, 0, 1, 2, 3) == [True] * 4

@@ -13,6 +13,7 @@ from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.memory import shm
 from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
+from dataplane.wire.replies import StoreCounts
 from tests.helpers import free_port
 
 CHUNK = 32
@@ -63,8 +64,8 @@ def test_engine_driven_round_trip(
     try:
         a.register_kv_caches(src)
         r = a.store_detail(tokens, b_src)
-        assert r == {"chunks": 7, "stored": 7, "present": 0, "rejected": 0, "skipped": 0}
-        assert a.store_detail(tokens, b_src)["present"] == 7  # nothing copied twice
+        assert r == StoreCounts(7, 7, 0, 0, 0)
+        assert a.store_detail(tokens, b_src).present == 7  # nothing copied twice
         dst = layout()
         b.register_kv_caches(dst)
         assert b.lookup(tokens) == 7 * CHUNK

@@ -48,7 +48,7 @@ def test_cuda_store_and_retrieve_through_ipc(server: ServerProcess) -> None:
     c = WorkerAdapter(server.endpoint, "m")
     try:
         a.register_kv_caches(src)
-        assert a.store_detail(tokens, b_src)["stored"] == 5
+        assert a.store_detail(tokens, b_src).stored == 5
         b.register_kv_caches(dst)
         assert b.retrieve(tokens, b_dst) == 5 * CHUNK
         torch.cuda.synchronize()

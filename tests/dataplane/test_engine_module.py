@@ -23,7 +23,8 @@ from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferMod
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.checks import ids_to_bytes
 from dataplane.wire.errors import NotRegistered
-from dataplane.wire.messages import PARSERS, MsgType
+from dataplane.wire.messages import MsgType
+from dataplane.wire.table import PARSERS
 from tests.dataplane.registration import SECRET, engine_register_message
 from tests.helpers import FakeClock
 
@@ -83,8 +84,8 @@ def entry(m: EngineDrivenTransferModule, instance_id: int) -> Any:
 
 def test_register_inserts_an_unlatched_context_with_its_pool(module: Recording) -> None:
     r = register(module, 7, conn_fd=11)
-    assert r["created"] is True and (r["slots"], r["slot_bytes"]) == (4, SLOT_BYTES)
-    assert pool_exists(r["segment"]) and r["segment"].startswith(f"kvwarden-{os.getpid()}-")
+    assert r.created is True and (r.slots, r.slot_bytes) == (4, SLOT_BYTES)
+    assert pool_exists(r.segment) and r.segment.startswith(f"kvwarden-{os.getpid()}-")
     e = entry(module, 7)
     assert (e.registered_at, e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0, T0, False, 11)
     assert e.transfer_mode == "engine_driven"
@@ -97,7 +98,7 @@ def test_repeat_register_refreshes_without_rebuilding_or_latching(
     first = register(module, 7)
     clock.advance(50)
     again = register(module, 7, conn_fd=12)
-    assert again["created"] is False and again["segment"] == first["segment"]
+    assert again.created is False and again.segment == first.segment
     e = entry(module, 7)
     assert (e.registered_at, e.last_seen, e.has_liveness_signal, e.conn_fd) == (T0, T0 + 50, False, 12)
     assert module.released == [] and module.registry.tracked_instance_count() == 1
@@ -106,8 +107,8 @@ def test_repeat_register_refreshes_without_rebuilding_or_latching(
 def test_register_with_another_pool_replaces_context_and_pool(module: Recording) -> None:
     old = register(module, 7, pool_chunks=4)
     new = register(module, 7, pool_chunks=8)
-    assert new["created"] is True and new["segment"] != old["segment"]
-    assert not pool_exists(old["segment"]) and pool_exists(new["segment"])
+    assert new.created is True and new.segment != old.segment
+    assert not pool_exists(old.segment) and pool_exists(new.segment)
     assert module.released == [(7, "re-registered")]
     assert module.registry.tracked_instance_count() == 1
 
@@ -127,8 +128,8 @@ def test_a_ping_latches_a_request_does_not(module: Recording, clock: FakeClock) 
 def test_reap_pops_context_and_pool_together_and_spares_a_warming_entry(
     module: Recording, clock: FakeClock
 ) -> None:
-    dead = register(module, 1)["segment"]
-    warming = register(module, 2)["segment"]  # registered, never pinged
+    dead = register(module, 1).segment
+    warming = register(module, 2).segment  # registered, never pinged
     module.registry.touch_instance(1)
     clock.advance(TIMEOUT + 1)
     assert module.registry.reap_stale_instances(TIMEOUT, GRACE) == [Reaped(1, "timeout", TIMEOUT + 1, True)]
@@ -143,7 +144,7 @@ def test_reap_pops_context_and_pool_together_and_spares_a_warming_entry(
 def test_window_boundary_is_strict(
     module: Recording, clock: FakeClock, pinged: bool, window: float, reason: str
 ) -> None:
-    pool = register(module, 7)["segment"]
+    pool = register(module, 7).segment
     if pinged:
         module.registry.touch_instance(7)
     clock.advance(window)
@@ -156,8 +157,8 @@ def test_window_boundary_is_strict(
 
 
 def test_disconnect_boundary_and_reconnect(module: Recording, clock: FakeClock) -> None:
-    gone = register(module, 1, conn_fd=20)["segment"]
-    back = register(module, 2, conn_fd=21)["segment"]
+    gone = register(module, 1, conn_fd=20).segment
+    back = register(module, 2, conn_fd=21).segment
     assert module.registry.mark_connection_closed(20, clock()) == 1
     assert module.registry.mark_connection_closed(21, clock()) == 1
     clock.advance(1)
@@ -186,7 +187,7 @@ def test_transfer_of_an_unknown_id_raises_not_registered(module: Recording, mtyp
 
 
 def test_remove_is_idempotent_and_unlinks_the_pool(module: Recording) -> None:
-    pool = register(module, 7)["segment"]
+    pool = register(module, 7).segment
     assert module.registry.remove_instances([7], "unregister") == [7]
     assert module.registry.remove_instances([7], "unregister") == []
     assert module.released == [(7, "unregister")] and not pool_exists(pool)
@@ -194,7 +195,7 @@ def test_remove_is_idempotent_and_unlinks_the_pool(module: Recording) -> None:
 
 
 def test_reap_during_a_transfer_keeps_the_pool_until_it_ends(module: Recording, clock: FakeClock) -> None:
-    pool = register(module, 7)["segment"]
+    pool = register(module, 7).segment
     module.registry.touch_instance(7)
     with module.registry.use(7):
         clock.advance(TIMEOUT + 1)
@@ -207,7 +208,7 @@ def test_reap_during_a_transfer_keeps_the_pool_until_it_ends(module: Recording, 
 
 def test_close_unlinks_every_pool(clock: FakeClock) -> None:
     m = Recording(clock)
-    pools = [register(m, i)["segment"] for i in (1, 2, 3)]
+    pools = [register(m, i).segment for i in (1, 2, 3)]
     m.close()
     assert not any(pool_exists(p) for p in pools)
     assert m.registry.tracked_instance_count() == 0
@@ -224,7 +225,7 @@ def test_reregister_racing_the_reaper_leaks_no_pool() -> None:
         deadline = time.monotonic() + 20
         try:  # until the reaper has raced it into 20 rebuilds
             while len(set(pools)) < 20 and time.monotonic() < deadline:
-                pools.append(register(m, 1)["segment"])
+                pools.append(register(m, 1).segment)
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
         finally:

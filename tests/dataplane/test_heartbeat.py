@@ -14,6 +14,7 @@ import pytest
 
 from dataplane.client.heartbeat import Heartbeat
 from dataplane.wire.errors import RequestTimeout
+from dataplane.wire.replies import PingReply
 from tests.helpers import FakeClock, wait_until
 
 
@@ -21,7 +22,7 @@ class Peer:
     """What the heartbeat talks to: a scripted PING reply and a re-register that may fail."""
 
     def __init__(self, token: int = 1) -> None:
-        self.reply: dict[str, Any] | Exception = {"boot_token": token, "tracked": True}
+        self.reply: PingReply | Exception = PingReply(token, True)
         self.recover_ok = True
         self.recovers = 0
         self.registered = True
@@ -73,7 +74,7 @@ def test_a_failed_ping_is_unhealthy_and_the_next_good_one_recovers_first(
     hb.beat()  # still failing: no second edge
     assert changes == [False]
     clock.advance(42.5)
-    peer.reply = {"boot_token": 1, "tracked": True}
+    peer.reply = PingReply(1, True)
     with caplog.at_level(logging.INFO, "dataplane.client.heartbeat"):
         hb.beat()
     assert peer.recovers == 1 and hb.healthy.is_set() and changes == [False, True]
@@ -84,7 +85,7 @@ def test_a_failed_recovery_stays_unhealthy_and_is_retried(peer: Peer, clock: Fak
     hb = make(peer, clock)
     peer.reply = RequestTimeout("down")
     hb.beat()
-    peer.reply = {"boot_token": 1, "tracked": True}
+    peer.reply = PingReply(1, True)
     peer.recover_ok = False
     hb.beat()
     assert not hb.healthy.is_set() and peer.recovers == 1
@@ -95,7 +96,7 @@ def test_a_failed_recovery_stays_unhealthy_and_is_retried(peer: Peer, clock: Fak
 
 def test_a_new_boot_token_recovers_at_once_and_is_adopted(peer: Peer, clock: FakeClock) -> None:
     hb = make(peer, clock)
-    peer.reply = {"boot_token": 2, "tracked": True}
+    peer.reply = PingReply(2, True)
     hb.beat()  # this PING succeeded: only the token tells the server restarted
     assert peer.recovers == 1 and hb.boot_token == 2 and hb.healthy.is_set()
     hb.beat()
@@ -104,7 +105,7 @@ def test_a_new_boot_token_recovers_at_once_and_is_adopted(peer: Peer, clock: Fak
 
 def test_a_failed_recovery_after_a_restart_keeps_the_old_token(peer: Peer, clock: FakeClock) -> None:
     hb = make(peer, clock)
-    peer.reply = {"boot_token": 2, "tracked": True}
+    peer.reply = PingReply(2, True)
     peer.recover_ok = False
     hb.beat()
     assert hb.boot_token == 1 and not hb.healthy.is_set()  # so the next beat tries again
@@ -115,7 +116,7 @@ def test_a_failed_recovery_after_a_restart_keeps_the_old_token(peer: Peer, clock
 
 def test_untracked_recovers_only_when_registered(peer: Peer, clock: FakeClock) -> None:
     hb = make(peer, clock)
-    peer.reply = {"boot_token": 1, "tracked": False}
+    peer.reply = PingReply(1, False)
     peer.registered = False
     hb.beat()
     assert peer.recovers == 0  # nothing to re-register yet
@@ -131,7 +132,7 @@ def test_after_stop_nothing_is_recovered_and_health_is_left_alone(peer: Peer, cl
     peer.reply = RequestTimeout("closing")
     hb.beat()
     assert hb.healthy.is_set() and changes == []  # a failing PING while closing is no outage
-    peer.reply = {"boot_token": 2, "tracked": False}
+    peer.reply = PingReply(2, False)
     hb.beat()
     assert peer.recovers == 0 and hb.boot_token == 1
     assert hb.recover(2) is False and peer.recovers == 0  # no ghost registration
@@ -151,7 +152,7 @@ def test_the_thread_paces_beats_and_stops(peer: Peer, clock: FakeClock) -> None:
 
     def ping() -> dict[str, Any]:
         beats.append(1)
-        return {"boot_token": 1, "tracked": True}
+        return PingReply(1, True)
 
     hb = Heartbeat(ping, peer.recover, lambda: True, 0.01, None, clock)
     hb.start()

@@ -107,7 +107,7 @@ TOKENS = np.random.default_rng(3).integers(0, 50_000, N + 5)
 
 def test_a_salted_prefix_is_invisible_to_every_other_salt_and_to_none(pair: Pair) -> None:
     a_ctx, b_ctx = key_context(salt="tenant-a"), key_context(salt="tenant-b")
-    assert pair.a.store_detail(TOKENS, pair.blocks, a_ctx)["stored"] == 4
+    assert pair.a.store_detail(TOKENS, pair.blocks, a_ctx).stored == 4
     for other in (None, b_ctx, key_context(salt="tenant-a "), KeyContext(namespace=b"tenant-a")):
         assert pair.b.lookup(TOKENS, other) == 0
         assert pair.b.retrieve(TOKENS, pair.blocks, other) == 0
@@ -115,7 +115,7 @@ def test_a_salted_prefix_is_invisible_to_every_other_salt_and_to_none(pair: Pair
     assert pair.b.lookup(TOKENS, a_ctx) == N
     assert pair.b.retrieve(TOKENS, pair.blocks, a_ctx) == N and pair.got(N)
     # stored without a salt: no tenant sees it either
-    assert pair.a.store_detail(TOKENS, pair.blocks)["stored"] == 4
+    assert pair.a.store_detail(TOKENS, pair.blocks).stored == 4
     assert pair.b.lookup(TOKENS, b_ctx) == 0 and pair.b.lookup(TOKENS) == N
 
 
@@ -126,9 +126,9 @@ def test_an_adapters_chunks_are_served_only_to_that_adapter(pair: Pair, tmp_path
         (d / "adapter_model.safetensors").write_bytes(w)
     ctx_a = key_context(adapter=adapter_namespace("sql", lora_a))
     ctx_b = key_context(adapter=adapter_namespace("chat", lora_b))
-    assert pair.a.store_detail(TOKENS, pair.blocks)["stored"] == 4  # the base model's
+    assert pair.a.store_detail(TOKENS, pair.blocks).stored == 4  # the base model's
     assert pair.b.lookup(TOKENS, ctx_a) == pair.b.lookup(TOKENS, ctx_b) == 0
-    assert pair.a.store_detail(TOKENS, pair.blocks, ctx_a)["stored"] == 4
+    assert pair.a.store_detail(TOKENS, pair.blocks, ctx_a).stored == 4
     assert pair.b.lookup(TOKENS, ctx_b) == 0 and pair.b.lookup(TOKENS, ctx_a) == N
     # the same name and path, its weights rewritten in place: another adapter
     (lora_a / "adapter_model.safetensors").write_bytes(b"C" * 65)
@@ -138,7 +138,7 @@ def test_an_adapters_chunks_are_served_only_to_that_adapter(pair: Pair, tmp_path
 
 def test_a_span_keys_the_chunks_from_where_it_starts(pair: Pair) -> None:
     image = key_context(spans=mm_spans([("img-1", 2 * CS + 3, 20)]))
-    assert pair.a.store_detail(TOKENS, pair.blocks, image)["stored"] == 4
+    assert pair.a.store_detail(TOKENS, pair.blocks, image).stored == 4
     assert pair.b.lookup(TOKENS) == 2 * CS  # the text before the image is shared
     other = key_context(spans=mm_spans([("img-2", 2 * CS + 3, 20)]))
     assert pair.b.lookup(TOKENS, other) == 2 * CS

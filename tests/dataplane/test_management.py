@@ -30,6 +30,7 @@ from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.messages import Message, MsgType, Ping, Register, Unregister
 from dataplane.wire.protocol import PROTOCOL_VERSION, decode_reply, encode_message
+from dataplane.wire.replies import PingReply
 from tests.dataplane.fakes import BlendLike
 from tests.dataplane.registration import SECRET, engine_register_message, register_message
 from tests.helpers import FakeClock, free_port, wait_until
@@ -130,7 +131,7 @@ def test_ping_touches_every_target_for_an_id(
         register(sd, 7, make_caches())
         engine_register(ed, 7)
         clock.advance(30)
-        assert ping(mgmt, 7, conn_fd=9) == {"boot_token": BOOT_TOKEN, "tracked": True}
+        assert ping(mgmt, 7, conn_fd=9) == PingReply(BOOT_TOKEN, True)
         for m in (sd, ed):
             e = m.registry.context_entry(7)
             assert e is not None
@@ -152,7 +153,7 @@ def test_ping_without_an_id_touches_nothing(
     try:
         register(sd, 7, make_caches())
         clock.advance(30)
-        assert ping(mgmt, None) == {"boot_token": BOOT_TOKEN, "tracked": None}
+        assert ping(mgmt, None) == PingReply(BOOT_TOKEN, None)
         e = sd.registry.context_entry(7)
         assert e is not None and (e.last_seen, e.has_liveness_signal) == (T0, False)
         assert log.touches == []
@@ -165,10 +166,10 @@ def test_ping_without_an_id_touches_nothing(
 def test_ping_of_an_unknown_id_answers_untracked_and_inserts_nothing(metrics: DataPlaneMetrics) -> None:
     sd, ed = modules(metrics=metrics)
     mgmt = management([sd.registry, ed.registry], metrics)
-    assert ping(mgmt, 404) == {"boot_token": BOOT_TOKEN, "tracked": False}
+    assert ping(mgmt, 404) == PingReply(BOOT_TOKEN, False)
     assert sd.registry.tracked_instance_count() == ed.registry.tracked_instance_count() == 0
     no_targets = management([], metrics)
-    assert ping(no_targets, 404)["tracked"] is False
+    assert ping(no_targets, 404).tracked is False
 
 
 # ----------------------------------------------------------------------- the running server
@@ -284,20 +285,32 @@ def test_ping_is_answered_while_a_registration_is_slow(
 
 
 def test_closed_connection_gets_its_instance_reaped_after_the_grace(
-    running: Callable[..., Running], make_caches: Callable[[], Caches]
+    running: Callable[..., Running], make_caches: Callable[[], Caches], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     grace = 0.5
-    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
+    clock = FakeClock()  # the liveness clock: it moves only when the test says
+    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace, clock=clock)
+    reaper = r.management.reaper
+    assert reaper is not None and reaper.interval_s == 15.0
+    waits: list[float] = []  # each wait the reaper thread schedules, in seconds
+    next_wait = reaper._next_wait
+
+    def spied() -> float:
+        w = next_wait()
+        waits.append(w)
+        return w
+
+    monkeypatch.setattr(reaper, "_next_wait", spied)
     sock = r.dealer()
     call(sock, 1, register_message(7, make_caches()))
     call(sock, 2, ping_of(7))
-    t_close = time.monotonic()
     sock.close(linger=0)
-    wait_until(lambda: r.blend.seen() == [7], grace + 6, what="the disconnect reap")
-    took = time.monotonic() - t_close
-    # Never before the grace; after it, within a bound that is generous for a shared 2-core
-    # CI machine yet far below the 15 s reaper step: the reaper woke at the grace deadline.
-    assert grace < took < grace + 5, took
+    # the reaper flagged the close and set its next wake at the grace's deadline, far below its
+    # 15 s step (the clock stands still: that wait is the grace itself, plus its 0.05 s margin)
+    wait_until(lambda: any(w <= grace + 0.05 for w in waits), 10, what="a wake at the grace's deadline")
+    assert r.blend.seen() == [] and r.transfer.registry.context_entry(7) is not None  # never before
+    clock.advance(2 * grace)
+    wait_until(lambda: r.blend.seen() == [7], 10, what="the disconnect reap")
     assert r.transfer.registry.context_entry(7) is None
     assert sample(r.metrics, "kvwarden_instances_reaped_total", reason="disconnect") == 1
     assert r.management.releaser.reaped_total == 1

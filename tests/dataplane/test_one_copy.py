@@ -60,6 +60,7 @@ from dataplane.wire.messages import (
     Unregister,
 )
 from dataplane.wire.protocol import PROTOCOL_VERSION
+from dataplane.wire.replies import ArenaInfo, Released, Reserved, StoreCounts, Unregistered
 from tests.dataplane.registration import SECRET, engine_register_message
 from tests.helpers import FakeClock, free_port, wait_until
 
@@ -106,47 +107,47 @@ class Direct:
     view: torch.Tensor | None = None
     rids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
-    def call(self, msg: Message, conn_fd: int = 9) -> dict[str, Any]:
+    def call(self, msg: Message, conn_fd: int = 9) -> Any:
         rctx = RequestContext(next(self.rids), msg.TYPE, conn_fd)
         out: dict[str, Any] = self.handlers[msg.TYPE].fn(rctx, msg)
         return out
 
-    def register(self, iid: int, secret: bytes = SECRET, pool_chunks: int = 4) -> dict[str, Any]:
+    def register(self, iid: int, secret: bytes = SECRET, pool_chunks: int = 4) -> Any:
         r = self.call(engine_register_message(iid, pool_chunks, secret=secret), conn_fd=5)
-        if "arena" in r and self.worker is None:
-            self.worker = Segment.attach(r["arena"]["segment"], r["arena"]["bytes"], allow_sparse=True)
+        if r.arena is not None and self.worker is None:
+            self.worker = Segment.attach(r.arena.segment, r.arena.bytes, allow_sparse=True)
             self.view = self.worker.as_tensor()
         return r
 
     def reserve(
         self, iid: int, tokens: np.ndarray, first: int = 0, n: int | None = None, secret: bytes = SECRET
-    ) -> dict[str, Any]:
+    ) -> Any:
         n = len(tokens) // CHUNK - first if n is None else n
         return self.call(EngineReserve(iid, secret, tokens, first, n))
 
     def commit(self, iid: int, lease: int, secret: bytes = SECRET) -> int:
-        return int(self.call(EngineCommit(iid, secret, lease))["stored"])
+        return int(self.call(EngineCommit(iid, secret, lease)).stored)
 
     def acquire(
         self, iid: int, tokens: np.ndarray, first: int = 0, n: int | None = None, secret: bytes = SECRET
-    ) -> dict[str, Any]:
+    ) -> Any:
         n = len(tokens) // CHUNK - first if n is None else n
         return self.call(EngineAcquire(iid, secret, tokens, first, n))
 
-    def release(self, iid: int, lease: int, secret: bytes = SECRET) -> dict[str, Any]:
+    def release(self, iid: int, lease: int, secret: bytes = SECRET) -> Any:
         return self.call(EngineRelease(iid, secret, lease))
 
     def lookup(self, iid: int, tokens: np.ndarray, secret: bytes = SECRET) -> int:
-        return int(self.call(Lookup(iid, secret, tokens))["hit_tokens"])
+        return int(self.call(Lookup(iid, secret, tokens)).hit_tokens)
 
     def arena(self) -> torch.Tensor:
         assert self.view is not None, "no instance was handed the arena"
         return self.view
 
-    def write(self, r: dict[str, Any], p: int, first: int = 0) -> None:
+    def write(self, r: Reserved, p: int, first: int = 0) -> None:
         """The worker's copies into a reserve's buffers: chunk c of prompt p gets pattern(tag)."""
-        for idx, off in r["slots"]:
-            self.arena()[off : off + r["slot_bytes"]] = pattern(tag(p, first + idx))
+        for idx, off in r.slots:
+            self.arena()[off : off + r.slot_bytes] = pattern(tag(p, first + idx))
 
     def read(self, off: int) -> torch.Tensor:
         return self.arena()[off : off + SLOT].clone()
@@ -155,7 +156,7 @@ class Direct:
         """RESERVE, write and COMMIT the whole of prompt ``p``; the chunks stored."""
         r = self.reserve(iid, prompt(p, chunks))
         self.write(r, p)
-        return self.commit(iid, r["lease"])
+        return self.commit(iid, r.lease)
 
     def used(self) -> int:
         return self.l1.stats().used_bytes
@@ -221,18 +222,18 @@ def test_register_names_the_arena_when_it_is_shared(direct: Direct) -> None:
     seg = direct.l1.arena.segment
     assert seg is not None
     r = direct.register(1)
-    assert r["arena"] == {"segment": seg.name, "bytes": seg.size, "usable": direct.l1.arena.growth()[0]}
+    assert r.arena == ArenaInfo(seg.name, seg.size, direct.l1.arena.growth()[0])
     assert (shm.SHM_DIR / seg.name).exists() and seg.size >= 8 * SLOT
-    assert r["segment"] != seg.name  # the pool is a segment of its own
+    assert r.segment != seg.name  # the pool is a segment of its own
     again = direct.register(1)  # a repeat register (a refresh) names it too
-    assert again["created"] is False and again["arena"] == r["arena"]
+    assert again.created is False and again.arena == r.arena
 
 
 def test_a_private_arena_is_not_named_and_refuses_one_copy_transfers(make_direct: DirectFactory) -> None:
     d = make_direct(shared=False)
     assert d.l1.arena.segment is None
     r = d.register(1)
-    assert "arena" not in r and r["slot_bytes"] == SLOT
+    assert r.arena is None and r.slot_bytes == SLOT
     attempts: list[Callable[[], object]] = [
         lambda: d.reserve(1, prompt(1, 2)),
         lambda: d.acquire(1, prompt(1, 2)),
@@ -248,26 +249,26 @@ def test_a_private_arena_is_not_named_and_refuses_one_copy_transfers(make_direct
 
 
 def test_reserve_hands_out_buffers_only_for_missing_chunks_and_commit_publishes_them(direct: Direct) -> None:
-    arena_bytes = direct.register(1)["arena"]["bytes"]
+    arena_bytes = direct.register(1).arena.bytes
     direct.register(2)  # the same model and layout: it shares the chunks
     tokens = prompt(1, 4)
     # L1 holds chunks 0 and 2 of the prompt
     for c in (0, 2):
         r = direct.reserve(1, tokens, c, 1)
-        assert [idx for idx, _ in r["slots"]] == [0]
+        assert [idx for idx, _ in r.slots] == [0]
         direct.write(r, 1, first=c)
-        assert direct.commit(1, r["lease"]) == 1
+        assert direct.commit(1, r.lease) == 1
     held = {}
     for c in (0, 2):
         a = direct.acquire(2, tokens, c, 1)
-        held[c] = a["offsets"][0]
-        direct.release(2, a["lease"])
+        held[c] = a.offsets[0]
+        direct.release(2, a.lease)
     assert (direct.used(), direct.chunks()) == (2 * SLOT, 2)
 
     r = direct.reserve(1, tokens)
-    assert (r["chunks"], r["present"], r["rejected"], r["slot_bytes"]) == (4, 2, 0, SLOT)
-    assert [idx for idx, _ in r["slots"]] == [1, 3]  # only the chunks L1 does not hold
-    spans = sorted([(off, off + SLOT) for _, off in r["slots"]] + [(o, o + SLOT) for o in held.values()])
+    assert (r.chunks, r.present, r.rejected, r.slot_bytes) == (4, 2, 0, SLOT)
+    assert [idx for idx, _ in r.slots] == [1, 3]  # only the chunks L1 does not hold
+    spans = sorted([(off, off + SLOT) for _, off in r.slots] + [(o, o + SLOT) for o in held.values()])
     assert all(lo >= 0 and hi <= arena_bytes for lo, hi in spans)  # inside the arena
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # none overlaps another
     assert (direct.used(), direct.chunks()) == (4 * SLOT, 2)  # reserved: counted, not held
@@ -278,23 +279,23 @@ def test_reserve_hands_out_buffers_only_for_missing_chunks_and_commit_publishes_
         assert direct.lookup(iid, tokens) == CHUNK
     for first in (0, 1, 3):
         a = direct.acquire(2, tokens, first)
-        assert len(a["offsets"]) == (1 if first == 0 else 0)
-        direct.release(2, a["lease"])
+        assert len(a.offsets) == (1 if first == 0 else 0)
+        direct.release(2, a.lease)
 
-    assert direct.commit(1, r["lease"]) == 2
+    assert direct.commit(1, r.lease) == 2
     assert direct.chunks() == 4 and direct.used() == 4 * SLOT
     for iid in (1, 2):
         assert direct.lookup(iid, tokens) == 4 * CHUNK
     a = direct.acquire(2, tokens)
-    written = dict(r["slots"])
-    assert a["offsets"] == [held[0], written[1], held[2], written[3]]
-    for c, off in enumerate(a["offsets"]):
+    written = dict(r.slots)
+    assert a.offsets == (held[0], written[1], held[2], written[3])
+    for c, off in enumerate(a.offsets):
         assert torch.equal(direct.read(off), pattern(tag(1, c))), f"chunk {c}"
-    direct.release(2, a["lease"])
+    direct.release(2, a.lease)
 
     # the lease is spent: a second COMMIT, and a RELEASE of a lease never given, are refused
-    with pytest.raises(RequestError, match=f"lease {r['lease']} is not open") as again:
-        direct.commit(1, r["lease"])
+    with pytest.raises(RequestError, match=f"lease {r.lease} is not open") as again:
+        direct.commit(1, r.lease)
     assert refused(again.value)
     with pytest.raises(RequestError, match="lease 999 is not open") as unknown:
         direct.release(1, 999)
@@ -321,13 +322,13 @@ def test_reserve_and_acquire_hash_no_chunk_past_the_last_asked_for(
     direct.register(2)
     tokens = prompt(1, 200, extra=5)
     r = direct.reserve(1, tokens, 1, 1)
-    assert [idx for idx, _ in r["slots"]] == [0] and r["chunks"] == 1
+    assert [idx for idx, _ in r.slots] == [0] and r.chunks == 1
     direct.write(r, 1, first=1)
-    assert direct.commit(1, r["lease"]) == 1
+    assert direct.commit(1, r.lease) == 1
     a = direct.acquire(2, tokens, 1, 1)
-    assert len(a["offsets"]) == 1
-    assert bool((direct.read(a["offsets"][0]) == pattern(tag(1, 1))).all())
-    direct.release(2, a["lease"])
+    assert len(a.offsets) == 1
+    assert bool((direct.read(a.offsets[0]) == pattern(tag(1, 1))).all())
+    direct.release(2, a.lease)
     assert hashed == [2, 2]  # chunks 0 and 1 of 200
     with pytest.raises(RequestError, match="first_chunk \\+ n_chunks = 202 exceeds the 200 full chunks"):
         direct.reserve(1, tokens, 199, 3)
@@ -342,13 +343,13 @@ def test_a_released_reserve_lease_is_aborted(direct: Direct) -> None:
     r = direct.reserve(1, tokens)
     direct.write(r, 2)  # the worker wrote, then gives up
     assert direct.used() == before + 3 * SLOT
-    assert direct.release(1, r["lease"]) == {"released": True}
+    assert direct.release(1, r.lease) == Released(True)
     assert (direct.used(), direct.chunks()) == (before, 2)  # the buffers went back
-    assert direct.lookup(2, tokens) == 0 and direct.acquire(2, tokens)["offsets"] == []
-    with pytest.raises(RequestError, match=f"lease {r['lease']} is not open"):
-        direct.commit(1, r["lease"])
+    assert direct.lookup(2, tokens) == 0 and direct.acquire(2, tokens).offsets == ()
+    with pytest.raises(RequestError, match=f"lease {r.lease} is not open"):
+        direct.commit(1, r.lease)
     # the chunks are still missing: the next reserve hands out buffers for all of them
-    assert [idx for idx, _ in direct.reserve(1, tokens)["slots"]] == [0, 1, 2]
+    assert [idx for idx, _ in direct.reserve(1, tokens).slots] == [0, 1, 2]
 
 
 # ------------------------------------------------------------------------ acquire / release
@@ -358,26 +359,26 @@ def test_acquire_pins_the_held_prefix_until_release(direct: Direct) -> None:
     direct.register(1)
     direct.register(2)
     a_tokens = prompt(1, 6)  # 4 chunks of it are stored: the held prefix is 4 long
-    assert direct.acquire(2, a_tokens)["offsets"] == []
+    assert direct.acquire(2, a_tokens).offsets == ()
     assert direct.store(1, 1, 4) == 4
     acq = direct.acquire(2, a_tokens)
-    assert len(acq["offsets"]) == 4 and acq["slot_bytes"] == SLOT
+    assert len(acq.offsets) == 4 and acq.slot_bytes == SLOT
 
     # L1 (8 chunks) under pressure: a prompt of 8 gets only the 4 chunks the pins leave
     b = direct.reserve(1, prompt(2, 8))
-    assert (len(b["slots"]), b["rejected"]) == (4, 4)
-    assert not {off for _, off in b["slots"]} & set(acq["offsets"])
+    assert (len(b.slots), b.rejected) == (4, 4)
+    assert not {off for _, off in b.slots} & set(acq.offsets)
     direct.write(b, 2)
-    assert direct.commit(1, b["lease"]) == 4
+    assert direct.commit(1, b.lease) == 4
     assert direct.lookup(1, a_tokens) == 4 * CHUNK  # nothing pinned was evicted, nor overwritten
-    for c, off in enumerate(acq["offsets"]):
+    for c, off in enumerate(acq.offsets):
         assert torch.equal(direct.read(off), pattern(tag(1, c))), f"chunk {c}"
 
-    assert direct.release(2, acq["lease"]) == {"released": True}
+    assert direct.release(2, acq.lease) == Released(True)
     # unpinned: the next prompt of 8 evicts them all
     big = direct.reserve(1, prompt(3, 8))
-    assert (len(big["slots"]), big["rejected"]) == (8, 0)
-    assert direct.commit(1, big["lease"]) == 8
+    assert (len(big.slots), big.rejected) == (8, 0)
+    assert direct.commit(1, big.lease) == 8
     assert direct.lookup(2, a_tokens) == 0
 
 
@@ -385,11 +386,11 @@ def test_acquire_pins_the_held_prefix_until_release(direct: Direct) -> None:
 
 
 def _release_by_unregister(d: Direct) -> None:
-    assert d.call(Unregister(1, SECRET), conn_fd=5) == {"removed": True}
+    assert d.call(Unregister(1, SECRET), conn_fd=5) == Unregistered(True)
 
 
 def _release_by_reap(d: Direct) -> None:
-    assert d.call(Ping(1, SECRET))["tracked"] is True  # it spoke: the timeout applies to it
+    assert d.call(Ping(1, SECRET)).tracked is True  # it spoke: the timeout applies to it
     d.clock.advance(TIMEOUT + 1)
     assert d.mgmt.reaper is not None
     assert d.mgmt.reaper.reap_once() == [1]  # instance 2, never pinged, is within its grace
@@ -400,7 +401,7 @@ def _release_by_admin(d: Direct) -> None:
 
 
 def _release_by_new_layout(d: Direct) -> None:
-    assert d.register(1, pool_chunks=8)["created"] is True  # the old context is released
+    assert d.register(1, pool_chunks=8).created is True  # the old context is released
 
 
 @pytest.mark.parametrize(
@@ -417,9 +418,9 @@ def test_the_instances_release_aborts_every_open_lease(
     a_tokens, b_tokens = prompt(1, 2), prompt(2, 3)
     assert d.store(1, 1, 2) == 2
     acq = d.acquire(1, a_tokens)  # pins prompt 1
-    assert len(acq["offsets"]) == 2
+    assert len(acq.offsets) == 2
     res = d.reserve(1, b_tokens)  # buffers for prompt 2, half-written
-    res_half = dict(res, slots=res["slots"][:2])
+    res_half = dataclasses.replace(res, slots=res.slots[:2])
     d.write(res_half, 2)
     assert (d.used(), d.chunks()) == (5 * SLOT, 2)
 
@@ -433,16 +434,16 @@ def test_the_instances_release_aborts_every_open_lease(
     d.clock.advance(0.5)
     d.l1.abort(d.l1.reserve(SLOT))  # the next reserve ends the quarantine ...
     assert (d.used(), d.chunks()) == (2 * SLOT, 2)  # ... and the buffers are back
-    assert d.lookup(2, b_tokens) == 0 and d.acquire(2, b_tokens)["offsets"] == []  # nothing published
+    assert d.lookup(2, b_tokens) == 0 and d.acquire(2, b_tokens).offsets == ()  # nothing published
     # neither lease is open any more: the instance is gone, or it is a new context
-    for spent in (lambda: d.commit(1, res["lease"]), lambda: d.release(1, acq["lease"])):
+    for spent in (lambda: d.commit(1, res.lease), lambda: d.release(1, acq.lease)):
         with pytest.raises((NotRegistered, RequestError)) as exc:
             spent()
         assert isinstance(exc.value, NotRegistered) or refused(exc.value)
     # the pins went too: a prompt as big as L1 evicts prompt 1
     r = d.reserve(2, prompt(3, 8))
-    assert (len(r["slots"]), r["rejected"]) == (8, 0)
-    assert d.commit(2, r["lease"]) == 8
+    assert (len(r.slots), r.rejected) == (8, 0)
+    assert d.commit(2, r.lease) == 8
     assert d.lookup(2, a_tokens) == 0
 
 
@@ -488,8 +489,8 @@ def test_an_instance_holds_at_most_max_leases(make_direct: DirectFactory) -> Non
     d.register(2)
     a_tokens = prompt(1, 2)
     assert d.store(1, 1, 2) == 2
-    reserves = [d.reserve(1, prompt(10 + i, 1))["lease"] for i in range(6)]  # a buffer each
-    acquires = [d.acquire(1, a_tokens)["lease"] for _ in range(MAX_LEASES - 6)]  # pins each
+    reserves = [d.reserve(1, prompt(10 + i, 1)).lease for i in range(6)]  # a buffer each
+    acquires = [d.acquire(1, a_tokens).lease for _ in range(MAX_LEASES - 6)]  # pins each
     used, chunks = d.used(), d.chunks()
     assert (used, chunks) == (8 * SLOT, 2)
 
@@ -506,16 +507,16 @@ def test_an_instance_holds_at_most_max_leases(make_direct: DirectFactory) -> Non
     assert d.lookup(2, new) == 0
     # another instance has leases of its own
     other = d.acquire(2, a_tokens)
-    d.release(2, other["lease"])
+    d.release(2, other.lease)
     # one lease done: one more may open
     assert d.commit(1, reserves.pop()) == 1
     again = d.reserve(1, new)
-    assert len(again["slots"]) == 3
+    assert len(again.slots) == 3
     with pytest.raises(LimitExceeded):
         d.acquire(1, a_tokens)
 
     # let go of everything: then no pin is left (every chunk may be dropped) and no buffer
-    d.release(1, again["lease"])
+    d.release(1, again.lease)
     for lease in reserves:
         d.release(1, lease)
     for lease in acquires:
@@ -555,8 +556,8 @@ def test_the_buffers_of_an_aborted_lease_are_not_reused_under_a_live_workers_cop
     assert direct.store(2, 2, 2) == 2
     direct.write(late, 1)  # instance 1's worker finishes its copy
     acq = direct.acquire(2, prompt(2, 2))
-    assert len(acq["offsets"]) == 2
-    for c, off in enumerate(acq["offsets"]):
+    assert len(acq.offsets) == 2
+    for c, off in enumerate(acq.offsets):
         assert torch.equal(direct.read(off), pattern(tag(2, c))), f"chunk {c} of instance 2 was overwritten"
 
 
@@ -579,10 +580,10 @@ def test_a_wrong_secret_is_refused_on_every_one_copy_message_and_changes_nothing
 
     attempts: list[Callable[[], object]] = [
         lambda: direct.reserve(1, prompt(3, 2), secret=OTHER),
-        lambda: direct.commit(1, res["lease"], secret=OTHER),
+        lambda: direct.commit(1, res.lease, secret=OTHER),
         lambda: direct.acquire(1, a_tokens, secret=OTHER),
-        lambda: direct.release(1, acq["lease"], secret=OTHER),
-        lambda: direct.release(1, res["lease"], secret=OTHER),
+        lambda: direct.release(1, acq.lease, secret=OTHER),
+        lambda: direct.release(1, res.lease, secret=OTHER),
     ]
     for attempt in attempts:
         with pytest.raises(NotOwner, match="instance 1 is registered by another owner"):
@@ -590,8 +591,8 @@ def test_a_wrong_secret_is_refused_on_every_one_copy_message_and_changes_nothing
     assert (direct.used(), direct.chunks(), direct.lookup(2, a_tokens), direct.lookup(2, b_tokens)) == state
     assert direct.engine.registry.context_entry(1) == entry  # not even refreshed
     # the owner's leases are intact: its COMMIT publishes, its RELEASE lets go
-    assert direct.commit(1, res["lease"]) == 2
-    assert direct.release(1, acq["lease"]) == {"released": True}
+    assert direct.commit(1, res.lease) == 2
+    assert direct.release(1, acq.lease) == Released(True)
     assert direct.lookup(2, b_tokens) == 2 * CHUNK
     assert direct.l1.clear() == 4  # no pin left
 
@@ -672,34 +673,16 @@ def test_worker_adapters_round_trip_through_the_shared_arena(make_dp: DpFactory)
     try:
         a.register_kv_caches(src)
         first = tokens[: 5 * CS + 7]
-        assert a.store_detail(first, b_src) == {
-            "chunks": 5,
-            "stored": 5,
-            "present": 0,
-            "rejected": 0,
-            "skipped": 0,
-        }
+        assert a.store_detail(first, b_src) == StoreCounts(5, 5, 0, 0, 0)
         # one copy: a RESERVE and a COMMIT; no pool, no LOOKUP first
         assert (requests(dp, "ENGINE_RESERVE"), requests(dp, "ENGINE_COMMIT")) == (1, 1)
         assert requests(dp, "ENGINE_STORE") == requests(dp, "LOOKUP") == 0
         assert dp.l1.stats().used_bytes == stored_bytes(dp) == 5 * CB
         # a repeat: all present, nothing copied twice
-        assert a.store_detail(first, b_src) == {
-            "chunks": 5,
-            "stored": 0,
-            "present": 5,
-            "rejected": 0,
-            "skipped": 0,
-        }
+        assert a.store_detail(first, b_src) == StoreCounts(5, 0, 5, 0, 0)
         assert dp.l1.stats().used_bytes == stored_bytes(dp) == 5 * CB
         # a longer prompt: its prefix present, the rest stored
-        assert a.store_detail(tokens, b_src) == {
-            "chunks": 7,
-            "stored": 2,
-            "present": 5,
-            "rejected": 0,
-            "skipped": 0,
-        }
+        assert a.store_detail(tokens, b_src) == StoreCounts(7, 2, 5, 0, 0)
         assert dp.l1.stats().used_bytes == stored_bytes(dp) == 7 * CB
 
         b.register_kv_caches(dst)
@@ -726,7 +709,7 @@ def test_a_prompt_longer_than_l1_is_rejected_past_what_fits_and_keeps_its_prefix
     try:
         a.register_kv_caches(src)
         r = a.store_detail(tokens, b_src)
-        assert r == {"chunks": n, "stored": L1_CHUNKS, "present": 0, "rejected": n - L1_CHUNKS, "skipped": 0}
+        assert r == StoreCounts(n, L1_CHUNKS, 0, n - L1_CHUNKS, 0)
         assert requests(dp, "ENGINE_RESERVE") == requests(dp, "ENGINE_COMMIT") == 2
         assert not a.store(tokens, b_src)  # still does not fit: not all held
         b.register_kv_caches(dst)
@@ -748,14 +731,8 @@ def test_a_private_arena_worker_falls_back_to_the_pool(make_dp: DpFactory) -> No
     a, b = adapter(dp, pool_chunks=4), adapter(dp, pool_chunks=2)
     try:
         a.register_kv_caches(src)
-        assert a.store_detail(tokens, b_src) == {
-            "chunks": 6,
-            "stored": 6,
-            "present": 0,
-            "rejected": 0,
-            "skipped": 0,
-        }
-        assert a.store_detail(tokens, b_src)["present"] == 6
+        assert a.store_detail(tokens, b_src) == StoreCounts(6, 6, 0, 0, 0)
+        assert a.store_detail(tokens, b_src).present == 6
         b.register_kv_caches(dst)
         assert b.retrieve(tokens, b_dst) == 6 * CS
         assert same_tokens(src, b_src, dst, b_dst, 6 * CS)
@@ -817,9 +794,9 @@ def test_a_worker_side_failure_publishes_nothing_and_leaves_no_lease(make_dp: Dp
         reg = EngineRegister(
             iid, secret, "m", 1, 0, "bfloat16", LAYERS, HEADS, HD, 1, os.getpid(), KVFormat.TOKEN_MAJOR, 16
         )
-        arena = chan.request(reg, 10.0)["arena"]
-        seg = Segment.attach(arena["segment"], arena["bytes"], allow_sparse=True)
-        copier = ArenaCopier(iid, secret, seg.as_tensor(), int(arena["usable"]))
+        arena = chan.request(reg, 10.0).arena
+        seg = Segment.attach(arena.segment, arena.bytes, allow_sparse=True)
+        copier = ArenaCopier(iid, secret, seg.as_tensor(), int(arena.usable))
 
         def send(m: Message) -> Any:
             return chan.request(m, 10.0)
@@ -835,7 +812,7 @@ def test_a_worker_side_failure_publishes_nothing_and_leaves_no_lease(make_dp: Dp
 
         # the copy mended, the same prompt goes in whole and round-trips
         done = copier.store(send, map_local_tensors(src), tokens, blocks, CS)
-        assert done == {"chunks": 3, "stored": 3, "present": 0, "rejected": 0, "skipped": 0}
+        assert done == StoreCounts(3, 3, 0, 0, 0)
         dst = caches(fill=False)
         b2 = adapter(dp)
         try:
@@ -874,13 +851,7 @@ def test_a_worker_re_registered_with_a_private_arena_server_stops_using_the_old_
         first.stop()
         second = make_dp(private=True, s=s)
         wait_until(lambda: a.registrations == 2 and a.is_healthy, 15, what="the re-register")
-        assert a.store_detail(tokens, blocks) == {
-            "chunks": 3,
-            "stored": 3,
-            "present": 0,
-            "rejected": 0,
-            "skipped": 0,
-        }
+        assert a.store_detail(tokens, blocks) == StoreCounts(3, 3, 0, 0, 0)
         b = adapter(second)
         b.register_kv_caches(dst)
         assert b.retrieve(tokens, blocks) == 3 * CS
@@ -927,8 +898,8 @@ def test_a_store_whose_lease_is_aborted_by_a_reap_and_re_register_is_no_error(ma
         fields = {f.name: getattr(local, f.name) for f in dataclasses.fields(local)}
         a._transport._local = Stalling(**fields, stall=reap_and_re_register)  # type: ignore[attr-defined]
         r = a.store_detail(tokens, blocks)
-        assert (r["stored"] + r["present"]) * CS <= b.lookup(tokens)  # nothing claimed that is not held
-        assert a.store_detail(tokens, blocks)["rejected"] == 0
+        assert (r.stored + r.present) * CS <= b.lookup(tokens)  # nothing claimed that is not held
+        assert a.store_detail(tokens, blocks).rejected == 0
         assert b.lookup(tokens) == 3 * CS
     finally:
         a.close()

@@ -47,6 +47,7 @@ from dataplane.wire.messages import (
     Unregister,
 )
 from dataplane.wire.protocol import PROTOCOL_VERSION
+from dataplane.wire.replies import PingReply, Unregistered
 from tests.dataplane.fakes import BlendLike
 from tests.dataplane.registration import SECRET, engine_register_message, register_message, segment_of
 from tests.helpers import FakeClock
@@ -143,7 +144,7 @@ class Plane:
             return out, Held(SD, segment_of(caches))
         msg = engine_register_message(iid, POOL_CHUNKS * (layout + 1), secret=secret)
         out = self._call(self.ed.handlers(), msg, conn_fd)
-        return out, Held(ED, out["segment"])
+        return out, Held(ED, out.segment)
 
     def store(self, mode: TransferMode, iid: int, secret: bytes, conn_fd: int = 9) -> dict[str, Any]:
         msg: Message
@@ -163,7 +164,7 @@ class Plane:
 
     def lookup(self, iid: int, secret: bytes, conn_fd: int = 9) -> int:
         out = self._call(self.lookup_module.handlers(), Lookup(iid, secret, TOKENS), conn_fd)
-        return int(out["hit_tokens"])
+        return int(out.hit_tokens)
 
     def unregister(self, iid: int, secret: bytes, conn_fd: int = 5) -> dict[str, Any]:
         return self._call(self.mgmt.handlers(), Unregister(iid, secret), conn_fd)
@@ -239,7 +240,7 @@ def test_a_register_of_a_live_id_with_another_secret_is_refused_and_touches_noth
     # work, so the stranger is refused as NOT_OWNER, never as over the budget
     plane, budget, _ = budgeted(make_plane, mode)
     first, held = plane.register(mode, 7, conn_fd=5)
-    assert first["created"] is True and held.by_server()
+    assert first.created is True and held.by_server()
     plane.clock.advance(10)
     before_entry, before = plane.entry(mode, 7), footprint()
     for layout in (0, 1):  # the owner's own layout, and another one
@@ -256,7 +257,7 @@ def test_a_register_of_a_live_id_with_another_secret_is_refused_and_touches_noth
     assert plane.quota is not None and plane.quota.tracked == 1
     # its layout is unchanged: the owner's repeat register still refreshes the same context
     again, same = plane.register(mode, 7, conn_fd=5)
-    assert again["created"] is False and same == held
+    assert again.created is False and same == held
     assert plane.entry(mode, 7).last_seen == T0 + 10
 
 
@@ -265,18 +266,18 @@ def test_the_owner_refreshes_and_may_register_a_new_layout(plane: Plane, mode: T
     _, old = plane.register(mode, 7, conn_fd=5)
     plane.clock.advance(10)
     again, same = plane.register(mode, 7, conn_fd=6)
-    assert again["created"] is False and same == old
+    assert again.created is False and same == old
     e = plane.entry(mode, 7)
     assert (e.registered_at, e.last_seen, e.conn_fd, e.has_liveness_signal) == (T0, T0 + 10, 6, False)
     plane.clock.advance(5)
     renewed, new = plane.register(mode, 7, conn_fd=6, layout=1)
-    assert renewed["created"] is True and new != old
+    assert renewed.created is True and new != old
     assert new.by_server() and not old.by_server()
     assert plane.entry(mode, 7).registered_at == T0 + 15
     # the new context is still the owner's: a stranger is refused, the owner refreshes it
     with pytest.raises(NotOwner):
         plane.register(mode, 7, secret=OTHER, layout=1)
-    assert plane.register(mode, 7, layout=1)[0]["created"] is False
+    assert plane.register(mode, 7, layout=1)[0].created is False
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -293,13 +294,13 @@ def test_an_id_live_in_one_mode_cannot_be_taken_in_the_other_with_another_secret
         p.register(other, 7, secret=OTHER, conn_fd=6, layout=1)
     assert footprint() == before and held.by_server(), refused.value
     assert p.tracked() == {mode.value: [7], other.value: []}
-    assert p.ping(7, OTHER)["tracked"] is False
+    assert p.ping(7, OTHER).tracked is False
     # the owner may register it in the other mode as well, and unregister it from both
-    assert p.register(other, 7, layout=1)[0]["created"] is True
-    assert p.unregister(7, SECRET) == {"removed": True}
+    assert p.register(other, 7, layout=1)[0].created is True
+    assert p.unregister(7, SECRET) == Unregistered(True)
     assert p.tracked() == {mode.value: [], other.value: []} and not held.by_server()
     # once it is gone the id is free: anyone may register it
-    assert p.register(other, 7, secret=OTHER, layout=1)[0]["created"] is True
+    assert p.register(other, 7, secret=OTHER, layout=1)[0].created is True
 
 
 def test_a_registry_put_over_another_owners_entry_is_refused(clock: FakeClock) -> None:
@@ -356,13 +357,13 @@ def test_requests_with_a_wrong_secret_are_refused_and_touch_nothing(plane: Plane
     assert held.by_server()
     # the refused STORE stored nothing; the owner's requests are served and refresh the entry
     assert plane.lookup(7, SECRET) == 0
-    assert plane.store(mode, 7, SECRET)["stored"] == 2
+    assert plane.store(mode, 7, SECRET).stored == 2
     assert plane.lookup(7, SECRET, conn_fd=11) == 2 * CHUNK
     assert registry.scope_of(7, 12, SECRET) is not None
     e = plane.entry(mode, 7)
     assert (e.last_seen, e.conn_fd, e.has_liveness_signal) == (T0 + 10, 12, False)
     # the refused use() left no user behind: an unregister releases at once, not "deferred"
-    assert plane.unregister(7, SECRET) == {"removed": True}
+    assert plane.unregister(7, SECRET) == Unregistered(True)
     assert not held.by_server()
 
 
@@ -375,10 +376,10 @@ def test_a_touch_or_ping_with_a_wrong_secret_changes_nothing(plane: Plane, mode:
     before = plane.entry(mode, 7)
     assert (before.last_seen, before.has_liveness_signal, before.disconnected) == (T0, False, True)
     assert registry.touch_instance(7, 9, OTHER) is False
-    assert plane.ping(7, OTHER) == {"boot_token": 1, "tracked": False}
+    assert plane.ping(7, OTHER) == PingReply(1, False)
     assert plane.entry(mode, 7) == before  # not refreshed, not latched, still disconnected
     # the owner's PING does all three
-    assert plane.ping(7, SECRET, conn_fd=9) == {"boot_token": 1, "tracked": True}
+    assert plane.ping(7, SECRET, conn_fd=9) == PingReply(1, True)
     e = plane.entry(mode, 7)
     assert (e.last_seen, e.has_liveness_signal, e.disconnected, e.conn_fd) == (T0 + 10, True, False, 9)
     assert registry.touch_instance(7, 10, SECRET) is True
@@ -394,7 +395,7 @@ def test_unregister_with_a_wrong_secret_is_refused_and_releases_nothing(
         plane.unregister(7, OTHER, conn_fd=6)
     assert held.by_server() and plane.entry(mode, 7).instance_id == 7
     assert plane.blend.seen() == [] and plane.blend.state == {7: "rope-7"}  # no fan-out either
-    assert plane.unregister(7, SECRET) == {"removed": True}
+    assert plane.unregister(7, SECRET) == Unregistered(True)
     assert not held.by_server() and plane.registry(mode).context_entry(7) is None
     assert plane.blend.seen() == [7] and plane.blend.state == {}
     assert plane.mgmt.releaser.reaped_total == 0
@@ -407,7 +408,7 @@ def test_unregister_with_a_wrong_secret_releases_neither_mode(plane: Plane) -> N
         plane.unregister(7, OTHER)
     assert mapped.by_server() and pool.by_server()
     assert plane.tracked() == {SD.value: [7], ED.value: [7]}
-    assert plane.unregister(7, SECRET) == {"removed": True}
+    assert plane.unregister(7, SECRET) == Unregistered(True)
     assert not mapped.by_server() and not pool.by_server()
     assert plane.tracked() == {SD.value: [], ED.value: []}
 
@@ -434,21 +435,21 @@ def test_max_instances_refuses_a_new_id_until_a_place_is_free(make_plane: PlaneF
         with pytest.raises(LimitExceeded, match=r"max_instances 2\)"):
             p.register(mode, 3)
     # a tracked id is no new instance: repeat registers and a new layout still go through
-    assert p.register(SD, 1)[0]["created"] is False
-    assert p.register(SD, 1, layout=1)[0]["created"] is True
-    assert p.register(ED, 2)[0]["created"] is False
+    assert p.register(SD, 1)[0].created is False
+    assert p.register(SD, 1, layout=1)[0].created is True
+    assert p.register(ED, 2)[0].created is False
     assert p.quota is not None and p.quota.tracked == 2
     assert p.tracked() == {SD.value: [1], ED.value: [2]}
     # an UNREGISTER gives its place back ...
-    assert p.unregister(1, SECRET) == {"removed": True}
-    assert p.register(SD, 3)[0]["created"] is True
+    assert p.unregister(1, SECRET) == Unregistered(True)
+    assert p.register(SD, 3)[0].created is True
     with pytest.raises(LimitExceeded, match="max_instances"):
         p.register(ED, 4)
     # ... and so does a reap: 2 pinged once and went silent past the timeout, 3 stays fresh
     assert p.registry(ED).touch_instance(2, secret=SECRET)
     p.clock.advance(TIMEOUT + 1)
     assert p.reap() == [2]
-    assert p.register(ED, 4)[0]["created"] is True
+    assert p.register(ED, 4)[0].created is True
     assert p.quota.tracked == 2
     assert p.tracked() == {SD.value: [3], ED.value: [4]}
 
@@ -461,8 +462,8 @@ def test_max_instances_per_connection_counts_the_registering_connection(make_pla
     for mode in MODES:
         with pytest.raises(LimitExceeded, match=r"max_instances_per_connection 2\)"):
             p.register(mode, 3, conn_fd=5)
-    assert p.register(SD, 1, conn_fd=5)[0]["created"] is False  # a tracked id: still fine
-    assert p.register(SD, 3, conn_fd=6)[0]["created"] is True  # another connection has room
+    assert p.register(SD, 1, conn_fd=5)[0].created is False  # a tracked id: still fine
+    assert p.register(SD, 3, conn_fd=6)[0].created is True  # another connection has room
     quota.on_connection(5, True)  # a connect resets nothing
     with pytest.raises(LimitExceeded, match="max_instances_per_connection"):
         p.register(ED, 4, conn_fd=5)
@@ -472,8 +473,8 @@ def test_max_instances_per_connection_counts_the_registering_connection(make_pla
     with pytest.raises(LimitExceeded, match="max_instances_per_connection"):
         p.register(SD, 6, conn_fd=5)
     # an instance that goes gives its connection's place back
-    assert p.unregister(4, SECRET) == {"removed": True}
-    assert p.register(SD, 6, conn_fd=5)[0]["created"] is True
+    assert p.unregister(4, SECRET) == Unregistered(True)
+    assert p.register(SD, 6, conn_fd=5)[0].created is True
     assert quota.tracked == 5
     assert p.tracked() == {SD.value: [1, 3, 5, 6], ED.value: [2]}
 
@@ -481,15 +482,15 @@ def test_max_instances_per_connection_counts_the_registering_connection(make_pla
 def test_an_id_registered_in_both_modes_takes_one_place(make_plane: PlaneFactory) -> None:
     quota = InstanceQuota(1, 1)
     p = make_plane(quota=quota)
-    assert p.register(SD, 7, conn_fd=5)[0]["created"] is True
-    assert p.register(ED, 7, conn_fd=5)[0]["created"] is True
+    assert p.register(SD, 7, conn_fd=5)[0].created is True
+    assert p.register(ED, 7, conn_fd=5)[0].created is True
     assert quota.tracked == 1
     for mode in MODES:
         with pytest.raises(LimitExceeded, match="max_instances"):
             p.register(mode, 8, conn_fd=6)
-    assert p.unregister(7, SECRET) == {"removed": True}
+    assert p.unregister(7, SECRET) == Unregistered(True)
     assert quota.tracked == 0
-    assert p.register(ED, 8, conn_fd=5)[0]["created"] is True
+    assert p.register(ED, 8, conn_fd=5)[0].created is True
 
 
 def test_an_id_one_mode_lets_go_stays_counted_and_owned_while_the_other_holds_it(
@@ -568,7 +569,7 @@ def test_a_registration_past_the_budget_is_refused_until_the_holder_is_unregiste
     assert footprint() == before and budget.used == one_registration(mode), refused.value
     assert p.quota is not None and p.quota.tracked == 1  # the refused id took no place
     assert p.tracked()[mode.value] == [1]
-    assert p.unregister(1, SECRET) == {"removed": True}
+    assert p.unregister(1, SECRET) == Unregistered(True)
     assert not first.by_server() and budget.used == 0
     _, second = p.register(mode, 2, layout=second_layout(mode))
     assert second.by_server() and budget.used == one_registration(mode)
@@ -583,7 +584,7 @@ def test_a_reap_gives_the_budget_back(make_plane: PlaneFactory, mode: TransferMo
         p.register(mode, 2, layout=second_layout(mode))
     assert p.reap() == [1]
     assert not first.by_server() and budget.used == 0
-    assert p.register(mode, 2, layout=second_layout(mode))[0]["created"] is True
+    assert p.register(mode, 2, layout=second_layout(mode))[0].created is True
     assert budget.used == one_registration(mode)
 
 
@@ -603,4 +604,4 @@ def test_the_budget_comes_back_only_when_the_transfer_holding_it_ends(
         with pytest.raises(LimitExceeded, match=setting):
             p.register(mode, 2, layout=second_layout(mode))
     assert not first.by_server() and budget.used == 0
-    assert p.register(mode, 2, layout=second_layout(mode))[0]["created"] is True
+    assert p.register(mode, 2, layout=second_layout(mode))[0].created is True

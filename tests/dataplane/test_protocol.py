@@ -16,6 +16,7 @@ from dataplane.wire import checks as c
 from dataplane.wire import messages as m
 from dataplane.wire import protocol as p
 from dataplane.wire.errors import FrameTooLarge, ProtocolError, ShuttingDown, VersionMismatch
+from dataplane.wire.table import PARSERS
 from tests.dataplane.registration import SECRET, engine_register_message
 
 IID = 123456789
@@ -93,7 +94,7 @@ def instance_messages() -> list[m.Message]:
     tok = np.arange(2 * 16)
     return [
         m.Ping(IID, SECRET),
-        m.PARSERS[m.MsgType.REGISTER_KV_CACHE](shm_register()),
+        PARSERS[m.MsgType.REGISTER_KV_CACHE](shm_register()),
         m.Unregister(IID, SECRET),
         m.Store(IID, SECRET, tok, np.array([3, 1])),
         m.Retrieve(IID, SECRET, tok, np.array([3, 1])),
@@ -348,15 +349,15 @@ class TestFraming:
         with pytest.raises(ProtocolError, match="undecodable frame"):
             p.unpack(data, 4096)
 
-    def test_protocol_version_is_4(self) -> None:
-        assert p.PROTOCOL_VERSION == 4
+    def test_protocol_version_is_5(self) -> None:
+        assert p.PROTOCOL_VERSION == 5
 
     def test_version_mismatch_names_both_versions(self) -> None:
         with pytest.raises(VersionMismatch) as exc:
             roundtrip(p.encode_request(1, "HELLO", [], version=3))
         msg = str(exc.value)
         assert "v3" in msg and f"v{p.PROTOCOL_VERSION}" in msg
-        assert "client speaks v3" in msg and "server speaks v4" in msg
+        assert "client speaks v3" in msg and "server speaks v5" in msg
         assert exc.value.code == "VERSION_MISMATCH"
 
     @pytest.mark.parametrize(
@@ -368,7 +369,7 @@ class TestFraming:
         for its payload: it learns to upgrade, not that its PING is malformed."""
         with pytest.raises(VersionMismatch) as exc:
             roundtrip(p.encode_request(1, mtype, v1_payload, version=1))
-        assert "client speaks v1, server speaks v4" in str(exc.value)
+        assert "client speaks v1, server speaks v5" in str(exc.value)
         assert exc.value.code == "VERSION_MISMATCH"
 
     def test_version_checked_before_everything_else(self) -> None:
@@ -420,17 +421,17 @@ class TestFraming:
 
     def test_reply_roundtrip(self) -> None:
         r = p.decode_reply(p.encode_ok(5, {"hit_tokens": 32}))
-        assert r == p.Reply(5, True, {"hit_tokens": 32})
+        assert r == p.ReplyFrame(5, True, {"hit_tokens": 32})
         r = p.decode_reply(p.encode_error(6, FrameTooLarge("too big")))
-        assert r == p.Reply(6, False, {"code": "FRAME_TOO_LARGE", "message": "too big"})
+        assert r == p.ReplyFrame(6, False, {"code": "FRAME_TOO_LARGE", "message": "too big"})
         r = p.decode_reply(p.encode_error(7, ShuttingDown("server is stopping")))
         assert r.body == {"code": "SHUTTING_DOWN", "message": "server is stopping"}
 
     def test_reply_version_mismatch_names_both(self) -> None:
         data = msgpack.packb([9, 1, True, None])
-        with pytest.raises(VersionMismatch, match="server speaks v9, client speaks v4"):
+        with pytest.raises(VersionMismatch, match="server speaks v9, client speaks v5"):
             p.decode_reply(data)
-        with pytest.raises(VersionMismatch, match="server speaks v1, client speaks v4"):
+        with pytest.raises(VersionMismatch, match="server speaks v1, client speaks v5"):
             p.decode_reply(msgpack.packb([1, 1, True, None]))
         with pytest.raises(ProtocolError, match="malformed reply"):
             p.decode_reply(msgpack.packb([1, 1, True]))

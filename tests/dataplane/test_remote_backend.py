@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -106,20 +105,24 @@ def test_a_hung_redis_bounds_every_call_and_put_never_waits(
     assert backend.flush(10)
     redis_server.pause()  # SIGSTOP: connections accepted, nothing answered
     try:
-        for call in (
-            lambda: backend.get(_key(1), "bfloat16", SHAPE),
-            lambda: backend.count_prefix([_key(1)]),
+        for n, call in enumerate(
+            (
+                lambda: backend.get(_key(1), "bfloat16", SHAPE),
+                lambda: backend.count_prefix([_key(1)]),
+            ),
+            start=1,
         ):
-            t0 = time.monotonic()
+            # each call gave up at its timeout (counted as a timeout, not waited out)
             assert not call()
-            assert time.monotonic() - t0 < TIMEOUT_S + 0.5
-        latency, code = backend.ping()
-        assert code == TIMEOUT and latency < TIMEOUT_S + 0.5
+            assert backend.stats().get_failures["timeout"] == n
+        _, code = backend.ping()
+        assert code == TIMEOUT
         done = _Done()
-        t0 = time.monotonic()
+        # the writer is stuck on Redis; put is not: past the queue's room it refuses (a "full"
+        # drop) instead of waiting for the writer to make room
         accepted = [backend.put(_key(100 + i), "bfloat16", SHAPE, _payload(), done) for i in range(10)]
-        assert time.monotonic() - t0 < 0.2  # the writer is stuck on Redis; put is not
         assert not all(accepted) and backend.stats().drops["full"] >= 5
+        assert backend.stats().drops["full"] == accepted.count(False), (accepted, backend.stats().drops)
         assert backend.take_failed_gets() == 2 and backend.stats().get_failures["timeout"] == 2
     finally:
         redis_server.resume()
@@ -132,11 +135,11 @@ def test_a_killed_redis_fails_fast_and_a_restarted_one_is_used_again(
     backend: RemoteBackend, redis_server: RedisServer
 ) -> None:
     redis_server.kill()
-    t0 = time.monotonic()
     assert backend.get(_key(1), "bfloat16", SHAPE) is None
     assert backend.ping()[1] == OTHER_ERROR
-    assert time.monotonic() - t0 < TIMEOUT_S + 0.5
+    # refused at once: a connection failure, not a timeout waited out
     assert backend.stats().get_failures["connection"] == 1
+    assert backend.stats().get_failures["timeout"] == 0
     backend.put(_key(1), "bfloat16", SHAPE, _payload())
     wait_until(lambda: backend.stats().put_failures["connection"] == 1, 10, what="the failed write")
     redis_server.start()  # the same port

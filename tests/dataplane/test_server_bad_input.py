@@ -48,7 +48,7 @@ from dataplane.wire.messages import (
     encode_payload,
     field_names,
 )
-from dataplane.wire.protocol import PROTOCOL_VERSION, Reply, decode_reply, encode_message, encode_request
+from dataplane.wire.protocol import PROTOCOL_VERSION, ReplyFrame, decode_reply, encode_message, encode_request
 from tests.dataplane.registration import SECRET, engine_register_message, register_message
 from tests.helpers import ServerProcess, call, error_of, next_rid, request, wait_until
 
@@ -117,7 +117,7 @@ def frame(mtype: str, payload: Any, rid: int | None = None, version: int = PROTO
     return encode_request(next_rid() if rid is None else rid, mtype, payload, version=version)
 
 
-def ping(sock: Sock, instance_id: int | None = None, secret: bytes | None = None) -> Reply:
+def ping(sock: Sock, instance_id: int | None = None, secret: bytes | None = None) -> ReplyFrame:
     """A PING (a probe without an id and secret) that must be answered, for this request."""
     rid = next_rid()
     reply = call(sock, encode_message(rid, Ping(instance_id, secret)))
@@ -127,7 +127,7 @@ def ping(sock: Sock, instance_id: int | None = None, secret: bytes | None = None
     return reply
 
 
-def send(sock: Sock, msg: Message) -> Reply:
+def send(sock: Sock, msg: Message) -> ReplyFrame:
     return call(sock, encode_message(next_rid(), msg))
 
 
@@ -143,7 +143,7 @@ def payload_of(msg: Record, **over: Any) -> list[Any]:
 def test_server_info(server: ServerProcess, sock: Sock) -> None:
     reply = call(sock, frame("HELLO", []))
     assert reply.ok
-    assert reply.body["protocol_version"] == 4 == PROTOCOL_VERSION
+    assert reply.body["protocol_version"] == 5 == PROTOCOL_VERSION
     assert reply.body["chunk_size"] == CHUNK
     assert reply.body["max_frame_bytes"] == MAX_FRAME
 
@@ -181,7 +181,7 @@ def test_wrong_version(sock: Sock) -> None:
     reply = call(sock, frame("PING", [None, None], rid=rid, version=7))
     code, message = error_of(reply)
     assert code == "VERSION_MISMATCH"
-    assert "v7" in message and "v4" in message
+    assert "v7" in message and "v5" in message
     assert reply.request_id == rid  # the id is echoed even on a decode error
     ping(sock)
 
@@ -203,7 +203,7 @@ def test_v1_client_gets_version_mismatch(
         reply = call(sock, frame(mtype, v1_payload, rid=rid, version=1))
         code, message = error_of(reply)
         assert code == "VERSION_MISMATCH", (mtype, code, message)
-        assert "client speaks v1" in message and "server speaks v4" in message, message
+        assert "client speaks v1" in message and "server speaks v5" in message, message
         assert reply.request_id == rid
     assert ping(sock, w.instance_id, secret_of(w)).body["tracked"] is True
 

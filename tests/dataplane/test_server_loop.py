@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,23 +23,26 @@ import zmq
 
 from dataplane.client import WorkerAdapter
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Deferred, Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Deferred, Handler, RequestContext
 from dataplane.server.loop import Lifecycle, Server
 from dataplane.wire.errors import RequestTimeout
-from dataplane.wire.messages import Hello, Lookup, Message, MsgType, Ping, Store
+from dataplane.wire.messages import EngineReserve, Hello, Lookup, Message, MsgType, Ping, Store
 from dataplane.wire.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
-    Reply,
+    ReplyFrame,
     decode_reply,
     decode_request,
     encode_message,
     unpack,
 )
+from dataplane.wire.replies import Hits, PingReply, Reserved, StoreCounts
+from dataplane.wire.table import SPECS, HandlerKind
 from tests.conftest import DealerFactory
 from tests.dataplane.registration import SECRET
 from tests.helpers import call, error_of, next_rid, wait_until
 
-PONG = {"pong": True}
+PONG = PingReply(7, None)
+PONG_BODY = {"boot_token": 7, "tracked": None}  # as it travels
 WAIT_S = 30.0  # bound on any wait for the server (a shared 2-core machine can be slow)
 
 Sock = zmq.Socket[Any]
@@ -67,14 +69,41 @@ class HandMade:
         self.calls.append("close")
 
 
-def pong(_rctx: RequestContext, _p: Ping) -> dict[str, Any]:
+def pong(_rctx: RequestContext, _p: Ping) -> PingReply:
     return PONG
 
 
-PING_HANDLER = Handler(HandlerKind.LOOP, pong)
+PING_HANDLER = Handler(pong)
 
 
-def by_instance(p: Store) -> int:
+def seq_reply(p: Store) -> StoreCounts:
+    """A STORE's reply carrying the request's sequence number (as ``chunks``)."""
+    return StoreCounts(seq_of(p), 0, 0, 0, 0)
+
+
+def seq_body(seq: int) -> dict[str, int]:
+    """``seq_reply``'s body as it travels."""
+    return {"chunks": seq, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}
+
+
+def reserve(instance_id: int, seq: int) -> EngineReserve:
+    """An ENGINE_RESERVE (a row answered inline when it cannot wait) carrying ``seq`` as
+    ``store`` does."""
+    return EngineReserve(instance_id, SECRET, np.array([seq], dtype="<i4"), 0, 0)
+
+
+def lease_reply(p: EngineReserve) -> Reserved:
+    """A reserve's reply carrying the request's sequence number (as ``lease``)."""
+    return Reserved(seq_of(p), (), 0, 0, 0, 0, 0, 0)
+
+
+def lease_body(seq: int) -> dict[str, Any]:
+    """``lease_reply``'s body as it travels."""
+    zero = dict.fromkeys(("slot_bytes", "present", "rejected", "skipped", "chunks", "usable"), 0)
+    return {"lease": seq, "slots": [], **zero}
+
+
+def by_instance(p: Store | EngineReserve) -> int:
     return p.instance_id
 
 
@@ -83,7 +112,7 @@ def store(instance_id: int, seq: int) -> Store:
     return Store(instance_id, SECRET, np.array([seq], dtype="<i4"), np.array([0], dtype="<i4"))
 
 
-def seq_of(p: Store) -> int:
+def seq_of(p: Store | EngineReserve) -> int:
     return int(p.token_ids[0])
 
 
@@ -114,44 +143,40 @@ def send(sock: Sock, msg: Message) -> int:
     return rid
 
 
-def request(sock: Sock, msg: Message, timeout: float = WAIT_S) -> tuple[int, Reply]:
+def request(sock: Sock, msg: Message, timeout: float = WAIT_S) -> tuple[int, ReplyFrame]:
     rid = next_rid()
     reply = call(sock, encode_message(rid, msg), timeout)
     assert reply.request_id == rid, reply
     return rid, reply
 
 
-def receive(sock: Sock, timeout: float = WAIT_S) -> Reply:
+def receive(sock: Sock, timeout: float = WAIT_S) -> ReplyFrame:
     assert sock.poll(int(timeout * 1000), zmq.POLLIN), f"no reply within {timeout:g}s"
     return decode_reply(sock.recv())
 
 
 def assert_pong(sock: Sock) -> None:
     _, reply = request(sock, Ping(None, None))
-    assert reply.ok and reply.body == PONG, reply
+    assert reply.ok and reply.body == PONG_BODY, reply
 
 
 # ------------------------------------------------------------------- handler exceptions
 
 
 @pytest.mark.parametrize(
-    ("kind", "msg"),
-    [
-        (HandlerKind.LOOP, Hello()),
-        (HandlerKind.NORMAL, Lookup(5, SECRET, np.arange(4, dtype="<i4"))),
-        (HandlerKind.TRANSFER, store(5, 0)),
-    ],
+    "msg",
+    [Hello(), Lookup(5, SECRET, np.arange(4, dtype="<i4")), store(5, 0)],
     ids=["loop", "normal", "transfer"],
 )
 def test_a_handler_exception_becomes_an_internal_reply_and_the_loop_goes_on(
-    make_loop: ServerFactory, make_dealer: DealerFactory, kind: HandlerKind, msg: Message
+    make_loop: ServerFactory, make_dealer: DealerFactory, msg: Message[Any]
 ) -> None:
     def explode(_rctx: RequestContext, _p: Any) -> Any:
         raise RuntimeError("handler exploded")
 
-    order_key = by_instance if kind is HandlerKind.TRANSFER else None
+    order_key = by_instance if SPECS[msg.TYPE].kind is HandlerKind.TRANSFER else None
     server = make_loop(
-        HandMade("faulty", {msg.TYPE: Handler(kind, explode, order_key), MsgType.PING: PING_HANDLER})
+        HandMade("faulty", {msg.TYPE: Handler(explode, order_key), MsgType.PING: PING_HANDLER})
     )
     sock = make_dealer(server.bound_endpoint)
     _, reply = request(sock, msg)
@@ -175,18 +200,18 @@ def test_a_request_arriving_while_draining_gets_shutting_down_and_the_inflight_o
     entered, release = threading.Event(), threading.Event()
     handled: list[int] = []
 
-    def blocking_store(_rctx: RequestContext, p: Store) -> dict[str, int]:
+    def blocking_store(_rctx: RequestContext, p: Store) -> StoreCounts:
         handled.append(seq_of(p))
         entered.set()
         if not release.wait(WAIT_S):
             raise RuntimeError("the test never released the transfer")
-        return {"seq": seq_of(p)}
+        return seq_reply(p)
 
     module = HandMade(
         "blocking",
         {
             MsgType.PING: PING_HANDLER,
-            MsgType.STORE: Handler(HandlerKind.TRANSFER, blocking_store, by_instance),
+            MsgType.STORE: Handler(blocking_store, by_instance),
         },
     )
     # a drain bound far above the test's own waits: the server drains until released
@@ -220,7 +245,7 @@ def test_a_request_arriving_while_draining_gets_shutting_down_and_the_inflight_o
     assert not stopper.is_alive(), "stop() did not return after the transfer was released"
     assert stopped == [True]
     reply = receive(inflight)
-    assert reply.ok and reply.request_id == rid and reply.body == {"seq": 0}, reply
+    assert reply.ok and reply.request_id == rid and reply.body == seq_body(0), reply
     assert server.state is Lifecycle.STOPPED
     assert module.calls == ["start", "stop", "close"]
 
@@ -253,7 +278,7 @@ def test_transfers_of_one_instance_run_in_arrival_order_without_holding_another_
     lock = threading.Lock()
     events: list[tuple[str, int, int]] = []  # (start | end, instance, seq)
 
-    def recording_store(_rctx: RequestContext, p: Store) -> dict[str, int]:
+    def recording_store(_rctx: RequestContext, p: Store) -> StoreCounts:
         key = (p.instance_id, seq_of(p))
         with lock:
             events.append(("start", *key))
@@ -263,9 +288,9 @@ def test_transfers_of_one_instance_run_in_arrival_order_without_holding_another_
                 raise RuntimeError("the test never released the first transfer")
         with lock:
             events.append(("end", *key))
-        return {"instance": p.instance_id, "seq": seq_of(p)}
+        return seq_reply(p)
 
-    module = HandMade("ordered", {MsgType.STORE: Handler(HandlerKind.TRANSFER, recording_store, by_instance)})
+    module = HandMade("ordered", {MsgType.STORE: Handler(recording_store, by_instance)})
     # enough transfer threads that unordered requests of `first` would overtake the blocked one
     server = make_loop(module, max_transfer_workers=4)
     sock = make_dealer(server.bound_endpoint)
@@ -287,7 +312,7 @@ def test_transfers_of_one_instance_run_in_arrival_order_without_holding_another_
     replies = [receive(sock) for _ in range(4)]
     assert all(r.ok for r in replies), replies
     assert [r.request_id for r in replies] == rids
-    assert [r.body["seq"] for r in replies] == [0, 1, 2, 3]
+    assert [r.body["chunks"] for r in replies] == [0, 1, 2, 3]
     with lock:
         mine = [(what, s) for what, i, s in events if i == first]
     # one at a time, in arrival order: each starts only after the one before it ended
@@ -302,37 +327,37 @@ def test_a_transfer_that_cannot_wait_runs_on_the_loop_unless_its_instance_has_on
     lock = threading.Lock()
     ran: list[tuple[int, int, str]] = []  # (instance, seq, thread name)
 
-    def recording_store(_rctx: RequestContext, p: Store) -> dict[str, int]:
+    def recording_store(_rctx: RequestContext, p: EngineReserve) -> StoreCounts:
         with lock:
             ran.append((p.instance_id, seq_of(p), threading.current_thread().name))
         if (p.instance_id, seq_of(p)) == (first, 0):
             entered.set()
             if not release.wait(WAIT_S):
                 raise RuntimeError("the test never released the first transfer")
-        return {"seq": seq_of(p)}
+        return lease_reply(p)
 
-    def quick(p: Store) -> bool:  # seq 0 stands for a transfer that may wait
+    def quick(p: EngineReserve) -> bool:  # seq 0 stands for a transfer that may wait
         return seq_of(p) > 0
 
-    handler = Handler(HandlerKind.TRANSFER, recording_store, by_instance, quick)
-    server = make_loop(HandMade("inline", {MsgType.STORE: handler}), max_transfer_workers=4)
+    handler = Handler(recording_store, by_instance, quick)
+    server = make_loop(HandMade("inline", {MsgType.ENGINE_RESERVE: handler}), max_transfer_workers=4)
     sock = make_dealer(server.bound_endpoint)
-    _, reply = request(sock, store(other, 1))
-    assert reply.ok and reply.body == {"seq": 1}, reply
+    _, reply = request(sock, reserve(other, 1))
+    assert reply.ok and reply.body == lease_body(1), reply
     assert ran == [(other, 1, "kvwarden-loop")]
     try:
-        rids = [send(sock, store(first, 0))]
+        rids = [send(sock, reserve(first, 0))]
         assert entered.wait(WAIT_S), "the first transfer never ran"
-        rids.append(send(sock, store(first, 1)))  # cannot wait, but must not overtake seq 0
-        _, reply = request(sock, store(other, 2))  # answered while `first` is blocked
-        assert reply.ok and reply.body == {"seq": 2}, reply
+        rids.append(send(sock, reserve(first, 1)))  # cannot wait, but must not overtake seq 0
+        _, reply = request(sock, reserve(other, 2))  # answered while `first` is blocked
+        assert reply.ok and reply.body == lease_body(2), reply
         with lock:
             assert ran[1:] == [(first, 0, ran[1][2]), (other, 2, "kvwarden-loop")], ran
         assert ran[1][2].startswith("kvwarden-transfer")
     finally:
         release.set()
     replies = [receive(sock) for _ in range(2)]
-    assert [(r.request_id, r.body) for r in replies] == [(rids[0], {"seq": 0}), (rids[1], {"seq": 1})]
+    assert [(r.request_id, r.body) for r in replies] == [(rids[0], lease_body(0)), (rids[1], lease_body(1))]
     with lock:
         assert ran[3][:2] == (first, 1) and ran[3][2].startswith("kvwarden-transfer"), ran
 
@@ -347,7 +372,7 @@ def test_an_inline_transfer_that_defers_runs_on_the_pool_and_keeps_its_place(
     lock = threading.Lock()
     ran: list[tuple[int, bool, str]] = []  # (seq, inline, thread name)
 
-    def deferring_store(rctx: RequestContext, p: Store) -> dict[str, int]:
+    def deferring_store(rctx: RequestContext, p: EngineReserve) -> StoreCounts:
         with lock:
             ran.append((seq_of(p), rctx.inline, threading.current_thread().name))
         if seq_of(p) == 1 and rctx.inline:
@@ -356,20 +381,20 @@ def test_an_inline_transfer_that_defers_runs_on_the_pool_and_keeps_its_place(
             entered.set()
             if not release.wait(WAIT_S):
                 raise RuntimeError("the test never released the deferred transfer")
-        return {"seq": seq_of(p)}
+        return lease_reply(p)
 
-    handler = Handler(HandlerKind.TRANSFER, deferring_store, by_instance, lambda _p: True)
-    server = make_loop(HandMade("defer", {MsgType.STORE: handler, MsgType.PING: PING_HANDLER}))
+    handler = Handler(deferring_store, by_instance, lambda _p: True)
+    server = make_loop(HandMade("defer", {MsgType.ENGINE_RESERVE: handler, MsgType.PING: PING_HANDLER}))
     sock = make_dealer(server.bound_endpoint)
     try:
-        rids = [send(sock, store(inst, 1))]
+        rids = [send(sock, reserve(inst, 1))]
         assert entered.wait(WAIT_S), "the deferred transfer never ran on the pool"
-        rids.append(send(sock, store(inst, 2)))  # may run inline, but must not overtake seq 1
+        rids.append(send(sock, reserve(inst, 2)))  # may run inline, but must not overtake seq 1
         assert_pong(sock)  # the loop is free meanwhile
     finally:
         release.set()
     replies = [receive(sock) for _ in range(2)]
-    assert [(r.request_id, r.body) for r in replies] == [(rids[0], {"seq": 1}), (rids[1], {"seq": 2})]
+    assert [(r.request_id, r.body) for r in replies] == [(rids[0], lease_body(1)), (rids[1], lease_body(2))]
     with lock:
         assert [(seq, inline) for seq, inline, _ in ran] == [(1, True), (1, False), (2, False)], ran
         assert ran[0][2] == "kvwarden-loop" and all(t.startswith("kvwarden-transfer") for *_, t in ran[1:])
@@ -424,10 +449,7 @@ def test_connections_past_max_connections_are_refused_and_never_reach_the_listen
 
 # ------------------------------------------------------------------- client request timeout
 
-REQUEST_TIMEOUT_S = 1.0
-# the upper bound is generous on purpose: CI shares a 2-core machine, so a thread may wait its
-# turn for a while; it still fails if the adapter ignored request_timeout (default 30 s)
-TIMEOUT_SLACK_S = 5.0
+REQUEST_TIMEOUT_S = 1.0  # the error names the timeout that ran out: this one, not the default 30 s
 
 
 @pytest.mark.parametrize(
@@ -449,14 +471,12 @@ def test_a_request_without_a_reply_raises_request_timeout_after_request_timeout(
         endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         w = WorkerAdapter(endpoint, model_name="m", request_timeout=REQUEST_TIMEOUT_S)
         try:
-            t0 = time.monotonic()
             with pytest.raises(RequestTimeout) as info:
                 request_fn(w)
-            elapsed = time.monotonic() - t0
         finally:
             w.close()
+        # the adapter's request_timeout ran out (its error names it), not a connection wait
         assert str(info.value) == f"{mtype}: no reply within {REQUEST_TIMEOUT_S:g}s"
-        assert REQUEST_TIMEOUT_S <= elapsed < REQUEST_TIMEOUT_S + TIMEOUT_SLACK_S, elapsed
         # the request was delivered: the timeout is about the missing reply, not a connection
         assert router.poll(int(WAIT_S * 1000), zmq.POLLIN)
         got = decode_request(unpack(router.recv_multipart()[-1], DEFAULT_MAX_FRAME_BYTES))
@@ -464,3 +484,42 @@ def test_a_request_without_a_reply_raises_request_timeout_after_request_timeout(
     finally:
         router.close(linger=0)
         ctx.term()
+
+
+# ----------------------------------------------------------------- the protocol table's rows
+
+
+def test_a_handler_answering_with_another_reply_type_gets_internal_and_the_loop_goes_on(
+    make_loop: ServerFactory, make_dealer: DealerFactory
+) -> None:
+    def wrong(_rctx: RequestContext, _p: Store) -> Hits:
+        return Hits(0)  # STORE's row says StoreCounts
+
+    server = make_loop(
+        HandMade("wrong", {MsgType.STORE: Handler(wrong, by_instance), MsgType.PING: PING_HANDLER})
+    )
+    sock = make_dealer(server.bound_endpoint)
+    _, reply = request(sock, store(1, 0))
+    code, message = error_of(reply)
+    assert code == "INTERNAL" and "returned Hits, not StoreCounts" in message, message
+    assert_pong(sock)
+
+
+@pytest.mark.parametrize(
+    ("mtype", "handler", "what"),
+    [
+        (MsgType.STORE, Handler(pong), "order key"),  # a TRANSFER row without its order
+        (MsgType.LOOKUP, Handler(pong, by_instance), "order key"),  # a NORMAL row with one
+        (MsgType.STORE, Handler(pong, by_instance, lambda _p: True), "not answered inline"),
+    ],
+    ids=["transfer-unordered", "normal-ordered", "inline-not-declared"],
+)
+def test_a_module_whose_handlers_do_not_fit_their_rows_is_refused(
+    mtype: MsgType, handler: Handler, what: str
+) -> None:
+    server = Server("tcp://127.0.0.1:*")
+    try:
+        with pytest.raises(ValueError, match=what):
+            server.add_module(HandMade("misfit", {mtype: handler}))
+    finally:
+        assert server.stop(5.0)

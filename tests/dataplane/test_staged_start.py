@@ -12,12 +12,13 @@ import pytest
 import zmq
 
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import Handler, HandlerKind, RequestContext
+from dataplane.modules.base import Handler, RequestContext
 from dataplane.server import early
 from dataplane.server.early import StartGate
 from dataplane.server.loop import Lifecycle, Server
 from dataplane.wire.messages import Hello, Lookup, MsgType, Ping
 from dataplane.wire.protocol import decode_reply, encode_message
+from dataplane.wire.replies import Hits
 from tests.conftest import DealerFactory
 from tests.dataplane.registration import SECRET
 from tests.helpers import error_of, wait_until
@@ -34,11 +35,11 @@ class Lookups:
         self.served: list[int] = []
 
     def handlers(self) -> dict[MsgType, Handler]:
-        return {MsgType.LOOKUP: Handler(HandlerKind.NORMAL, self._lookup)}
+        return {MsgType.LOOKUP: Handler(self._lookup)}
 
-    def _lookup(self, _rctx: RequestContext, p: Lookup) -> dict[str, Any]:
+    def _lookup(self, _rctx: RequestContext, p: Lookup) -> Hits:
         self.served.append(int(p.token_ids[0]))
-        return {"first": int(p.token_ids[0])}
+        return Hits(int(p.token_ids[0]))  # the first token, to tell the replies apart
 
     def start(self) -> None:
         return None
@@ -89,12 +90,12 @@ def test_hello_and_ping_are_answered_while_the_rest_waits_for_start(make_dealer:
         server.add_connection_listener(lambda fd, connected: events.append((fd, connected)))
         server.start()
         held = replies(sock, 5)
-        assert [held[100 + i].body["first"] for i in range(5)] == list(range(5))
+        assert [held[100 + i].body["hit_tokens"] for i in range(5)] == list(range(5))
         assert module.served == list(range(5))  # in arrival order
         assert server.state is Lifecycle.RUNNING
         assert any(connected for _, connected in events)  # the connection made while starting
         sock.send(encode_message(3, lookup(7)))
-        assert replies(sock, 1)[3].body == {"first": 7}
+        assert replies(sock, 1)[3].body == {"hit_tokens": 7}
     finally:
         assert server.stop(5.0)
 

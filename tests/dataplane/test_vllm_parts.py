@@ -92,7 +92,7 @@ def test_vllm_cpu_chunks_round_trip_and_are_looked_up_by_scope(server: ServerPro
     tokens = np.arange(100, 100 + 3 * CS + 5)
     with worker(server) as w:
         w.register_kv_caches(src, "vllm_cpu")
-        assert w.store_detail(tokens, np.arange(NB))["stored"] == 3
+        assert w.store_detail(tokens, np.arange(NB)).stored == 3
     lookup = ScopeLookup(server.endpoint, scope())
     try:
         assert lookup.hit_tokens(tokens) == 3 * CS and lookup.chunk_size == CS

@@ -81,8 +81,13 @@ def test_a_broken_rule_fails_its_unit_test(tmp_path: Path) -> None:
     alerts.write_text(
         alerts.read_text().replace("expr: kvwarden_healthy == 0", "expr: kvwarden_healthy == 2")
     )
-    p = subprocess.run(["promtool", "test", "rules", "tests/alerts_test.yml"], cwd=tmp_path / "prometheus",
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        ["promtool", "test", "rules", "tests/alerts_test.yml"],
+        cwd=tmp_path / "prometheus",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode != 0 and "KVWardenUnhealthy" in p.stdout + p.stderr
 
 
@@ -114,8 +119,13 @@ def metric_names(expr: str) -> set[str]:
         elif isinstance(node, promql_parser.Call):
             for a in node.args:
                 walk(a)
-        elif isinstance(node, promql_parser.AggregateExpr | promql_parser.ParenExpr | promql_parser.UnaryExpr
-                        | promql_parser.SubqueryExpr):  # fmt: skip
+        elif isinstance(
+            node,
+            promql_parser.AggregateExpr
+            | promql_parser.ParenExpr
+            | promql_parser.UnaryExpr
+            | promql_parser.SubqueryExpr,
+        ):
             walk(node.expr)
 
     walk(promql_parser.parse(expr))
@@ -137,20 +147,29 @@ def live(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[ServerProc
     srv.wait_ready()
     port = free_port()
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(PROM / "alerts.yml"), str(PROM / "recording.yml")],
-        "scrape_configs": [
-            {"job_name": "kvwarden", "static_configs": [{"targets": [f"127.0.0.1:{srv.http_port}"]}]}
-        ],
-    }))  # fmt: skip
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(PROM / "alerts.yml"), str(PROM / "recording.yml")],
+                "scrape_configs": [
+                    {"job_name": "kvwarden", "static_configs": [{"targets": [f"127.0.0.1:{srv.http_port}"]}]}
+                ],
+            }
+        )
+    )
     log_path = tmp_path / "prometheus.log"
     log = open(log_path, "wb")  # noqa: SIM115
     prom = subprocess.Popen(
-        ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            "prometheus",
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _traffic(srv)
@@ -173,8 +192,11 @@ def _traffic(srv: ServerProcess) -> None:
         assert w.lookup(tokens) == 4 * CHUNK
         other = WorkerAdapter(srv.endpoint, "prom-test-reaped", heartbeat_interval=1.0)
         other.register_kv_caches(allocate_kv_caches(2, 8, 16, 2, 8, dtype=torch.bfloat16))
-        r = httpx.post(f"http://127.0.0.1:{srv.http_port}/instances/{other.instance_id}/reap",
-                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)  # fmt: skip
+        r = httpx.post(
+            f"http://127.0.0.1:{srv.http_port}/instances/{other.instance_id}/reap",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
         other.close()
 

@@ -140,7 +140,7 @@ def _stored_at_0_retrieved_at_512(server: ServerProcess, mode: str) -> None:
         assert kernel_state(server) == "idle"  # nothing compiled before blend is used
         a.register_blend(ROPE)
         wait_for_kernels(server)
-        assert a.store_blend(tokens, [0, 1, 2, 3], position=0)["stored"] == 2
+        assert a.store_blend(tokens, [0, 1, 2, 3], position=0).stored == 2
         b.register_blend(
             {"rotary_dim": 64, "base": 10000, "style": "neox", "scaling": 1.0, "max_positions": 4096}
         )
@@ -274,7 +274,7 @@ def test_engine_driven_blend_moves_more_chunks_than_its_pool(engine_server: Serv
         fill(ca, src_blocks, raw_k, values, at=64)
         a.register_blend(ROPE)
         r = a.store_blend(tokens, src_blocks, position=64)
-        assert (r["chunks"], r["stored"]) == (n, n)
+        assert (r.chunks, r.stored) == (n, n)
         mixed = tokens.copy()
         mixed[4 * CS : 5 * CS] = 1  # chunk 4 was never stored
         dst = list(range(20, 20 + 2 * n))

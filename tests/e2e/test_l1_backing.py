@@ -24,7 +24,7 @@ def round_trip(srv: ServerProcess) -> WorkerAdapter:
     w = WorkerAdapter(srv.endpoint, "m", transfer_mode="engine_driven", heartbeat_interval=5.0)
     w.register_kv_caches(caches)
     tokens, blocks = np.arange(512), np.arange(BLOCKS)
-    assert w.store_detail(tokens, blocks)["stored"] == 2
+    assert w.store_detail(tokens, blocks).stored == 2
     for c in caches:
         c.zero_()
     assert w.retrieve(tokens, blocks) == 512

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,6 +347,16 @@ def poll_time(pred: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic()
 
 
+def reaped_by(dp: InProcess, reason: str) -> float | None:
+    """Reaps counted under ``reason`` (``kvwarden_instances_reaped_total``)."""
+    return dp.dp.metrics.registry.get_sample_value("kvwarden_instances_reaped_total", {"reason": reason})
+
+
+def silent_reaps(dp: InProcess) -> float:
+    """Reaps for silence: past the reap timeout, or past the registration grace."""
+    return sum(reaped_by(dp, r) or 0.0 for r in ("timeout", "grace"))
+
+
 def works(w: Worker, seed: int) -> None:
     assert w.store(seed), f"store {seed} failed"
     tokens, equal, _ = w.retrieve(seed)
@@ -375,11 +386,12 @@ def test_sigkilled_worker_is_reaped_within_the_disconnect_grace(procs: list[Proc
     t_kill = time.monotonic()
     victim.signal(signal.SIGKILL)
     victim.proc.wait(10)
+    # reaped for its closed connection once the grace had passed on the server's clock (the
+    # reason it logs; the 30 s silence timeout would say "timeout")
     line = f"reaper: reaped instance {victim.instance_id} (disconnect;"
-    t_reap = poll_time(lambda: srv.log_has(line), grace + 5, "the disconnect reap")
-    took = t_reap - t_kill
-    print(f"\nreaped {took:.2f}s after SIGKILL (disconnect grace {grace:g}s)")
-    assert grace - 0.1 <= took <= grace + 1.0, took
+    t_reap = poll_time(lambda: srv.log_has(line), grace + 10, "the disconnect reap")
+    print(f"\nreaped {t_reap - t_kill:.2f}s after SIGKILL (disconnect grace {grace:g}s)")
+    assert f"reaper: reaped instance {victim.instance_id} (timeout;" not in srv.log()
     wait_until(lambda: not mapped(srv.pid, seg), 2, what="the server unmapping the segment")
     wait_until(lambda: not shm_of(victim.pid), 2, what="the dead worker's segment unlinked")
     assert srv.log().count(f"registered instance {victim.instance_id} ") == 1
@@ -406,11 +418,14 @@ def test_sigkilled_worker_is_reaped_by_timeout_with_disconnect_detection_off(
     t_kill = time.monotonic()
     victim.signal(signal.SIGKILL)
     victim.proc.wait(10)
-    t_reap = poll_time(lambda: not dp.tracked(victim.instance_id), 1.25 * timeout + 3, "the timeout reap")
+    t_reap = poll_time(lambda: not dp.tracked(victim.instance_id), 1.25 * timeout + 10, "the timeout reap")
     took = t_reap - t_kill
     print(f"\nreaped {took:.2f}s after SIGKILL (timeout {timeout:g}s, disconnect detection off)")
-    # the last PING came at most one heartbeat before the kill; never before the window ran out
-    assert timeout - heartbeat - 0.1 <= took <= 1.25 * timeout + 0.5, took
+    # silent past the window (never before it ran out: the server's clock decided; "timeout"
+    # once it pinged, "grace" if it died before its first PING: both windows are ``timeout``
+    # here), not for its closed connection (detection is off); counted after the release path
+    wait_until(lambda: silent_reaps(dp) == 1, 10, what="the reap counted")
+    assert reaped_by(dp, "disconnect") == 0
     wait_until(lambda: not mapped("self", seg), 2, what="the server unmapping the segment")
     wait_until(lambda: not shm_of(victim.pid), 2, what="the dead worker's segment unlinked")
     assert dp.dp.liveness_status().reaped_total == 1
@@ -461,10 +476,12 @@ def test_server_paused_shorter_than_the_window_costs_a_no_op_reregister(
     t_stop = time.monotonic()
     srv.signal(signal.SIGSTOP)
     w.wait_for(lambda e: e["event"] == "state" and not e["healthy"], 5, since, what="unhealthy")
-    # while unhealthy a retrieve reports a miss at once instead of waiting on the dead server
-    tokens, _, took = w.retrieve(1, timeout=5)
-    assert tokens == 0 and took < 1.0, (tokens, took)
-    assert not w.store(2, timeout=5)
+    # while unhealthy a retrieve reports a miss at once instead of waiting on the dead server:
+    # the first miss of the outage logs why, and it is the unhealthy answer, no request sent
+    tokens, _, _ = w.retrieve(1, timeout=8)
+    assert tokens == 0
+    assert "transfers answer as misses until the server is back (the server is unhealthy)" in w.log(), w.log()
+    assert not w.store(2, timeout=8)
     wait_until(lambda: time.monotonic() - t_stop >= 1.5, 5, what="1.5 s of pause")
     srv.signal(signal.SIGCONT)
 
@@ -504,7 +521,8 @@ def test_server_restart_between_pings_is_noticed_by_boot_token(procs: list[Proc]
         f"\nre-registered {took:.2f}s after the restarted server answered "
         f"(heartbeat {heartbeat:g}s; a PING failed meanwhile: {went_unhealthy})"
     )
-    assert took <= heartbeat + 1.5, took
+    # the first PING the new server answered re-registered it: its boot token differed
+    assert re.search(r"server restarted \(boot token \d+ -> \d+\): re-registering", w.log()), w.log()
     w.wait_for(lambda e: e["event"] == "state" and e["healthy"], 5, since, what="healthy")
     assert new.log().count(f"registered instance {w.instance_id} ") == 1
     assert mapped(new.pid, seg)  # the new server maps the same worker memory ...
@@ -526,10 +544,12 @@ def test_worker_silent_past_the_window_is_reaped_then_reregisters_once(
     seg = w.segments[0]
 
     since = w.cursor()
-    t_stop = time.monotonic()
     w.signal(signal.SIGSTOP)
-    t_reap = poll_time(lambda: not dp.tracked(w.instance_id), 1.25 * window + 3, "the reap")
-    assert t_reap - t_stop <= 1.25 * window + 0.5, t_reap - t_stop
+    poll_time(lambda: not dp.tracked(w.instance_id), 1.25 * window + 10, "the reap")
+    # silent past the window, on the server's clock ("timeout" or "grace": both windows are
+    # ``window`` here), counted once the release path is through
+    wait_until(lambda: silent_reaps(dp) == 1, 10, what="the reap counted")
+    assert reaped_by(dp, "disconnect") == 0
     wait_until(lambda: not mapped("self", seg), 2, what="the server unmapping the segment")
     assert shm_of(w.pid) == w.segments  # its owner lives (stopped): the segment stays
     w.signal(signal.SIGCONT)
@@ -561,12 +581,10 @@ def test_other_protocol_version_gets_an_immediate_error_naming_both(
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(dp.endpoint)
     try:
-        t0 = time.monotonic()
         sock.send(msgpack.packb([99, 4242, "PING", [None]], use_bin_type=True))
-        assert sock.poll(2000, zmq.POLLIN), "no reply to a v99 request"
-        took = time.monotonic() - t0
+        assert sock.poll(10_000, zmq.POLLIN), "no reply to a v99 request"
         reply = decode_reply(sock.recv())
-        assert took < 1.0, took
+        # an error reply of its own (not a timeout, not a dropped frame), naming both versions
         assert (reply.ok, reply.request_id) == (False, 4242)
         assert reply.body["code"] == "VERSION_MISMATCH"
         assert "v99" in reply.body["message"] and f"v{PROTOCOL_VERSION}" in reply.body["message"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,16 +298,16 @@ def test_sigterm_with_workers_attached(tmp_path: Path, private_shm: Path) -> Non
         assert (private_shm / doomed_segs[0]).exists()
         assert not owner_alive(doomed_segs[0])
 
-        t0 = time.monotonic()
         server.sigterm()
         rc = server.proc.wait(30)
-        took = time.monotonic() - t0
         out = server.output()
         assert rc == 0, out
-        # nothing is in flight, so the drain ends at once (about 0.2 s here); 5 s leaves room
-        # for a loaded 2-core machine and still fails a stop that waits out its 10 s drain bound
-        assert took < 5.0, took
+        # nothing is in flight, so the drain ends at once: the loop left it for having nothing
+        # in flight (not at its 10 s bound, which would log what was still in flight) and the
+        # stop went through
         assert "SIGTERM received" in out and "Traceback" not in out, out
+        assert "still in flight at shutdown" not in out and "still alive after" not in out, out
+        assert "server: stopped" in out, out
 
         # on its way out the server released the dead worker's segment; the live one's stays
         assert not (private_shm / doomed_segs[0]).exists()

@@ -33,10 +33,10 @@ def test_a_tenants_burst_evicts_only_its_own_chunks_and_is_shown_by_label(
     blocks = np.arange(4)
     try:
         b_prompt = rng.integers(0, 50_000, 4 * CHUNK)
-        assert w.store_detail(b_prompt, blocks, b)["stored"] == 4
+        assert w.store_detail(b_prompt, blocks, b).stored == 4
         # tenant a stores 60 chunks' worth of prompts: more than all of L1
         for _ in range(15):
-            assert w.store_detail(rng.integers(0, 50_000, 4 * CHUNK), blocks, a)["rejected"] == 0
+            assert w.store_detail(rng.integers(0, 50_000, 4 * CHUNK), blocks, a).rejected == 0
         assert w.lookup(b_prompt, b) == 4 * CHUNK  # b's prefix is still there
         assert w.retrieve(b_prompt, blocks, b) == 4 * CHUNK
         assert w.lookup(b_prompt, a) == w.lookup(b_prompt) == 0  # and only b's

@@ -18,6 +18,7 @@ the same for any block size or block placement, so two workers' bytes compare di
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -100,7 +101,7 @@ def worker_main(argv: list[str]) -> int:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "store":
-            say(dict(w.store_detail(cmd["tokens"], cmd["blocks"])))
+            say(dataclasses.asdict(w.store_detail(cmd["tokens"], cmd["blocks"])))
         elif op == "lookup":
             say({"hit": w.lookup(cmd["tokens"])})
         elif op == "retrieve":

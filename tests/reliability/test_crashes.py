@@ -181,14 +181,21 @@ def kill_round(crowd: Crowd, plan: Plan, rng: random.Random) -> None:
 
 
 def check_dead_are_gone(crowd: Crowd) -> list[float]:
-    """Every killed worker was reaped within the disconnect grace and a margin (its connection
-    closed: a reap by silence would take minutes), and has no segment left; returns how long
-    each reap took after its kill."""
+    """Every killed worker was reaped because its connection closed, once the disconnect grace
+    had passed on the server's clock (the reason it logs: "disconnect"; a reap by silence, minutes
+    later, says "timeout"), and has no segment left; returns how long each reap took after its
+    kill (printed, not asserted: the watch's deadline only guards against a reap that never
+    comes)."""
     for k in crowd.kills:
         k.join(GRACE_S + 20)
     took = [k.reaped_after for k in crowd.kills]
-    # the reaper wakes at the deadline: a grace after the close, plus a loaded machine's delays
-    assert all(t is not None and GRACE_S - 0.05 <= t <= GRACE_S + 3.0 for t in took), took
+    assert all(t is not None for t in took), took
+    out = crowd.server.output()
+    how = {
+        k.proc.instance_id: re.search(rf"reaper: reaped instance {k.proc.instance_id} \((\w+);", out)
+        for k in crowd.kills
+    }
+    assert {iid: m and m.group(1) for iid, m in how.items()} == dict.fromkeys(how, "disconnect"), out[-3000:]
     dead = {k.proc.pid for k in crowd.kills}
     wait_until(lambda: not segments_of(crowd.shm, dead), 10, what="the dead workers' segments unlinked")
     return [t for t in took if t is not None]
@@ -290,11 +297,10 @@ def test_many_workers_sigkilled_with_evictions(tmp_path: Path, shm_dir: Path) ->
 
 HEARTBEAT_S = 0.25
 # no request made while the server is down waits longer than a heartbeat for a connection
-# (dataplane.client.channel); the margin is for a loaded 2-core machine
-OUTAGE_CALL_BOUND_S = HEARTBEAT_S + 0.75
-# the restarted server's port is found within the reconnect back-off (at most 1 s), and the next
-# PING (one heartbeat) sees the new boot token and re-registers: a few heartbeats in all
-REREGISTER_BOUND_S = 1.0 + 4 * HEARTBEAT_S + 2.0
+# (dataplane.client.channel), and once a transfer failed the worker holds the server unhealthy:
+# the next ones answer as misses without a request. The restarted server's port is found within
+# the reconnect back-off (at most 1 s), and the next PING sees the new boot token and
+# re-registers. The tests check these states; the times are printed (``pytest -s``).
 
 
 def wait_state(p: Proc, since: int, timeout: float, **want: object) -> float:
@@ -320,14 +326,17 @@ def check_round(writer: Proc, reader: Proc, prompts: list[int], fresh: bool) -> 
 
 
 def outage_calls(p: Proc, prompt: int) -> list[float]:
-    """A store and a retrieve while no server runs: misses, each answered within the bound."""
+    """A store and a retrieve while no server runs: misses, counted as such by the worker, which
+    then holds the server unhealthy (so its next transfers answer without a request); their
+    times (printed)."""
+    misses = p.command("state_now", op="state")["misses"]
     st = p.command("stored", op="store", prompt=prompt)
     rt = p.command("retrieved", op="retrieve", prompt=prompt)
     assert st["r"] == {"chunks": 0, "stored": 0, "present": 0, "rejected": 0, "skipped": 0}, st
     assert rt["n"] == 0 and rt["bad"] == [], rt
-    took = [st["s"], rt["s"]]
-    assert max(took) <= OUTAGE_CALL_BOUND_S, took
-    return took
+    now = p.command("state_now", op="state")
+    assert now["misses"] == misses + 2 and now["healthy"] is False, (misses, now)
+    return [st["s"], rt["s"]]
 
 
 SWEPT = re.compile(r"shm: unlinked segment (\S+): its owner has exited")
@@ -370,8 +379,12 @@ def test_server_killed_and_restarted_on_the_same_ports(
         rc = first.proc.wait(30)
         assert rc == (0 if how == signal.SIGTERM else -signal.SIGKILL), first.output()
         assert first.tracebacks() == 0, first.output()
-        last = a.ev("stored", 10, marks["a"])
-        assert last["r"]["rejected"] == 0 and last["s"] <= OUTAGE_CALL_BOUND_S + 1.0, last
+        # the STORE in flight ended (drained and served, or abandoned as a miss the moment the
+        # connection closed), never by waiting out the worker's request timeout (10 s): the first
+        # miss of an outage logs its reason (the wait here is only a guard, longer than that)
+        last = a.ev("stored", 30, marks["a"])
+        assert last["r"]["rejected"] == 0, last
+        assert "no reply within" not in a.log(), a.log()[-3000:]
         doomed.sigkill()  # dies while no server runs: its segment stays behind
         doomed_segs = doomed.info["segments"]
         assert len(doomed_segs) == 1 and (shm_dir / doomed_segs[0]).exists()
@@ -395,7 +408,7 @@ def test_server_killed_and_restarted_on_the_same_ports(
         back = [
             max(0.0, wait_state(p, marks[p.name], 30, registrations=2, healthy=True) - t_up) for p in (a, b)
         ]
-        assert max(back) <= REREGISTER_BOUND_S, back
+        assert min(w.command("state_now", op="state")["registrations"] for w in (a, b)) == 2
         assert tracked(second.http_port, a.instance_id) and tracked(second.http_port, b.instance_id)
         assert not tracked(second.http_port, doomed.instance_id)
         check_round(a, b, [0, 1, 2], fresh=True)  # the new server's L1 starts empty

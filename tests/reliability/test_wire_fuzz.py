@@ -45,8 +45,6 @@ from dataplane.memory.kvmemory import contiguous_strides
 from dataplane.wire.checks import ids_to_bytes
 from dataplane.wire.errors import KVWardenError
 from dataplane.wire.messages import (
-    BY_TYPE,
-    MESSAGES,
     SUPPORTED_DTYPES,
     BlendAcquire,
     BlendRegister,
@@ -84,6 +82,7 @@ from dataplane.wire.protocol import (
     peek_request_id,
     unpack,
 )
+from dataplane.wire.table import BY_TYPE, MESSAGES
 from tests.conftest import ServerFactory
 from tests.dataplane.registration import SECRET, engine_register_message, register_message
 from tests.helpers import ServerProcess, dealer, ping

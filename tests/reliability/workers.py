@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import http.client
 import logging
 import multiprocessing as mp
@@ -162,7 +163,7 @@ class Worker:
         self.fill(prompt, blocks)
         t0 = time.monotonic()
         r = self.w.store_detail(prompt, blocks)
-        return {"r": r, "s": time.monotonic() - t0}
+        return {"r": dataclasses.asdict(r), "s": time.monotonic() - t0}
 
     def retrieve(self, i: int) -> dict[str, Any]:
         """Retrieve prompt ``i`` into random sentinel-filled blocks and check every byte: the
