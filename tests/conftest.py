@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Slow suites (soak) run only with KVWARDEN_SLOW=1; otherwise they are deselected (not
     skipped: they are not part of the default run at all). Tests marked ``bench`` (measurements:
     wall-clock bounds) likewise run only with KVWARDEN_BENCH=1 or a ``-m`` expression naming
-    ``bench``, wherever they are (tests/bench/conftest.py does the same for its own directory)."""
+    ``bench``, wherever they are (tests/kvbench/conftest.py does the same for its own directory)."""
     if not (os.environ.get("KVWARDEN_BENCH") or "bench" in str(config.getoption("markexpr") or "")):
         bench = [i for i in items if i.get_closest_marker("bench")]
         if bench:

@@ -36,7 +36,7 @@ TOKEN = "blend-test-admin-token"
 @pytest.fixture(scope="module", autouse=True)
 def worker_kernels() -> None:
     """This process is the workers': its rotation kernels compiled (one-copy engine-driven
-    workers rotate themselves; `tests/dataplane/test_blendcopy.py` covers the torch path)."""
+    workers rotate themselves; `tests/dataplane/memory/test_blendcopy.py` covers the torch path)."""
     warm = KernelWarmup()
     warm.start()
     warm.join(300.0)

@@ -13,38 +13,26 @@ in the server's L1 before the next request.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import pytest
 
 from kvbench.vllm import EngineProcess
-from tests.e2e.test_vllm import CHUNK, VLLM_PYTHON, l1_chunks, serve
-from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
+from tests.e2e.vllm_support import (
+    FULL,
+    SALTED,
+    Models,
+    Reference,
+    engine,
+    l1_chunks,
+    lora,
+    serve,
+)
+from tests.e2e.vllm_support import LORA_PROMPT as PROMPT
+from tests.helpers import ServerProcess, wait_until
 
 pytestmark = pytest.mark.timeout(900)
-
-ENGINE_LORA = {"max_lora_rank": 8, "max_loras": 2}  # both adapters stay loaded (1: swapped in turn)
-rng = np.random.default_rng(23)
-PROMPT = [int(x) for x in rng.integers(3, 1000, 1100)]  # 4 full chunks may be loaded (of 1,099)
-SALTED = [int(x) for x in rng.integers(3, 1000, 1100)]  # the cache_salt test's own prompt
-FULL = 4 * CHUNK  # what a hit of either prompt loads: every full chunk but the last token's
-CASES: list[tuple[str, list[int], str | None, str | None]] = [  # name, prompt, salt, adapter
-    ("base", PROMPT, None, None),
-    ("a", PROMPT, None, "a"),
-    ("b", PROMPT, None, "b"),
-    ("salted", SALTED, None, None),
-    ("salted:tenant-a", SALTED, "tenant-a", None),
-    ("salted:tenant-a:a", SALTED, "tenant-a", "a"),
-]
-
-
-class Setup(NamedTuple):
-    model: Path
-    adapters: dict[str, Path]  # adapter name: its directory
 
 
 class Pair(NamedTuple):
@@ -53,72 +41,29 @@ class Pair(NamedTuple):
     second: EngineProcess
 
 
-def lora(setup: Setup, name: str, engine: int) -> dict[str, Any]:
-    """The LoRA request for adapter ``name`` as engine ``engine`` (0: the one without kvwarden, 1 or
-    2) numbers it: each engine its own ids, as separate engines do."""
-    ids = {"a": (1, 1, 2), "b": (2, 2, 1)}
-    return {"name": f"adapter-{name}", "id": ids[name][engine], "path": str(setup.adapters[name])}
-
-
-def start(setup: Setup, url: str | None, log: Path) -> EngineProcess:
-    """An engine with LoRA on; kvwarden's connector (retrying fast) when ``url`` is given. Every
-    engine's worker computes on the same number of cores (vLLM keeps one more from an engine with
-    a KV connector): another number of threads may sum in another order, and flip a near tie."""
-    return EngineProcess(
-        VLLM_PYTHON,
-        setup.model,
-        url,
-        log,
-        {"kvwarden.retry_s": 0.5},
-        env_extra={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
-        lora=ENGINE_LORA,
-    )
+@pytest.fixture(scope="module")
+def models(reference: Reference) -> Models:
+    return reference.models
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
-    root = tmp_path_factory.mktemp("isolation")
-    out = Setup(root / "tiny-llama", {"a": root / "lora-a", "b": root / "lora-b"})
-    code = (
-        "from kvbench.vllm_model import TINY, build_model, write_lora; "
-        f"build_model({str(out.model)!r}, TINY); "
-        f"write_lora({str(out.adapters['a'])!r}, TINY, seed=1); "
-        f"write_lora({str(out.adapters['b'])!r}, TINY, seed=2)"
-    )
-    subprocess.run([str(VLLM_PYTHON), "-c", code], check=True, cwd=ROOT, env=subprocess_env(), timeout=300)
-    return out
+def expected(reference: Reference) -> dict[str, list[int]]:
+    """Each case's greedy output from the session's engine without kvwarden (LoRA on, like the
+    others; ``REFERENCE_CASES``: base, a, b, salted, salted:tenant-a, salted:tenant-a:a)."""
+    return reference.tokens
 
 
 @pytest.fixture(scope="module")
-def expected(setup: Setup, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """Each case's greedy output from an engine without kvwarden (LoRA on, like the others)."""
-    eng = start(setup, None, tmp_path_factory.mktemp("baseline") / "engine.log")
-    try:
-        out: dict[str, list[int]] = {}
-        for name, prompt, salt, adapter in CASES:
-            spec = None if adapter is None else lora(setup, adapter, 0)
-            answer = eng.generate(prompt, cache_salt=salt, lora=spec)
-            assert answer["cached"] == 0, answer  # nothing to hit: no connector, no prefix caching
-            out[name] = answer["tokens"]
-        return out
-    finally:
-        eng.close()
-
-
-@pytest.fixture(scope="module")
-def pair(
-    setup: Setup, expected: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Pair]:
-    """One server and two engine processes with kvwarden's connector, for the module's tests
-    (started after the engine without kvwarden has gone: one engine at a time builds)."""
+def pair(models: Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """One server and two engine processes with kvwarden's connector and LoRA on, for the
+    module's tests (started one after the other, after the engine without kvwarden has answered:
+    one engine at a time builds)."""
     tmp = tmp_path_factory.mktemp("pair")
     srv = serve(tmp / "server")
     engines: list[EngineProcess] = []
     try:
-        engines.append(start(setup, srv.endpoint, tmp / "engine-1.log"))
-        engines.append(start(setup, srv.endpoint, tmp / "engine-2.log"))
+        engines.append(engine(models.model, srv.endpoint, tmp, lora_on=True))
+        engines.append(engine(models.model, srv.endpoint, tmp, lora_on=True))
         yield Pair(srv, engines[0], engines[1])
     finally:
         for eng in engines:
@@ -156,20 +101,22 @@ def test_adapters_change_the_output(expected: dict[str, list[int]]) -> None:
     assert expected["salted:tenant-a:a"] != expected["salted"]
 
 
-def test_lora_adapters_do_not_share_chunks(setup: Setup, expected: dict[str, list[int]], pair: Pair) -> None:
+def test_lora_adapters_do_not_share_chunks(
+    models: Models, expected: dict[str, list[int]], pair: Pair
+) -> None:
     miss(pair, pair.first, PROMPT, expected["base"])  # the base model's KV, stored
     # the same tokens with an adapter: the base model's chunks are not theirs
-    miss(pair, pair.second, PROMPT, expected["a"], lora=lora(setup, "a", 2))
-    miss(pair, pair.second, PROMPT, expected["b"], lora=lora(setup, "b", 2))
+    miss(pair, pair.second, PROMPT, expected["a"], lora=lora(models, "a", 2))
+    miss(pair, pair.second, PROMPT, expected["b"], lora=lora(models, "b", 2))
     # each one's own chunks: from this engine's stores, and the other engine's, whatever id each
     # engine gives the adapter
-    hit(pair.second, PROMPT, expected["a"], lora=lora(setup, "a", 2))
-    hit(pair.first, PROMPT, expected["a"], lora=lora(setup, "a", 1))
-    hit(pair.first, PROMPT, expected["b"], lora=lora(setup, "b", 1))
+    hit(pair.second, PROMPT, expected["a"], lora=lora(models, "a", 2))
+    hit(pair.first, PROMPT, expected["a"], lora=lora(models, "a", 1))
+    hit(pair.first, PROMPT, expected["b"], lora=lora(models, "b", 1))
     hit(pair.second, PROMPT, expected["base"])
 
 
-def test_cache_salts_do_not_share_chunks(setup: Setup, expected: dict[str, list[int]], pair: Pair) -> None:
+def test_cache_salts_do_not_share_chunks(models: Models, expected: dict[str, list[int]], pair: Pair) -> None:
     want = expected["salted"]
     miss(pair, pair.first, SALTED, want, cache_salt="tenant-a")
     # another tenant, and no tenant, on another engine: nothing of tenant-a's
@@ -182,10 +129,10 @@ def test_cache_salts_do_not_share_chunks(setup: Setup, expected: dict[str, list[
         SALTED,
         expected["salted:tenant-a:a"],
         cache_salt="tenant-a",
-        lora=lora(setup, "a", 2),
+        lora=lora(models, "a", 2),
     )
     # each tenant its own chunks, from either engine
     hit(pair.second, SALTED, want, cache_salt="tenant-a")
     hit(pair.first, SALTED, want, cache_salt="tenant-b")
     hit(pair.first, SALTED, want)
-    hit(pair.first, SALTED, expected["salted:tenant-a:a"], cache_salt="tenant-a", lora=lora(setup, "a", 1))
+    hit(pair.first, SALTED, expected["salted:tenant-a:a"], cache_salt="tenant-a", lora=lora(models, "a", 1))

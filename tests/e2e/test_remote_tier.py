@@ -259,7 +259,7 @@ def test_recompute_while_redis_is_down_and_back_when_it_returns(
         wait_until(lambda: health(srv) == (200, "pass"), 10, what="healthy")
         redis_server.kill()
         wait_until(lambda: health(srv)[0] == 503, 10, interval=0.02, what="unhealthy")
-        # detected by a health round's PING (how soon: tests/dataplane/test_health_remote.py)
+        # detected by a health round's PING (how soon: tests/dataplane/health/checks/test_remote.py)
         doc = status(srv)
         assert not doc["is_healthy"]
         assert remote_check(doc)["output"] == "ping failed (no connection or an error)", remote_check(doc)

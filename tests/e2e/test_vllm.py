@@ -1,161 +1,178 @@
 """kvwarden as vLLM's KV connector, with real vLLM engine processes (vLLM's CPU build, from the
 ``.venv-vllm`` environment that ``make test`` sets up) and a real ``kvwarden serve``.
 
-A tiny random-weight Llama is built here (no download); prompts are token ids and sampling is
-greedy, so every engine's output is compared token for token with an engine without kvwarden.
-vLLM's own prefix caching is off: a cached token can only have come from kvwarden.
+A tiny random-weight Llama is built once per session (no download; ``vllm_support``); prompts are
+token ids and sampling is greedy, so every engine's output is compared token for token with the
+session's engine without kvwarden (the ``reference`` fixture). vLLM's own prefix caching is off:
+a cached token can only have come from kvwarden.
+
+Two engine processes play every part, one after the other (each engine start costs about half a
+minute): the first starts before its server, outlives a SIGKILL of the server and quits at the
+end; the second joins once the server is back, hits the first one's chunks and is SIGKILLed, and
+the first then hits the chunks the killed one stored.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
-import httpx
-import numpy as np
 import pytest
 
+from kvbench.procs import free_port
 from kvbench.vllm import EngineProcess
-from tests.helpers import ROOT, ServerProcess, subprocess_env, wait_until
+from tests.e2e.vllm_support import (
+    CHUNK,
+    FRESH,
+    FULL,
+    PROMPT,
+    SHARES_ONE,
+    Reference,
+    engine,
+    instances,
+    l1_chunks,
+    reaped,
+    server,
+)
+from tests.helpers import ServerProcess, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
-VLLM_PYTHON = Path(os.environ.get("KVWARDEN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
-ENGINE_START_S = 240.0
-rng = np.random.default_rng(11)
-PROMPT = [int(x) for x in rng.integers(3, 1000, 1100)]  # 4 full chunks may be loaded (of 1,099)
-SHARES_ONE = PROMPT[:CHUNK] + [int(x) for x in rng.integers(3, 1000, 700)]  # only chunk 0 in common
+SHARED_FULL = 3 * CHUNK  # what SHARES_ONE loads once all of it is stored: 3 full chunks of 955 tokens
 
 
-def Engine(model: Path, url: str | None, workdir: Path, **extra: Any) -> EngineProcess:
-    """A vLLM engine process; kvwarden's connector when ``url`` is given (retrying fast)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / f"engine-{time.monotonic_ns()}.log"
-    return EngineProcess(VLLM_PYTHON, model, url, log, {"kvwarden.retry_s": 0.5, **extra})
+class Cluster:
+    """The engines and servers of a test, on one pair of ports (a restarted server comes back
+    where the last one was); every engine is killed and every server stopped at teardown."""
+
+    def __init__(self, ref: Reference, tmp: Path) -> None:
+        self.ref, self.tmp = ref, tmp
+        self.want = ref.tokens
+        self.port, self.http_port = free_port(), free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.engines: list[EngineProcess] = []
+        self.servers: list[ServerProcess] = []
+
+    def engine(self, **extra: float) -> EngineProcess:
+        eng = engine(self.ref.models.model, self.endpoint, self.tmp, extra)
+        self.engines.append(eng)
+        return eng
+
+    def serve(self) -> ServerProcess:
+        srv = server(self.tmp / f"server-{len(self.servers)}", self.port, self.http_port)
+        self.servers.append(srv)
+        srv.wait_ready()
+        return srv
+
+    def close(self) -> None:
+        for eng in self.engines:
+            eng.kill()
+        for srv in self.servers:
+            srv.stop()
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
-    path = tmp_path_factory.mktemp("vllm") / "tiny-llama"
-    code = f"from kvbench.vllm_model import TINY, build_model; build_model({str(path)!r}, TINY)"
-    subprocess.run([str(VLLM_PYTHON), "-c", code], check=True, cwd=ROOT, env=subprocess_env(), timeout=300)
-    return path
-
-
-@pytest.fixture(scope="module")
-def expected(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """Each prompt's greedy output from an engine without kvwarden."""
-    eng = Engine(model, None, tmp_path_factory.mktemp("baseline"))
-    try:
-        return {
-            name: eng.generate(p)["tokens"] for name, p in (("prompt", PROMPT), ("shares_one", SHARES_ONE))
-        }
-    finally:
-        eng.close()
+class Answer(NamedTuple):
+    prompt: list[int]
+    name: str  # the reference case of the prompt
+    cached: int  # the tokens loaded from kvwarden
 
 
 @pytest.fixture
-def engines(tmp_path: Path) -> Iterator[list[EngineProcess]]:
-    started: list[EngineProcess] = []
-    yield started
-    for eng in started:
-        eng.kill()
+def cluster(reference: Reference, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(reference, tmp_path)
+    yield c
+    c.close()
 
 
-def instances(srv: ServerProcess) -> list[dict[str, Any]]:
-    r = httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10)
-    out: list[dict[str, Any]] = r.json()["instances"]
-    return out
+def generate(c: Cluster, eng: EngineProcess, want: Answer) -> None:
+    """A request whose output is the reference's, with exactly ``want.cached`` tokens loaded."""
+    out = eng.generate(want.prompt)
+    assert out["tokens"] == c.want[want.name], (want.name, out)
+    assert out["cached"] == want.cached, (want.name, out)
 
 
-def l1_chunks(srv: ServerProcess) -> int:
-    r = httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10)
-    return int(r.json()["storage"]["l1"]["chunks"])
+def wait_l1(srv: ServerProcess, chunks: int, what: str) -> None:
+    wait_until(lambda: l1_chunks(srv) == chunks, 30, 0.1, what=f"{what} ({chunks} chunks in L1)")
 
 
-def serve(tmp: Path, port: int = 0, http_port: int = 0) -> ServerProcess:
-    srv = ServerProcess(
-        tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", "0.5", "--worker-disconnect-grace-seconds", "2",
-        port=port, http_port=http_port,
-    )  # fmt: skip
-    srv.wait_ready()
+def starts_before_its_server(c: Cluster, first: EngineProcess) -> ServerProcess:
+    """An engine that starts before its server: correct output (recompute), then it registers
+    once the server is up, and its miss stores the prompt's full chunks."""
+    generate(c, first, Answer(PROMPT, "prompt", 0))
+    srv = c.serve()
+    wait_until(
+        lambda: len(instances(srv)) == 1,
+        30,
+        0.2,
+        what="the engine's worker to register once the server is up",
+    )
+    (inst,) = instances(srv)
+    assert inst["model_name"] == str(c.ref.models.model) and inst["transfer_mode"] == "engine_driven"
+    generate(c, first, Answer(PROMPT, "prompt", 0))  # a miss: stores the prompt's full chunks
+    wait_l1(srv, 4, "the miss's stores (off the step) to land")
     return srv
 
 
-def test_engines_share_prompt_chunks_and_survive_the_server(
-    model: Path, expected: dict[str, list[int]], engines: list[EngineProcess], tmp_path: Path
-) -> None:
-    # an engine that starts before its server: correct output (recompute), then it registers
-    srv = ServerProcess(tmp_path / "s0", "--chunk-size", str(CHUNK))  # only for its free ports
-    srv.stop()
-    first = Engine(model, srv.endpoint, tmp_path, **{"kvwarden.connect_wait_s": 0.5})
-    engines.append(first)
-    out = first.generate(PROMPT)
-    assert out["tokens"] == expected["prompt"] and out["cached"] == 0
-    srv = serve(tmp_path / "s1", srv.port, srv.http_port)
-    try:
-        wait_until(
-            lambda: len(instances(srv)) == 1,
-            30,
-            0.2,
-            what="the engine's worker to register once the server is up",
-        )
-        (inst,) = instances(srv)
-        assert inst["model_name"] == str(model) and inst["transfer_mode"] == "engine_driven"
-        out = first.generate(PROMPT)  # a miss: stores the prompt's full chunks
-        assert out["tokens"] == expected["prompt"] and out["cached"] == 0
-        first.close()  # its stores are over before it unregisters
-        wait_until(lambda: not instances(srv), 30, 0.2, what="the first engine to unregister")
-        assert l1_chunks(srv) == 4
+def survives_a_server_kill(c: Cluster, first: EngineProcess, srv: ServerProcess) -> ServerProcess:
+    """The server SIGKILLed: outputs stay correct (recompute); restarted where it was, the engine
+    registers again, stores, and hits its own chunks."""
+    srv.proc.kill()
+    srv.proc.wait(10)
+    generate(c, first, Answer(PROMPT, "prompt", 0))
+    srv = c.serve()
+    wait_until(
+        lambda: len(instances(srv)) == 1, 30, 0.2, what="the engine to register with the restarted server"
+    )
+    generate(c, first, Answer(PROMPT, "prompt", 0))  # L1 restarted empty: this stores
+    wait_l1(srv, 4, "the store (off the step) to land")
+    generate(c, first, Answer(PROMPT, "prompt", FULL))  # every full chunk but the one holding the last token
+    return srv
 
-        # a second engine process hits every stored chunk; same output
-        second = Engine(model, srv.endpoint, tmp_path, **{"kvwarden.heartbeat_interval_s": 0.5})
-        engines.append(second)
-        out = second.generate(PROMPT)
-        assert out["cached"] == 4 * CHUNK, out  # every full chunk but the one holding the last token
-        assert out["tokens"] == expected["prompt"]
-        out = second.generate(SHARES_ONE)
-        assert out["cached"] == CHUNK, out  # exactly the one chunk it shares
-        assert out["tokens"] == expected["shares_one"]
 
-        # the server SIGKILLed: outputs stay correct (recompute)
-        srv.proc.kill()
-        srv.proc.wait(10)
-        out = second.generate(PROMPT)
-        assert out["tokens"] == expected["prompt"] and out["cached"] == 0
-        # restarted where it was: the engine registers again, stores, and hits; so does the next engine
-        srv = serve(tmp_path / "s2", srv.port, srv.http_port)
-        wait_until(
-            lambda: len(instances(srv)) == 1, 30, 0.2, what="the engine to register with the restarted server"
-        )
-        (kept,) = [i["instance_id"] for i in instances(srv)]
-        assert second.generate(PROMPT)["cached"] == 0  # L1 restarted empty: this stores
-        wait_until(lambda: l1_chunks(srv) == 4, 30, 0.1, what="the store (off the step) to land")
-        out = second.generate(PROMPT)
-        assert out["cached"] == 4 * CHUNK and out["tokens"] == expected["prompt"], out
-        third = Engine(model, srv.endpoint, tmp_path)
-        engines.append(third)
-        out = third.generate(PROMPT)
-        assert out["cached"] == 4 * CHUNK and out["tokens"] == expected["prompt"], out
-        assert len(instances(srv)) == 2  # both engines' workers, while they run
+def another_engine_hits(c: Cluster, srv: ServerProcess) -> EngineProcess:
+    """A second engine process hits every chunk the first one stored (same output), then the one
+    chunk a prompt shares with it, and stores the rest of that prompt."""
+    second = c.engine()
+    generate(c, second, Answer(PROMPT, "prompt", FULL))
+    generate(c, second, Answer(SHARES_ONE, "shares_one", CHUNK))  # exactly the one chunk it shares
+    wait_l1(srv, 4 + 2, "the second engine's stores of SHARES_ONE's other full chunks")
+    assert len(instances(srv)) == 2  # both engines' workers, while they run
+    return second
 
-        # an engine SIGKILLed: its worker is reaped within the disconnect grace, the other stays
-        third.kill()
-        t0 = time.monotonic()
-        wait_until(
-            lambda: [i["instance_id"] for i in instances(srv)] == [kept], 30, 0.2,
-            what="the killed engine's worker to be reaped",
-        )  # fmt: skip
-        assert time.monotonic() - t0 < 2 + 5  # grace 2 s, reaper cadence and the poll
-        assert "reaped" in srv.output()
-        second.close()
-        wait_until(lambda: not instances(srv), 30, 0.2, what="the second engine to unregister")
-    finally:
-        srv.stop()
+
+def a_killed_engine_is_reaped(second: EngineProcess, srv: ServerProcess, kept: int) -> None:
+    """An engine SIGKILLed: its worker is reaped once its connection is gone for the disconnect
+    grace (not after a heartbeat timeout: the reason is ``disconnect``), the other one stays."""
+    second.kill()
+    wait_until(
+        lambda: [i["instance_id"] for i in instances(srv)] == [kept],
+        30,
+        0.2,
+        what="the killed engine's worker to be reaped",
+    )
+    assert "reaped" in srv.output()
+    by_reason = reaped(srv)
+    assert by_reason["disconnect"] == 1 and sum(by_reason.values()) == 1, by_reason
+
+
+def quits_once_its_stores_are_over(c: Cluster, first: EngineProcess, srv: ServerProcess) -> None:
+    """An engine that quits right after a miss: its stores are over before it unregisters."""
+    before = l1_chunks(srv)
+    generate(c, first, Answer(FRESH, "fresh", 0))
+    first.close()
+    wait_until(lambda: not instances(srv), 30, 0.2, what="the first engine to unregister")
+    assert l1_chunks(srv) == before + 4
+
+
+def test_engines_share_prompt_chunks_and_survive_the_server(cluster: Cluster) -> None:
+    # connects fast at start (no server yet), heartbeats fast (sees the restart soon)
+    first = cluster.engine(connect_wait_s=0.5, heartbeat_interval_s=0.5)
+    srv = starts_before_its_server(cluster, first)
+    srv = survives_a_server_kill(cluster, first, srv)
+    (kept,) = [i["instance_id"] for i in instances(srv)]
+    second = another_engine_hits(cluster, srv)
+    a_killed_engine_is_reaped(second, srv, kept)
+    # the chunks the killed engine stored outlive it: all of SHARES_ONE's full chunks now load
+    generate(cluster, first, Answer(SHARES_ONE, "shares_one", SHARED_FULL))
+    quits_once_its_stores_are_over(cluster, first, srv)

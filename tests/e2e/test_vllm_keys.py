@@ -6,17 +6,15 @@ inputs at two offsets with two identifiers, prompt embeddings, and extra keys it
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e.vllm_support import VLLM_PYTHON, require_vllm
 from tests.helpers import ROOT, subprocess_env
 
 Keyed = tuple[dict[str, Any], str]  # each case's key context, and what the connector logged
-VLLM_PYTHON = Path(os.environ.get("KVWARDEN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 SCRIPT = r"""
 import json, logging, sys
@@ -84,8 +82,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Keyed:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
+    require_vllm()
     lora = tmp_path_factory.mktemp("lora")
     (lora / "adapter_model.safetensors").write_bytes(b"weights")
     (lora / "adapter_config.json").write_text("{}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main as kvwarden
-from tests.bench.figures import CHECKS, report
+from tests.kvbench.figures import CHECKS, report
 from tests.helpers import ROOT, subprocess_env
 
 pytestmark = pytest.mark.timeout(300)

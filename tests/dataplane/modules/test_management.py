@@ -1,26 +1,21 @@
 """The management module's liveness role: PING, the reaper's lifecycle, status, release paths,
-disconnect detection over real sockets, and the liveness settings."""
+and the liveness settings. PING and disconnect detection over real sockets are in
+`test_management_connections`."""
 
 from __future__ import annotations
 
 import math
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
-import zmq
 from pydantic import ValidationError
 
-from dataplane.liveness.release import InstanceReleaser
 from dataplane.liveness.target import InstanceLivenessTarget
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.modules.base import RequestContext, ServerInfo
-from dataplane.modules.engine_pool import EngineDrivenTransferModule
+from dataplane.modules.base import RequestContext
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.server.config import Settings, validate_liveness
@@ -28,17 +23,26 @@ from dataplane.server.facade import LivenessStatus
 from dataplane.server.loop import Server
 from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.storage.l1 import L1Store
-from dataplane.wire.messages import Message, MsgType, Ping, Register, Unregister
-from dataplane.wire.protocol import PROTOCOL_VERSION, decode_reply, encode_message
+from dataplane.wire.messages import MsgType, Unregister
 from dataplane.wire.replies import PingReply
 from tests.dataplane.fakes import BlendLike
-from tests.dataplane.registration import SECRET, engine_register_message, register_message
+from tests.dataplane.modules.management_support import (
+    BOOT_TOKEN,
+    CHUNK,
+    T0,
+    Caches,
+    Running,
+    call,
+    engine_register,
+    management,
+    modules,
+    ping_of,
+    register,
+    sample,
+    server_info,
+)
+from tests.dataplane.registration import SECRET, register_message
 from tests.helpers import FakeClock, free_port, wait_until
-
-CHUNK = 16
-T0 = 1000.0
-BOOT_TOKEN = 0x5EED_B007
-Caches = list[torch.Tensor]
 
 
 class TouchLog(InstanceLivenessTarget):
@@ -57,60 +61,10 @@ def metrics() -> DataPlaneMetrics:
     return DataPlaneMetrics()
 
 
-def server_info(server: Server | None = None) -> ServerInfo:
-    """The identity the assembler hands the module: a real server's, or a fixed one."""
-    if server is None:
-        return ServerInfo(
-            "test-server", BOOT_TOKEN, "test", PROTOCOL_VERSION, T0, "tcp://127.0.0.1:0", CHUNK, 16 << 20
-        )
-    return server.info(CHUNK)
-
-
-def management(
-    targets: Sequence[InstanceLivenessTarget],
-    metrics: DataPlaneMetrics,
-    info: ServerInfo | None = None,
-    **liveness: Any,
-) -> ManagementModule:
-    """A management module over ``targets``, wired as ``build_dataplane`` wires it: its identity
-    and the one release path (an `InstanceReleaser` counting into ``metrics``)."""
-    return ManagementModule(info or server_info(), InstanceReleaser(targets, metrics), metrics, **liveness)
-
-
-def register(m: ServerDrivenTransferModule, instance_id: int, caches: Caches, conn_fd: int = 5) -> None:
-    reg = register_message(instance_id, caches)
-    m.handlers()[MsgType.REGISTER_KV_CACHE].fn(RequestContext(1, MsgType.REGISTER_KV_CACHE, conn_fd), reg)
-
-
-def engine_register(m: EngineDrivenTransferModule, instance_id: int, conn_fd: int = 5) -> None:
-    msg = engine_register_message(instance_id)
-    m.handlers()[MsgType.ENGINE_REGISTER].fn(RequestContext(1, MsgType.ENGINE_REGISTER, conn_fd), msg)
-
-
-def modules(
-    clock: Callable[[], float] = time.monotonic, metrics: DataPlaneMetrics | None = None
-) -> tuple[ServerDrivenTransferModule, EngineDrivenTransferModule]:
-    l1, metrics = L1Store(8 << 20), metrics or DataPlaneMetrics()
-    return (
-        ServerDrivenTransferModule(l1, CHUNK, metrics, clock),
-        EngineDrivenTransferModule(l1, CHUNK, metrics, clock),
-    )
-
-
-def ping_of(instance_id: int | None) -> Ping:
-    """A PING of ``instance_id`` with its registrant's secret, or a probe (None)."""
-    return Ping(instance_id, None if instance_id is None else SECRET)
-
-
 def ping(mgmt: ManagementModule, instance_id: int | None, conn_fd: int = 9) -> dict[str, Any]:
     fn = mgmt.handlers()[MsgType.PING].fn
     out: dict[str, Any] = fn(RequestContext(3, MsgType.PING, conn_fd), ping_of(instance_id))
     return out
-
-
-def sample(metrics: DataPlaneMetrics, name: str, **labels: str) -> float:
-    v = metrics.registry.get_sample_value(name, labels)
-    return 0.0 if v is None else v
 
 
 def reaper_threads() -> list[threading.Thread]:
@@ -170,192 +124,6 @@ def test_ping_of_an_unknown_id_answers_untracked_and_inserts_nothing(metrics: Da
     assert sd.registry.tracked_instance_count() == ed.registry.tracked_instance_count() == 0
     no_targets = management([], metrics)
     assert ping(no_targets, 404).tracked is False
-
-
-# ----------------------------------------------------------------------- the running server
-
-
-@dataclass
-class Running:
-    server: Server
-    management: ManagementModule
-    transfer: ServerDrivenTransferModule
-    engine: EngineDrivenTransferModule
-    blend: BlendLike
-    metrics: DataPlaneMetrics
-    ctx: zmq.Context[Any]
-    socks: list[zmq.Socket[Any]]
-    closes: list[int]  # fds of the disconnects the loop delivered (after management saw them)
-
-    def dealer(self) -> zmq.Socket[Any]:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.server.bound_endpoint)
-        self.socks.append(s)
-        return s
-
-    def close_sockets(self) -> None:
-        for s in self.socks:
-            s.close(linger=0)
-        self.ctx.term()
-
-
-def call(sock: zmq.Socket[Any], rid: int, msg: Message, timeout: float = 10.0) -> Any:
-    sock.send(encode_message(rid, msg))
-    assert sock.poll(int(timeout * 1000), zmq.POLLIN), f"no reply to {msg.TYPE} within {timeout}s"
-    reply = decode_reply(sock.recv())
-    assert reply.request_id == rid
-    assert reply.ok, reply.body
-    return reply.body
-
-
-@pytest.fixture
-def running() -> Iterator[Callable[..., Running]]:
-    """Real server loops in this process, assembled as ``build_dataplane`` assembles them, with
-    the modules a test wants."""
-    made: list[Running] = []
-
-    def make(
-        transfer: ServerDrivenTransferModule | None = None,
-        *,
-        reap_timeout_s: float = 0.0,
-        registration_grace_s: float = 3600.0,
-        disconnect_grace_s: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> Running:
-        metrics = DataPlaneMetrics()
-        server = Server("tcp://127.0.0.1:*", metrics=metrics)
-        sd, ed = modules(clock, metrics)
-        sd = transfer or sd
-        blend = BlendLike()
-        mgmt = management(
-            [sd.registry, ed.registry, blend],
-            metrics,
-            server_info(server),
-            reap_timeout_s=reap_timeout_s,
-            registration_grace_s=registration_grace_s,
-            disconnect_grace_s=disconnect_grace_s,
-            clock=clock,
-        )
-        closes: list[int] = []
-        server.add_connection_listener(mgmt.on_connection)
-        server.add_connection_listener(lambda fd, connected: None if connected else closes.append(fd))
-        for m in (mgmt, sd, ed):
-            server.add_module(m)
-        server.start()
-        r = Running(server, mgmt, sd, ed, blend, metrics, zmq.Context(), [], closes)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close_sockets()
-        assert r.server.stop(5.0)
-
-
-def test_ping_is_answered_while_a_registration_is_slow(
-    running: Callable[..., Running], make_caches: Callable[[], Caches]
-) -> None:
-    gate, entered, left = threading.Event(), threading.Event(), threading.Event()
-
-    class SlowRegister(ServerDrivenTransferModule):
-        def _register(self, rctx: RequestContext, reg: Register) -> dict[str, Any]:
-            entered.set()
-            gate.wait(30)
-            left.set()
-            return super()._register(rctx, reg)
-
-    r = running(SlowRegister(L1Store(8 << 20), CHUNK, DataPlaneMetrics()))
-    slow, pinger = r.dealer(), r.dealer()
-    try:
-        slow.send(encode_message(1, register_message(7, make_caches())))
-        assert entered.wait(10)
-        assert call(pinger, 2, ping_of(7))["tracked"] is False
-        assert call(pinger, 3, ping_of(None))["boot_token"] == r.server.boot_token
-        # Ordering, not a wall-clock bound (a shared 2-core CI machine can stall any thread
-        # past a bound worth asserting): both PINGs were answered while the registration was
-        # still held inside its handler, its reply not yet sent.
-        assert not left.is_set()
-        assert not slow.poll(0, zmq.POLLIN)
-    finally:
-        gate.set()
-    assert slow.poll(10_000, zmq.POLLIN)
-    assert decode_reply(slow.recv()).body["created"] is True
-    assert call(pinger, 4, ping_of(7))["tracked"] is True
-
-
-def test_closed_connection_gets_its_instance_reaped_after_the_grace(
-    running: Callable[..., Running], make_caches: Callable[[], Caches], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    grace = 0.5
-    clock = FakeClock()  # the liveness clock: it moves only when the test says
-    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace, clock=clock)
-    reaper = r.management.reaper
-    assert reaper is not None and reaper.interval_s == 15.0
-    waits: list[float] = []  # each wait the reaper thread schedules, in seconds
-    next_wait = reaper._next_wait
-
-    def spied() -> float:
-        w = next_wait()
-        waits.append(w)
-        return w
-
-    monkeypatch.setattr(reaper, "_next_wait", spied)
-    sock = r.dealer()
-    call(sock, 1, register_message(7, make_caches()))
-    call(sock, 2, ping_of(7))
-    sock.close(linger=0)
-    # the reaper flagged the close and set its next wake at the grace's deadline, far below its
-    # 15 s step (the clock stands still: that wait is the grace itself, plus its 0.05 s margin)
-    wait_until(lambda: any(w <= grace + 0.05 for w in waits), 10, what="a wake at the grace's deadline")
-    assert r.blend.seen() == [] and r.transfer.registry.context_entry(7) is not None  # never before
-    clock.advance(2 * grace)
-    wait_until(lambda: r.blend.seen() == [7], 10, what="the disconnect reap")
-    assert r.transfer.registry.context_entry(7) is None
-    assert sample(r.metrics, "kvwarden_instances_reaped_total", reason="disconnect") == 1
-    assert r.management.releaser.reaped_total == 1
-
-
-def test_instance_that_speaks_over_a_new_connection_is_not_reaped(
-    running: Callable[..., Running], make_caches: Callable[[], Caches]
-) -> None:
-    grace = 0.5
-    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=grace)
-    old, new = r.dealer(), r.dealer()
-    call(old, 1, register_message(7, make_caches()))
-    call(new, 2, ping_of(None))  # the new connection is up before the old one goes
-    call(old, 3, ping_of(7))
-    old.close(linger=0)
-    wait_until(
-        lambda: (e := r.transfer.registry.context_entry(7)) is not None and e.disconnected,
-        3,
-        what="the close to be noticed",
-    )
-    assert call(new, 4, ping_of(7))["tracked"] is True
-    entry = r.transfer.registry.context_entry(7)
-    assert entry is not None and not entry.disconnected
-    deadline = time.monotonic() + 3 * grace
-    tick = threading.Event()
-    while time.monotonic() < deadline:  # well past the grace: still there
-        assert r.transfer.registry.context_entry(7) is not None
-        tick.wait(0.05)
-    assert r.blend.seen() == [] and r.management.releaser.reaped_total == 0
-
-
-def test_without_a_disconnect_grace_closing_flags_nothing(
-    running: Callable[..., Running], make_caches: Callable[[], Caches]
-) -> None:
-    r = running(reap_timeout_s=60.0, registration_grace_s=60.0, disconnect_grace_s=0.0)
-    sock = r.dealer()
-    call(sock, 1, register_message(7, make_caches()))
-    sock.close(linger=0)
-    wait_until(lambda: r.closes, 5, what="the loop to deliver the close")
-    deadline = time.monotonic() + 1.0
-    tick = threading.Event()
-    while time.monotonic() < deadline:
-        e = r.transfer.registry.context_entry(7)
-        assert e is not None and not e.disconnected
-        tick.wait(0.05)
 
 
 # ------------------------------------------------------------------------ reaper lifecycle

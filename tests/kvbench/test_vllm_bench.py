@@ -11,20 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.vllm_support import VLLM_PYTHON, require_vllm
 from tests.helpers import ROOT, subprocess_env
 
 pytestmark = pytest.mark.timeout(900)
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def test_bench_vllm_tiny(tmp_path: Path) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
-    p = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "vllm", "--tiny", "--json", "--results-dir", str(tmp_path),
-         "--vllm-python", str(VLLM_PYTHON)],
-        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=850,
-    )  # fmt: skip
+    require_vllm()
+    cmd = [sys.executable, "-m", "app.cli", "bench", "vllm", "--tiny", "--json"]
+    cmd += ["--results-dir", str(tmp_path), "--vllm-python", str(VLLM_PYTHON)]
+    p = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=850)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     (path,) = [line.split(": ", 1)[1] for line in p.stdout.splitlines() if line.startswith("results: ")]
     rep = json.loads(Path(path).read_text())

@@ -1,7 +1,7 @@
 """What a REGISTER may make the server map, space reserved at create, and the sweep of a dead
 creator's temporary file.
 
-Every case runs in a private directory on the shm tmpfs (as tests/dataplane/test_shm.py does);
+Every case runs in a private directory on the shm tmpfs (as tests/dataplane/memory/test_shm.py does);
 the no-room case mounts a small tmpfs of its own (root only). One case goes end to end through a
 real `kvwarden serve`: every unsafe segment gets INVALID_LAYOUT naming the layer and the reason,
 the victim a symbolic link points at keeps its bytes, and the server goes on serving.

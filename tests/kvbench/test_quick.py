@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.figures import CHECKS, report
+from tests.kvbench.figures import CHECKS, report
 from tests.helpers import ROOT, subprocess_env
 
 

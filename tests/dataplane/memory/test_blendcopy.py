@@ -13,7 +13,7 @@ from dataplane.memory.blendcopy import Geometry, cache_side, chunk_side, keys_of
 from dataplane.memory.copies import CopySplitter
 from dataplane.memory.kvmemory import map_local_tensors
 from dataplane.memory.rope import RopeParams, RopeTables, rope_at
-from tests.dataplane.test_rope import CONFIGS, HEAD_DIM
+from tests.dataplane.memory.test_rope import CONFIGS, HEAD_DIM
 
 
 @pytest.fixture(scope="module", autouse=True)

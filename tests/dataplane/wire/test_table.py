@@ -19,7 +19,7 @@ from dataplane.wire.protocol import decode_reply, encode_error, encode_ok
 from dataplane.wire.records import Reply, field_names, reply_to_wire
 from dataplane.wire.table import SPECS, TABLE, HandlerKind, decode_body, decode_error
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # one valid instance of every reply record
 SAMPLES: dict[type[Reply], Reply] = {

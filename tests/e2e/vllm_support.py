@@ -1,0 +1,153 @@
+"""What the tests that start real vLLM engines share (vLLM's CPU build, run with the Python of
+``.venv-vllm``, which ``make test`` sets up).
+
+An engine takes about half a minute to start on two cores, so the engines are started as few
+times as the tests need: the model, its two LoRA adapters and every prompt's reference output
+(greedy, from an engine without kvwarden) come from one process per session, ``vllm_reference.py``,
+run by the ``reference`` fixture (``tests/e2e/conftest.py``) for every case of
+``REFERENCE_CASES``. The model is a tiny random-weight Llama built here (no download); prompts
+are token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import numpy as np
+import pytest
+
+from kvbench.vllm import EngineProcess
+from tests.helpers import ROOT, ServerProcess
+
+VLLM_PYTHON = Path(os.environ.get("KVWARDEN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
+FULL = 4 * CHUNK  # what a hit of a 1,100-token prompt loads: every full chunk but the last token's
+ENGINE_LORA = {"max_lora_rank": 8, "max_loras": 2}  # both adapters stay loaded (1: swapped in turn)
+# Every engine with LoRA computes on the same number of cores (vLLM keeps one more from an engine
+# with a KV connector): another number of threads may sum in another order, and flip a near tie.
+RESERVED_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+# test_vllm's prompts: 4 full chunks of PROMPT may be loaded (of 1,099 tokens)
+_rng = np.random.default_rng(11)
+PROMPT = [int(x) for x in _rng.integers(3, 1000, 1100)]
+SHARES_ONE = PROMPT[:CHUNK] + [int(x) for x in _rng.integers(3, 1000, 700)]  # only chunk 0 in common
+FRESH = [int(x) for x in _rng.integers(3, 1000, 1100)]  # stored just before an engine quits
+# test_isolation's prompts
+_rng = np.random.default_rng(23)
+LORA_PROMPT = [int(x) for x in _rng.integers(3, 1000, 1100)]
+SALTED = [int(x) for x in _rng.integers(3, 1000, 1100)]  # the cache_salt test's own prompt
+
+
+class Case(NamedTuple):
+    prompt: list[int]
+    salt: str | None = None
+    adapter: str | None = None  # "a" or "b"
+
+
+REFERENCE_CASES: dict[str, Case] = {
+    # test_vllm
+    "prompt": Case(PROMPT),
+    "shares_one": Case(SHARES_ONE),
+    "fresh": Case(FRESH),
+    # test_isolation
+    "base": Case(LORA_PROMPT),
+    "a": Case(LORA_PROMPT, adapter="a"),
+    "b": Case(LORA_PROMPT, adapter="b"),
+    "salted": Case(SALTED),
+    "salted:tenant-a": Case(SALTED, salt="tenant-a"),
+    "salted:tenant-a:a": Case(SALTED, salt="tenant-a", adapter="a"),
+}
+
+
+class Models(NamedTuple):
+    model: Path
+    adapters: dict[str, Path]  # adapter name: its directory
+
+
+class Reference(NamedTuple):
+    models: Models
+    tokens: dict[str, list[int]]  # each case's greedy output, from an engine without kvwarden
+
+
+def require_vllm() -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
+
+
+def lora(models: Models, name: str, engine: int) -> dict[str, Any]:
+    """The LoRA request for adapter ``name`` as engine ``engine`` (0: the one without kvwarden, 1 or
+    2) numbers it: each engine its own ids, as separate engines do."""
+    ids = {"a": (1, 1, 2), "b": (2, 2, 1)}
+    return {"name": f"adapter-{name}", "id": ids[name][engine], "path": str(models.adapters[name])}
+
+
+def engine(
+    model: Path,
+    url: str | None,
+    log_dir: Path,
+    settings: dict[str, float] | None = None,
+    lora_on: bool = False,
+) -> EngineProcess:
+    """A vLLM engine process; kvwarden's connector (retrying fast) when ``url`` is given, with
+    ``settings`` as more of its ``kvwarden.*`` settings (``{"connect_wait_s": 0.5}``).
+    ``lora_on``: LoRA on (``ENGINE_LORA``) and ``RESERVED_CPUS``, like the reference engine."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"engine-{time.monotonic_ns()}.log"
+    extra = {"kvwarden.retry_s": 0.5, **{f"kvwarden.{k}": v for k, v in (settings or {}).items()}}
+    if not lora_on:
+        return EngineProcess(VLLM_PYTHON, model, url, log, extra)
+    return EngineProcess(VLLM_PYTHON, model, url, log, extra, env_extra=RESERVED_CPUS, lora=ENGINE_LORA)
+
+
+def server(tmp: Path, port: int = 0, http_port: int = 0) -> ServerProcess:
+    """A ``kvwarden serve`` for the engines (not waited for: ``serve`` waits)."""
+    return ServerProcess(
+        tmp,
+        "--chunk-size",
+        str(CHUNK),
+        "--l1-size-gb",
+        "0.5",
+        "--worker-disconnect-grace-seconds",
+        "2",
+        port=port,
+        http_port=http_port,
+    )
+
+
+def serve(tmp: Path) -> ServerProcess:
+    srv = server(tmp)
+    try:
+        srv.wait_ready()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+def _status(srv: ServerProcess) -> dict[str, Any]:
+    out: dict[str, Any] = httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10).json()
+    return out
+
+
+def instances(srv: ServerProcess) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = _status(srv)["instances"]
+    return out
+
+
+def l1_chunks(srv: ServerProcess) -> int:
+    return int(_status(srv)["storage"]["l1"]["chunks"])
+
+
+def reaped(srv: ServerProcess) -> dict[str, float]:
+    """``kvwarden_instances_reaped_total`` by reason, from the server's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+    head = 'kvwarden_instances_reaped_total{reason="'
+    return {
+        line[len(head) :].split('"', 1)[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(head)
+    }
