@@ -18,6 +18,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2
 LINT_PATHS := dataplane app kvbench tests scripts
 
 PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
@@ -169,8 +170,11 @@ lint-steps:
 typecheck: $(DEV_STAMP)
 	$(BIN)/python -m mypy
 
+# two workers (PYTEST_WORKERS=0: one process); each test module runs on one worker (its module
+# fixtures start once) and the modules that start vLLM engines share one (xdist_group "vllm"), so
+# the session's reference engine starts once: tests/conftest.py
 pytest: $(DEV_STAMP) $(VLLM_STAMP) tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # every benchmark (BENCH=transfer, ping, reaper, http or startup for one; ARGS=--quick for a
 # two-minute run), results under bench/results; then the figure and BENCHMARKS.md's table

@@ -32,6 +32,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [i for i in items if not i.get_closest_marker("slow")]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Under ``make test``'s two workers (pytest-xdist, ``--dist loadgroup``) a module's tests run
+    on one worker, so a module-scoped fixture (a server, ``bench all --tiny``) starts once, not
+    once per worker; the vLLM tests share one group across their modules (``xdist_group("vllm")``)."""
+    if item.get_closest_marker("xdist_group") is None:
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 ServerFactory = Callable[..., ServerProcess]
 
 

@@ -20,6 +20,8 @@ import pytest
 import dataplane
 from tests.helpers import ROOT, subprocess_env
 
+pytestmark = pytest.mark.xdist_group("vllm")  # one worker: the vLLM engines
+
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BIN = Path(sys.executable).parent
 # where the project tells people how to install things

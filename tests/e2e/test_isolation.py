@@ -32,7 +32,7 @@ from tests.e2e.vllm_support import (
 from tests.e2e.vllm_support import LORA_PROMPT as PROMPT
 from tests.helpers import ServerProcess, wait_until
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
 
 class Pair(NamedTuple):

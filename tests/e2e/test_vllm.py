@@ -37,7 +37,7 @@ from tests.e2e.vllm_support import (
 )
 from tests.helpers import ServerProcess, wait_until
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
 SHARED_FULL = 3 * CHUNK  # what SHARES_ONE loads once all of it is stored: 3 full chunks of 955 tokens
 

@@ -14,6 +14,8 @@ import pytest
 from tests.e2e.vllm_support import VLLM_PYTHON, require_vllm
 from tests.helpers import ROOT, subprocess_env
 
+pytestmark = pytest.mark.xdist_group("vllm")  # one worker: the vLLM engines
+
 Keyed = tuple[dict[str, Any], str]  # each case's key context, and what the connector logged
 
 SCRIPT = r"""

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kvbench.figures import CHECKS, report
 from tests.helpers import ROOT, subprocess_env
+from tests.kvbench.figures import CHECKS, report
 
 
 @pytest.mark.bench

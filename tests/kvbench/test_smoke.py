@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from app.cli import main as kvwarden
-from tests.kvbench.figures import CHECKS, report
 from tests.helpers import ROOT, subprocess_env
+from tests.kvbench.figures import CHECKS, report
 
 pytestmark = pytest.mark.timeout(300)
 

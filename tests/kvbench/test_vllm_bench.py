@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.vllm_support import VLLM_PYTHON, require_vllm
 from tests.helpers import ROOT, subprocess_env
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
 
 def test_bench_vllm_tiny(tmp_path: Path) -> None:
