@@ -149,7 +149,7 @@ test: $(DEV_STAMP) $(VLLM_STAMP) tools
 	@echo "==> mypy"
 	$(BIN)/python -m mypy
 	@echo "==> pytest"
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
 	@$(MAKE) --no-print-directory lint-steps
