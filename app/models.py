@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 CheckStatus = Literal["pass", "warn", "fail"]
-TransferMode = Literal["server_driven", "engine_driven"]
-MemoryKind = Literal["shm", "cuda_ipc"]
+TransferModeName = Literal["server_driven", "engine_driven"]  # dataplane.wire.kinds.TransferMode
+MemoryKindName = Literal["shm", "cuda_ipc"]  # dataplane.wire.kinds.MemoryKind
 
 
 class Detail(BaseModel):
@@ -75,8 +75,8 @@ class InstancePublic(BaseModel):
     """One tracked worker instance."""
 
     instance_id: int
-    transfer_mode: TransferMode
-    memory: MemoryKind
+    transfer_mode: TransferModeName
+    memory: MemoryKindName
     model_name: str
     world_size: int
     worker_id: int
