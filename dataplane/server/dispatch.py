@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Deferred, Handler, RequestContext
 from dataplane.server.ordered import KeyedSerialExecutor
@@ -56,6 +58,8 @@ class Dispatcher:
         self, metrics: DataPlaneMetrics, pool_sizes: tuple[int, int], wake: Callable[[], None]
     ) -> None:
         self.metrics = metrics
+        self._pool_sizes = pool_sizes
+        self._shut = threading.Event()  # set once both pools were shut down
         self.normal = ThreadPoolExecutor(pool_sizes[0], thread_name_prefix="kvwarden-normal")
         self.transfer_pool = ThreadPoolExecutor(pool_sizes[1], thread_name_prefix="kvwarden-transfer")
         self._transfer = KeyedSerialExecutor(self.transfer_pool)
@@ -71,7 +75,17 @@ class Dispatcher:
                 raise ValueError(f"{mtype} already has a handler")
             self.handlers[mtype] = handler
 
+    def start(self) -> None:
+        """Every pool thread now, not at the first request (`spawn_all`)."""
+        spawn_all(self.normal, self._pool_sizes[0])
+        spawn_all(self.transfer_pool, self._pool_sizes[1])
+
+    def pools_alive(self) -> bool:
+        """Both pools still accept work (False once they were shut down)."""
+        return not self._shut.is_set()
+
     def shutdown(self) -> None:
+        self._shut.set()
         self.normal.shutdown(wait=False, cancel_futures=True)
         self.transfer_pool.shutdown(wait=False, cancel_futures=True)
 

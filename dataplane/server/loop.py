@@ -29,7 +29,6 @@ from typing import Any
 import zmq
 
 from dataplane import __version__
-from dataplane.memory.copies import spawn_all
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Module, ServerInfo
 from dataplane.server.connections import ConnectionTracker
@@ -78,9 +77,7 @@ class Server:
         self._ctx, self._sock, self._monitor = open_router(endpoint, max_frame_bytes)
         self.connections = ConnectionTracker(max_connections, self.metrics)  # loop thread only
         self.bound_endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._pool_sizes = (max_cpu_workers, max_transfer_workers)
-        self._dispatch = Dispatcher(self.metrics, self._pool_sizes, self._wake)
-        self._pools_shut = threading.Event()  # set once both pools were shut down
+        self._dispatch = Dispatcher(self.metrics, (max_cpu_workers, max_transfer_workers), self._wake)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # guards _wake_fd against close while a late pool thread writes to it (a closed fd
         # number may be reused by another file)
@@ -122,7 +119,7 @@ class Server:
 
     def pools_alive(self) -> bool:
         """Both worker pools still accept work (False once they were shut down)."""
-        return not self._pools_shut.is_set()
+        return self._dispatch.pools_alive()
 
     # --------------------------------------------------------------- lifecycle
     def start_early(self, gate: StartGate) -> None:
@@ -142,8 +139,7 @@ class Server:
             early = self._state is Lifecycle.STARTING
             if not early:
                 self._state = Lifecycle.RUNNING
-        spawn_all(self._dispatch.normal, self._pool_sizes[0])
-        spawn_all(self._dispatch.transfer_pool, self._pool_sizes[1])
+        self._dispatch.start()
         for m in self._modules:
             m.start()
         if self._gate is not None:  # the loop serves what it held, then runs
@@ -192,7 +188,6 @@ class Server:
             if self._thread.is_alive():
                 logger.error("server: loop thread still alive after %.1fs", bound + 2.0)
                 clean = False
-        self._pools_shut.set()
         self._dispatch.shutdown()
         for m in self._modules:
             m.close()

@@ -65,6 +65,7 @@ def _spec_of(cls: type[Record]) -> tuple[FieldDoc, ...]:
 # each record's spec, derived on first use (a benign race: two threads derive the same tuple)
 _SPECS: dict[type[Record], tuple[FieldDoc, ...]] = {}
 _CHECKS: dict[type[Record], tuple[tuple[str, Check], ...]] = {}
+_NAMES: dict[type[Record], tuple[str, ...]] = {}
 
 
 def field_docs(cls: type[Record]) -> tuple[FieldDoc, ...]:
@@ -84,7 +85,11 @@ def field_checks(cls: type[Record]) -> tuple[tuple[str, Check], ...]:
 
 
 def field_names(cls: type[Record]) -> tuple[str, ...]:
-    return tuple(n for n, _ in field_checks(cls))
+    """The field names of ``cls``, in wire order (what both encoders read, every message)."""
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(n for n, _ in field_checks(cls))
+    return names
 
 
 RecT = TypeVar("RecT", bound=Record)
@@ -159,5 +164,5 @@ def opt_record_map(cls: type[RecT]) -> Check:
 def reply_to_wire(v: Any) -> Any:
     """msgpack's ``default`` hook: a reply record (at any depth) as the map of its fields."""
     if isinstance(v, Reply):
-        return {n: getattr(v, n) for n, _ in field_checks(type(v))}
+        return {n: getattr(v, n) for n in field_names(type(v))}
     raise TypeError(f"cannot encode {type_name(v)} in a reply")
