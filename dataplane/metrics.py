@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from dataplane.wire.messages import MsgType
+from dataplane.wire.messages import WAIT_OUTCOMES, MsgType
 
 # sub-millisecond resolution for PING/LOOKUP, up to seconds for big transfers
 DURATION_BUCKETS = (
@@ -31,6 +31,7 @@ DURATION_BUCKETS = (
     2.5,
     5.0,
 )
+WAIT_BUCKETS = (1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REAP_REASONS = ("timeout", "grace", "disconnect", "admin")
 # what a LIMIT_EXCEEDED refusal met (dataplane.wire.errors.LimitExceeded.limit)
 LIMITS = (
@@ -83,6 +84,7 @@ class DataPlaneMetrics:
             "kvwarden_not_owner_refusals", "Requests refused with NOT_OWNER (a wrong secret).", registry=r
         )
         self._connection_metrics(r)
+        self._wait_metrics(r)
         for limit in LIMITS:
             self.limits_exceeded.labels(limit=limit)
         for reason in REAP_REASONS:
@@ -93,6 +95,29 @@ class DataPlaneMetrics:
             self.duration.labels(type=t.value)
             for outcome in ("ok", "error"):
                 self.requests.labels(type=t.value, outcome=outcome)
+
+    def _wait_metrics(self, r: CollectorRegistry) -> None:
+        """Lookups that found chunks being stored, and the waits schedulers report (LOOKUP_WAITED)."""
+        self.pending_tokens = Counter(
+            "kvwarden_lookup_pending_tokens",
+            "Tokens lookups found being stored (not yet committed) after the tokens held.",
+            registry=r,
+        )
+        self.lookup_waits = Counter(
+            "kvwarden_lookup_waits",
+            "Requests a scheduler held back for chunks being stored, by how the wait ended "
+            "(hit: all landed; partial: some did; gave_up: its bound passed first).",
+            ["outcome"],
+            registry=r,
+        )
+        self.lookup_wait_seconds = Histogram(
+            "kvwarden_lookup_wait_seconds",
+            "How long a scheduler held a request back for chunks being stored.",
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        for outcome in WAIT_OUTCOMES:
+            self.lookup_waits.labels(outcome=outcome)
 
     def _connection_metrics(self, r: CollectorRegistry) -> None:
         """Set by the loop thread as connections open and close (`dataplane.server.connections`)."""

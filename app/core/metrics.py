@@ -59,6 +59,14 @@ class DataPlaneStateCollector(Collector):
         yield CounterMetricFamily(
             "kvwarden_l1_evictions", "Chunks evicted from L1 (LRU).", value=stats.evictions
         )
+        yield GaugeMetricFamily(
+            "kvwarden_inflight_chunks",
+            "Chunks being stored now (written, not yet committed): lookups count them as pending.",
+            value=stats.inflight_chunks,
+        )
+        yield GaugeMetricFamily(
+            "kvwarden_inflight_stores", "Stores writing chunks now.", value=stats.inflight_stores
+        )
         yield from tenant_metrics(stats.tenants or [])
         yield from remote_metrics(dp)
 

@@ -3,15 +3,13 @@
     caches = allocate_kv_caches(num_layers=32, num_blocks=1024, block_size=16,
                                 num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     w = WorkerAdapter("tcp://127.0.0.1:5555", model_name="m", world_size=1, worker_id=0)
-    w.register_kv_caches(caches)
-    w.store(token_ids, block_ids); w.lookup(token_ids); w.retrieve(token_ids, block_ids)
-    w.close()
+    w.register_kv_caches(caches); w.store(token_ids, block_ids); w.lookup(token_ids)
+    w.retrieve(token_ids, block_ids); w.close()
 
 Every request has a timeout; an error reply raises the typed exception of
 `dataplane.wire.errors`. Requests go over one channel (`dataplane.client.channel`); the
 heartbeat (`dataplane.client.heartbeat`), started at registration, PINGs over its own, so a long
-transfer never delays it. How the KV bytes move is the transport's business
-(`dataplane.client.transport`, one per transfer mode).
+transfer never delays it. The transport (`dataplane.client.transport`) moves the KV bytes.
 
 Nothing waits on a dead server. While the heartbeat says the server is unhealthy, stores are
 dropped and lookups and retrieves report a miss, without waiting. A transfer whose connection
@@ -65,6 +63,7 @@ from dataplane.wire.messages import (
 from dataplane.wire.records import Reply
 from dataplane.wire.replies import (
     NO_STORE,
+    Hits,
     PingReply,
     PoolRegistered,
     Registered,
@@ -262,9 +261,12 @@ class WorkerAdapter:
         return self._unless_outage(run, None)
 
     def lookup(self, token_ids: TokenIds, key: KeyContext | None = None) -> int:
-        """Prefix tokens the server holds (0 while unhealthy)."""
+        return self.lookup_detail(token_ids, key).hit_tokens  # prefix tokens held
+
+    def lookup_detail(self, token_ids: TokenIds, key: KeyContext | None = None) -> Hits:
+        """Prefix tokens held, and after them those being stored now (none while unhealthy)."""
         msg = Lookup(self.instance_id, self._secret, _id_array(token_ids), key)
-        return self._unless_outage(lambda: self._send(msg).hit_tokens, 0)
+        return self._unless_outage(lambda: self._send(msg), Hits(0, 0))
 
     def retrieve(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None) -> int:
         """Write the longest stored prefix into ``block_ids``; returns its token count."""

@@ -42,6 +42,9 @@ from dataplane.wire.messages import (
 from dataplane.wire.replies import Reserved, StoreCounts
 
 PAGE = 4096
+# a long store commits what it has written every this many bytes (ENGINE_COMMIT with a count),
+# so a lookup finds its first chunks held while the last are being copied
+COMMIT_EVERY_BYTES = 32 << 20
 LOOKAHEAD = 1 << 30  # mapped ahead of the highest offset the server has handed out
 _SLICE = 32 << 20  # per step (stop waits for one step at most)
 
@@ -274,10 +277,19 @@ class ArenaCopier:
         index), then commit; the chunks stored."""
         cb = r.slot_bytes
         self.toucher.want(max((off + cb for _, off in r.slots), default=0), r.usable)
+        every = max(1, COMMIT_EVERY_BYTES // max(cb, 1))
         with self._lease(send, r.lease, commit=True) as done:
-            for idx, off in r.slots:
+            written = 0  # written and not yet committed
+            for n, (idx, off) in enumerate(r.slots):
                 self.toucher.ensure(off, off + cb)
                 write(first + idx, self.arena[off : off + cb])
+                written += 1
+                if written == every and n + 1 < len(r.slots):  # the rest still to write
+                    try:
+                        done[0] += send(EngineCommit(self.instance_id, self.secret, r.lease, written)).stored
+                    except RequestError as exc:  # the instance was released mid-copy
+                        raise RequestAborted(f"lease {r.lease} lost mid-copy: {exc}") from None
+                    written = 0
         return done[0]
 
     @contextlib.contextmanager
@@ -294,7 +306,7 @@ class ArenaCopier:
             raise
         try:
             if commit:
-                done[0] = send(EngineCommit(self.instance_id, self.secret, lease)).stored
+                done[0] += send(EngineCommit(self.instance_id, self.secret, lease)).stored
             else:
                 send(EngineRelease(self.instance_id, self.secret, lease))
         except RequestError as exc:  # the instance was released mid-copy (reaped, re-registered)

@@ -7,10 +7,14 @@
 
 Scheduler side (the engine core): one LOOKUP_SCOPE per new request decides how many whole chunks
 of its prompt to load (never its last token), and each step's plan says which requests load and
-which store new full chunks of their prompt. Worker side: loads run before the forward pass
-(``start_load_kv``); stores go to a thread after it (``wait_for_save``), and a finished request
-keeps its blocks until its stores are over (``request_finished`` / ``get_finished``). A load that
-comes back short names its blocks (``get_block_ids_with_load_errors``) so vLLM recomputes them.
+which store new full chunks of their prompt. A request whose prefix is being stored (by this
+engine's own saves, which the workers report over in each step's worker metadata, or by any
+worker the server sees writing) is answered "not decided yet" and asked again on later steps,
+up to ``kvwarden.lookup_wait_s``, so it loads what lands instead of recomputing it. Worker side:
+loads run before the forward pass (``start_load_kv``); stores go to a thread after it
+(``wait_for_save``), and a finished request keeps its blocks until its stores are over
+(``request_finished`` / ``get_finished``). A load that comes back short names its blocks
+(``get_block_ids_with_load_errors``) so vLLM recomputes them.
 With no server, or a server that dies, requests recompute; the worker registers, or registers
 again, when the server is back. Chunks are keyed on what vLLM's own prefix cache keys its blocks
 on (``request_key``: the cache salt, the LoRA adapter with a digest of its files, multimodal
@@ -30,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from dataplane.client.adapter import WorkerAdapter
@@ -49,6 +54,7 @@ from dataplane.client.vllm_state import (
     ScopeLookup,
     connector_settings,
 )
+from dataplane.client.vllm_wait import OwnSaves, Waits
 from dataplane.client.vllm_worker import Registrar, Saver, load
 from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.messages import KVFormat
@@ -60,6 +66,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -144,6 +151,17 @@ class KVWardenConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
+class KVWardenWorkerMetadata(KVConnectorWorkerMetadata):
+    """A step's saves that are over (their sequence numbers, once per rank)."""
+
+    def __init__(self, saved: list[int]) -> None:
+        self.saved = saved
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVWardenWorkerMetadata)
+        return KVWardenWorkerMetadata(self.saved + other.saved)
+
+
 class KVWardenConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -175,7 +193,9 @@ class KVWardenConnector(KVConnectorBase_V1):
                 cfg["kvwarden.url"], self._scope, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
             )
             self._lookup = lookup
-            self._planner = Planner(lookup.hit_tokens, self._block_size)
+            waits = Waits(cfg["kvwarden.lookup_wait_s"], lookup.report_wait)
+            own = OwnSaves(self._scope.world_size)
+            self._planner = Planner(lookup.find, self._block_size, waits, own)
             self._planner.chunk_size = lambda: lookup.chunk_size
 
     @property
@@ -276,6 +296,10 @@ class KVWardenConnector(KVConnectorBase_V1):
         self._planned -= done
         return done or None, None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        saved = self._saver.take_done() if self._saver is not None else []
+        return KVWardenWorkerMetadata(saved) if saved else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -301,6 +325,11 @@ class KVWardenConnector(KVConnectorBase_V1):
         key = p.keys[rid] if rid in p.keys else request_key(request, self._block_size)
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
         return p.matched(rid, prompt, num_computed_tokens, key), False
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVWardenWorkerMetadata) and self._planner is not None:
+            self._planner.own.done(meta.saved)  # those saves landed or failed: not on their way
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

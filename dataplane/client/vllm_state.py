@@ -1,10 +1,11 @@
 """The parts of kvwarden's vLLM connector that need no vLLM: what the scheduler plans and what the
 worker carries out (`dataplane.client.vllm` is the glue vLLM calls).
 
-Scheduler side: ``ScopeLookup`` asks the server how much of a prompt it holds (LOOKUP_SCOPE:
-the scheduler registers no memory, it names the scope its workers register) and ``Planner``
-turns vLLM's scheduling decisions into ``Plan``: which requests load which whole chunks before
-the forward pass, which store new full chunks after it. Worker side: ``Registrar`` registers
+Scheduler side: ``ScopeLookup`` asks the server how much of a prompt it holds and how much more
+is being stored (LOOKUP_SCOPE: the scheduler registers no memory, it names the scope its workers
+register) and ``Planner`` turns vLLM's scheduling decisions into ``Plan``: which requests load
+which whole chunks before the forward pass, which store new full chunks after it. A request
+whose prefix is on its way waits for it (`dataplane.client.vllm_wait`). Worker side: ``Registrar`` registers
 the worker's KV memory, now or, when the server is not there yet, in the background until it
 is; ``Saver`` stores on a thread of its own (``kvwarden-vllm-saver``) so the step does not wait
 for it, and says which finished requests' blocks may be freed.
@@ -23,8 +24,9 @@ import numpy as np
 import zmq
 
 from dataplane.client.channel import Channel
+from dataplane.client.vllm_wait import Found, OwnSaves, Waits
 from dataplane.wire.errors import KVWardenError, RequestError
-from dataplane.wire.messages import KeyContext, KVFormat, LookupScope
+from dataplane.wire.messages import KeyContext, KVFormat, LookupScope, LookupWaited
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,9 @@ _KEYS = {
     "kvwarden.lookup_timeout_s": float,
     "kvwarden.request_timeout_s": float,
     "kvwarden.heartbeat_interval_s": float,
+    "kvwarden.lookup_wait_s": float,
 }
+_MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
 _DEFAULTS: dict[str, Any] = {
     "kvwarden.url": "tcp://127.0.0.1:5555",
     "kvwarden.transfer_mode": "auto",
@@ -47,6 +51,9 @@ _DEFAULTS: dict[str, Any] = {
     "kvwarden.lookup_timeout_s": 1.0,
     "kvwarden.request_timeout_s": 30.0,
     "kvwarden.heartbeat_interval_s": 5.0,
+    # how long a request may wait for its prefix being stored (by this engine or another) to
+    # land rather than recompute it; 0: never wait
+    "kvwarden.lookup_wait_s": 1.0,
 }
 
 
@@ -64,8 +71,11 @@ def connector_settings(extra: dict[str, Any] | None) -> dict[str, Any]:
             raise ValueError(
                 f"kv_connector_extra_config[{key!r}]: {value!r} is not a {_KEYS[key].__name__}"
             ) from None
-        if _KEYS[key] is float and not out[key] > 0:
-            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r}")
+        if _KEYS[key] is float and not (out[key] > 0 or (key in _MAY_BE_ZERO and out[key] == 0)):
+            bound = ">= 0" if key in _MAY_BE_ZERO else "> 0"
+            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be {bound}, got {value!r}")
+        if _KEYS[key] is float and not out[key] < float("inf"):
+            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be finite, got {value!r}")
     if out["kvwarden.transfer_mode"] not in MODES:
         raise ValueError(
             f"kv_connector_extra_config['kvwarden.transfer_mode']: {out['kvwarden.transfer_mode']!r}; "
@@ -113,12 +123,12 @@ class ScopeLookup:
         self._down_until = 0.0
         self._down = False
 
-    def hit_tokens(self, token_ids: np.ndarray, key: KeyContext | None = None) -> int:
-        """Tokens of ``token_ids``' prefix that every rank's chunks hold under ``key`` (0 when
-        unsure)."""
+    def find(self, token_ids: np.ndarray, key: KeyContext | None = None) -> Found:
+        """Tokens of ``token_ids``' prefix that every rank's chunks hold under ``key``, and how
+        many more are being stored (nothing, unanswered, when unsure)."""
         with self._lock:
             if self._clock() < self._down_until:
-                return 0
+                return Found(0, 0, answered=False)
         s = self.scope
         msg = LookupScope(
             s.model_name,
@@ -137,18 +147,36 @@ class ScopeLookup:
         except RequestError:
             raise  # a request the server refuses is a bug to see, not an outage
         except KVWardenError as exc:
-            with self._lock:
-                self._down_until = self._clock() + self.retry_s
-                first, self._down = not self._down, True
-            if first:
-                logger.warning("kvwarden: lookups answer 0 (recompute) until the server is back: %s", exc)
-            return 0
+            self._failed(exc)
+            return Found(0, 0, answered=False)
         with self._lock:
             self.chunk_size = reply.chunk_size
             back, self._down = self._down, False
         if back:
             logger.info("kvwarden: lookups answered again")
-        return reply.hit_tokens
+        return Found(reply.hit_tokens, reply.pending_tokens)
+
+    def hit_tokens(self, token_ids: np.ndarray, key: KeyContext | None = None) -> int:
+        return self.find(token_ids, key).hit
+
+    def report_wait(self, waited_s: float, outcome: str) -> None:
+        """Tell the server how a wait ended (its /metrics); an outage loses the report."""
+        with self._lock:
+            if self._clock() < self._down_until:
+                return
+        try:
+            self._chan.request(LookupWaited(min(waited_s, 3600.0), outcome), self.timeout_s)
+        except RequestError:
+            raise
+        except KVWardenError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: KVWardenError) -> None:
+        with self._lock:
+            self._down_until = self._clock() + self.retry_s
+            first, self._down = not self._down, True
+        if first:
+            logger.warning("kvwarden: lookups answer 0 (recompute) until the server is back: %s", exc)
 
     def close(self) -> None:
         self._chan.close()
@@ -173,6 +201,7 @@ class Save:
     tokens: np.ndarray
     blocks: np.ndarray
     key: KeyContext | None = None
+    seq: int = 0  # reported back to the scheduler when the save is over (`OwnSaves`)
 
 
 class Uncached:
@@ -204,30 +233,47 @@ class Planner:
     """The scheduler's bookkeeping (called on vLLM's scheduler thread only). Loads and stores
     are whole chunks of the prompt; a load never covers the prompt's last token (vLLM must
     compute at least one). Each request's key context is the one ``matched`` was given: a
-    request never seen there, or ``UNCACHED``, neither loads nor stores."""
+    request never seen there, or ``UNCACHED``, neither loads nor stores. A request whose prefix
+    is being stored (`dataplane.client.vllm_wait`) is answered None by ``matched`` until it
+    lands or ``waits.bound_s`` passes."""
 
-    def __init__(self, lookup: Callable[[np.ndarray, KeyContext | None], int], block_size: int) -> None:
+    def __init__(
+        self,
+        lookup: Callable[[np.ndarray, KeyContext | None], Found],
+        block_size: int,
+        waits: Waits | None = None,
+        own: OwnSaves | None = None,
+    ) -> None:
         self.lookup = lookup
         self.block_size = block_size
         self.chunk_size: Callable[[], int | None] = lambda: None
-        self._hits: dict[str, int] = {}  # req id -> hit tokens (one LOOKUP per request)
+        self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
+        self.own = own if own is not None else OwnSaves()
+        self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
         self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
         self._reqs: dict[str, _Request] = {}
 
     def matched(
         self, req_id: str, prompt: Sequence[int] | None, computed: int, key: RequestKey = None
-    ) -> int:
-        """Tokens beyond ``computed`` that kvwarden will load."""
+    ) -> int | None:
+        """Tokens beyond ``computed`` that kvwarden will load; None: not decided yet (chunks of
+        the prompt are being stored), ask again on a later step."""
         self.keys[req_id] = key
         if not prompt or isinstance(key, Uncached):
             return 0
         hit = self._hits.get(req_id)
         if hit is None:
+            if self.waits.too_soon(req_id):
+                return None
             tokens = np.asarray(prompt, dtype=np.int64)
-            hit = self.lookup(tokens[: len(tokens) - 1], key)
+            found = self.lookup(tokens[: len(tokens) - 1], key)
             cs = self.chunk_size()
-            hit = 0 if cs is None else min(hit, (len(tokens) - 1) // cs * cs)
-            self._hits[req_id] = hit
+            limit = 0 if cs is None else (len(tokens) - 1) // cs * cs
+            own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
+            decided = self.waits.decide(req_id, found, own, limit)
+            if decided is None:
+                return None
+            hit = self._hits[req_id] = decided
         return max(0, hit - computed)
 
     def allocated(self, req_id: str, prompt: Sequence[int] | None, external: int) -> None:
@@ -278,7 +324,8 @@ class Planner:
         if full > r.saved:
             n_blocks = -(-full // self.block_size)
             blocks = np.asarray(r.blocks[:n_blocks], dtype=np.int64)
-            out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key))
+            seq = self.own.add(r.tokens[:full], r.key)
+            out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key, seq))
             r.saved, r.saving = full, True
 
     def finished(self, req_id: str) -> bool:
@@ -286,5 +333,6 @@ class Planner:
         the worker says the save is over)."""
         self._hits.pop(req_id, None)
         self.keys.pop(req_id, None)
+        self.waits.forget(req_id)
         r = self._reqs.pop(req_id, None)
         return r is not None and r.saving

@@ -98,8 +98,9 @@ class Saver:
     """Stores planned chunks on thread ``kvwarden-vllm-saver`` while the engine steps on.
 
     A request whose chunks are being stored keeps its blocks (the scheduler holds them) until
-    ``finished`` reports it. ``_cond`` guards ``_queue``, ``_pending``, ``_asked``, ``_busy``
-    and ``_stopped``."""
+    ``finished`` reports it. Every save over, stored or failed, is reported by its sequence
+    number (``take_done``), so the scheduler stops counting it as on its way. ``_cond``
+    guards ``_queue``, ``_pending``, ``_asked``, ``_done``, ``_busy`` and ``_stopped``."""
 
     def __init__(self, adapter: WorkerAdapter) -> None:
         self.adapter = adapter
@@ -107,6 +108,7 @@ class Saver:
         self._queue: deque[Save] = deque()
         self._pending: dict[str, int] = {}  # req id -> saves queued or running
         self._asked: set[str] = set()  # finished requests whose saves were planned
+        self._done: list[int] = []  # sequence numbers of saves over, not yet reported
         self._busy = False
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -131,6 +133,12 @@ class Saver:
             self._asked |= finished_req_ids & planned
             done = {r for r in self._asked if not self._pending.get(r)}
             self._asked -= done
+            return done
+
+    def take_done(self) -> list[int]:
+        """The saves over since the last call (their sequence numbers)."""
+        with self._cond:
+            done, self._done = self._done, []
             return done
 
     def drain(self, timeout_s: float) -> bool:
@@ -164,6 +172,8 @@ class Saver:
                     self._pending[job.req_id] -= 1
                     if not self._pending[job.req_id]:
                         del self._pending[job.req_id]
+                    if job.seq:
+                        self._done.append(job.seq)
                     self._busy = False
                     self._cond.notify_all()
 

@@ -219,7 +219,9 @@ class BlendModule(InstanceLivenessTarget):
                 move(o.tables, src, dst, offset, o.g, splitter, self.kernels.ready, lambda w: raw(i, w))
 
             tenant = tenant_of(p.key)
-            return self.transfer.write_chunks(p.instance_id, o.keys, o.chunk_bytes, fill, tenant=tenant)
+            return self.transfer.write_chunks(
+                p.instance_id, o.keys, o.chunk_bytes, fill, tenant=tenant, conn_fd=rctx.conn_fd
+            )
 
     def _retrieve(self, rctx: RequestContext, p: BlendRetrieve) -> BlendRetrieved:
         cs, l1 = self.chunk_size, self.transfer.l1

@@ -73,7 +73,9 @@ class BlendDirectModule:
             lease = Lease()
             try:
                 tenant = tenant_of(p.key)
-                handed, present, rejected, skipped = reserve_into(lease, self.l1, keys, c.chunk_bytes, tenant)
+                handed, present, rejected, skipped = reserve_into(
+                    lease, self.l1, keys, c.chunk_bytes, tenant, rctx.conn_fd
+                )
                 lid = c.leases.add(lease)
             except BaseException:
                 lease.abort(self.l1)

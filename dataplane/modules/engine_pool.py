@@ -259,6 +259,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 lambda i, buf: self._copy(buf, slots[i]),
                 prefix=keys[: p.first_chunk],
                 tenant=tenant_of(p.key),
+                conn_fd=rctx.conn_fd,
             )
 
     def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> PoolRetrieved:

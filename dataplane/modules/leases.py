@@ -40,6 +40,7 @@ class Lease:
     bufs: list[torch.Tensor] = field(default_factory=list)  # reserved, not yet committed
     pinned: list[bytes] = field(default_factory=list)  # to release
     opened: float = 0.0
+    mark: int = 0  # its keys' mark in L1's in-flight index (`dataplane.storage.inflight`)
 
     def abort(self, l1: L1Store, worker_may_write: bool = False) -> None:
         """Return the buffers (quarantined when the worker may still write into them) and
@@ -50,17 +51,29 @@ class Lease:
             else:
                 l1.abort(buf)
         self.bufs = []
+        l1.inflight.end(self.mark)
         l1.release(self.pinned)
         self.pinned = []
 
+    def commit(self, l1: L1Store, count: int | None = None) -> int:
+        """Publish the next ``count`` buffers (all with None), in the order handed out; the
+        chunks stored (a key already held is not stored again)."""
+        n = len(self.bufs) if count is None else min(count, len(self.bufs))
+        keys, bufs = self.keys[:n], self.bufs[:n]
+        stored = sum(l1.commit(key, buf) for key, buf in zip(keys, bufs, strict=True))
+        self.keys, self.bufs = self.keys[n:], self.bufs[n:]
+        l1.inflight.landed(self.mark, keys)
+        return stored
+
 
 def reserve_into(
-    lease: Lease, l1: L1Store, keys: list[bytes], nbytes: int, tenant: bytes = NO_TENANT
+    lease: Lease, l1: L1Store, keys: list[bytes], nbytes: int, tenant: bytes = NO_TENANT, conn_fd: int = -1
 ) -> tuple[list[int], int, int, int]:
     """A reserve: pin the chunks of ``keys`` L1 holds and take a buffer of ``nbytes`` for each
-    of the others, into ``lease``. Returns (the indices of ``keys`` handed a buffer, how many
-    were held, how many were rejected: L1 full of pinned chunks, how many skipped: L1 is not
-    writable now, unhealthy)."""
+    of the others, into ``lease``, whose keys lookups then count as being stored (over
+    connection ``conn_fd``: they stop counting when it closes). Returns (the indices of ``keys``
+    handed a buffer, how many were held, how many were rejected: L1 full of pinned chunks, how
+    many skipped: L1 is not writable now, unhealthy)."""
     missing, held = l1.pin_present(keys)
     lease.pinned += held
     rejected = skipped = 0
@@ -73,6 +86,7 @@ def reserve_into(
             break
         lease.keys.append(keys[i])
         lease.bufs.append(buf)
+    lease.mark = l1.inflight.open(lease.keys, conn_fd)
     return missing[: len(lease.bufs)], len(held), rejected, skipped
 
 
@@ -113,6 +127,16 @@ class Leases:
         if lease is None:
             raise RequestError(f"lease {lid} is not open (committed, released, expired, or never given)")
         return lease
+
+    def put_back(self, lid: int, lease: Lease, l1: L1Store) -> None:
+        """A lease taken for a partial commit stays open under its id; aborted instead when the
+        instance was released meanwhile (its worker may still be writing)."""
+        with self._lock:
+            if not self._closed:
+                self._open[lid] = lease
+                return
+        lease.abort(l1, worker_may_write=True)
+        raise NotRegistered("the instance was released while this request ran")
 
     def abort_all(self, l1: L1Store) -> None:
         """The instance goes: its worker may be alive and mid-copy (a reap, an admin reap)."""

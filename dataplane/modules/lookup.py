@@ -1,6 +1,8 @@
 """The lookup module: LOOKUP answers how many prefix tokens the server holds for an instance;
 LOOKUP_SCOPE the same for a scope named by its fields (an engine's scheduler, which registers
-no memory), the prefix every rank of the scope holds."""
+no memory), the prefix every rank of the scope holds. Both also answer how many tokens after
+those are being stored now (`dataplane.storage.inflight`): a scheduler may hold the request back
+until they land. LOOKUP_WAITED is such a scheduler's report of a wait, counted in /metrics."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from dataplane.modules.base import Handler, RequestContext
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.wire.errors import NotRegistered
-from dataplane.wire.messages import Lookup, LookupScope, MsgType
-from dataplane.wire.replies import Hits, ScopeHits
+from dataplane.wire.messages import Lookup, LookupScope, LookupWaited, MsgType
+from dataplane.wire.replies import Hits, Noted, ScopeHits
 
 
 class ScopeSource(Protocol):
@@ -34,6 +36,7 @@ class LookupModule:
         return {
             MsgType.LOOKUP: Handler(self._lookup),
             MsgType.LOOKUP_SCOPE: Handler(self._lookup_scope),
+            MsgType.LOOKUP_WAITED: Handler(self._waited),
         }
 
     def start(self) -> None:
@@ -53,12 +56,13 @@ class LookupModule:
         else:
             raise NotRegistered(f"instance {p.instance_id} is not registered")
         keys = chunk_keys(scope, p.token_ids, self.chunk_size, p.key)
-        return Hits(self._answer(len(p.token_ids), self.l1.prefix_hits(keys)))
+        held, reach = self._reach(keys)
+        return Hits(*self._answer(len(p.token_ids), held, reach))
 
     def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> ScopeHits:
-        chunks = len(p.token_ids) // self.chunk_size
+        held = reach = len(p.token_ids) // self.chunk_size
         for rank in range(p.world_size):
-            if chunks == 0:
+            if reach == 0:
                 break
             scope = scope_digest(
                 p.model_name,
@@ -71,13 +75,27 @@ class LookupModule:
                 p.kv_format.value,
                 p.block_size,
             )
-            keys = chunk_keys(scope, p.token_ids[: chunks * self.chunk_size], self.chunk_size, p.key)
-            chunks = min(chunks, self.l1.prefix_hits(keys))
-        return ScopeHits(self._answer(len(p.token_ids), chunks), self.chunk_size)
+            keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)
+            h, r = self._reach(keys)
+            held, reach = min(held, h), min(reach, r)
+        hit, pending = self._answer(len(p.token_ids), held, reach)
+        return ScopeHits(hit, self.chunk_size, pending)
 
-    def _answer(self, tokens: int, chunks: int) -> int:
-        """The hit tokens of ``chunks`` held chunks, counted in the metrics."""
-        hit = chunks * self.chunk_size
+    def _waited(self, rctx: RequestContext, p: LookupWaited) -> Noted:
+        self.metrics.lookup_waits.labels(outcome=p.outcome).inc()
+        self.metrics.lookup_wait_seconds.observe(p.waited_s)
+        return Noted(True)
+
+    def _reach(self, keys: list[bytes]) -> tuple[int, int]:
+        """(the chunks held, those and the chunks being stored right after them)."""
+        held = self.l1.prefix_hits(keys)
+        return held, held + self.l1.inflight.run(keys[held:])
+
+    def _answer(self, tokens: int, held: int, reach: int) -> tuple[int, int]:
+        """(hit tokens, pending tokens) of the chunks held and reached, counted in the metrics."""
+        hit, pending = held * self.chunk_size, (reach - held) * self.chunk_size
         self.metrics.lookup_tokens.inc(tokens)
         self.metrics.hit_tokens.inc(hit)
-        return hit
+        if pending:
+            self.metrics.pending_tokens.inc(pending)
+        return hit, pending

@@ -100,7 +100,9 @@ class DirectTransferModule:
         _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
         try:
             tenant = tenant_of(p.key)
-            handed, present, rejected, skipped = reserve_into(lease, self.l1, wanted, c.chunk_bytes, tenant)
+            handed, present, rejected, skipped = reserve_into(
+                lease, self.l1, wanted, c.chunk_bytes, tenant, rctx.conn_fd
+            )
             lid = c.leases.add(lease)
         except BaseException:
             lease.abort(self.l1)
@@ -116,11 +118,11 @@ class DirectTransferModule:
         # one is no longer among them once taken (its bytes were written before COMMIT was sent)
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         lease = c.leases.take(p.lease)
-        stored = 0
-        for key, buf in zip(lease.keys, lease.bufs, strict=True):
-            stored += self.l1.commit(key, buf)
-        lease.bufs = []
-        self.l1.release(lease.pinned)
+        stored = lease.commit(self.l1, p.count)
+        if p.count is not None and lease.bufs:
+            c.leases.put_back(p.lease, lease, self.l1)  # the rest is still being written
+        else:
+            lease.abort(self.l1)  # nothing left to return: ends its mark, lets go of its pins
         self.metrics.transfer_bytes.labels(direction="store").inc(stored * c.chunk_bytes)
         return Committed(stored)
 

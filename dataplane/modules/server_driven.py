@@ -173,7 +173,9 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
                 kv.gather(chunks[i], buf, self.splitter)
 
             nbytes = kv.chunk_nbytes(self.chunk_size)
-            return self.write_chunks(p.instance_id, keys, nbytes, fill, tenant=tenant_of(p.key))
+            return self.write_chunks(
+                p.instance_id, keys, nbytes, fill, tenant=tenant_of(p.key), conn_fd=rctx.conn_fd
+            )
 
     @staticmethod
     def _check_blocks(kv: MappedKV, p: Transfer[Any]) -> None:

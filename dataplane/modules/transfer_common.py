@@ -83,11 +83,14 @@ class TransferModule(Generic[E]):
         fill: Callable[[int, torch.Tensor], None],
         prefix: list[bytes] | None = None,
         tenant: bytes = NO_TENANT,
+        conn_fd: int = -1,
     ) -> StoreCounts:
         """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes, as
         ``tenant``'s chunks (`dataplane.storage.tenants`).
 
         ``prefix``: keys before these (already stored) that must not be evicted meanwhile.
+        Lookups see the missing chunks as being stored until each is committed (or, should
+        the request's connection ``conn_fd`` close first, not at all).
         Returns the STORE reply counts: chunks, stored, present, rejected, skipped (all of
         them while the server is unhealthy: nothing is written)."""
         if not self.l1.writable():
@@ -96,6 +99,7 @@ class TransferModule(Generic[E]):
         missing, held = self.l1.pin_present(keys)
         pinned += held
         stored = rejected = 0
+        mark = self.l1.inflight.open([keys[i] for i in missing], conn_fd)
         try:
             for n, i in enumerate(missing):
                 buf = self.l1.reserve(nbytes, tenant)
@@ -108,8 +112,10 @@ class TransferModule(Generic[E]):
                     self.l1.abort(buf)
                     raise
                 stored += self.l1.commit(keys[i], buf, pin=True)
+                self.l1.inflight.landed(mark, [keys[i]])
                 pinned.append(keys[i])
         finally:
+            self.l1.inflight.end(mark)
             self.l1.release(pinned)
         if rejected:
             self.metrics.rejected_chunks.inc(rejected)

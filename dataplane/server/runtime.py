@@ -229,6 +229,7 @@ def build_dataplane(
     )
     server.add_connection_listener(management.on_connection)
     server.add_connection_listener(quota.on_connection)
+    server.add_connection_listener(l1.inflight.on_connection)  # a worker gone: its stores are not coming
     lookup = LookupModule(l1, cs, metrics, [transfer.registry, engine.registry])
     for module in (
         management,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dataplane.storage.arena import Arena, ArenaStats, Extents
+from dataplane.storage.inflight import InFlight
 from dataplane.storage.tenants import NO_TENANT, TenantBook, TenantStats
 
 _WAIT_FOR_ARENA_S = 10.0  # longest a reserve waits for the arena to grow
@@ -51,6 +52,8 @@ class L1Stats:
     fragmentation: float = 0.0  # of the free space: 1 - largest free extent / free bytes
     tenants: list[TenantStats] | None = None  # those holding most, the rest as "other"
     tenant_share_bytes: int | None = None
+    inflight_chunks: int = 0  # being written, not yet committed (`dataplane.storage.inflight`)
+    inflight_stores: int = 0
 
 
 class L1Store:
@@ -85,6 +88,7 @@ class L1Store:
         self._tenants = TenantBook(tenant_share_bytes)
         self._reserved_for: dict[int, bytes] = {}  # offset of a reserved buffer -> its tenant
         self.arena.yield_to = self._copying_with_room
+        self.inflight = InFlight()  # chunks being written, not yet committed (lookups see them)
 
     # ---------------------------------------------------------------- reads
     def prefix_hits(self, keys: list[bytes]) -> int:
@@ -238,6 +242,7 @@ class L1Store:
 
     def stats(self) -> L1Stats:
         arena = self.arena.stats()
+        inflight = (self.inflight.chunks(), self.inflight.stores())
         with self._lock:
             return L1Stats(
                 self._used,
@@ -250,6 +255,7 @@ class L1Store:
                 self._free.fragmentation(),
                 self._tenants.top(),
                 self._tenants.share_bytes,
+                *inflight,
             )
 
     def close(self) -> None:

@@ -92,6 +92,24 @@ def small_int(lo: int, hi: int) -> Check:
     return check
 
 
+def opt_small_int(lo: int, hi: int) -> Check:
+    inner = small_int(lo, hi)
+    return wire_type(f"int in [{_num(lo)}, {_num(hi)}] or nil")(
+        lambda v, where: None if v is None else inner(v, where)
+    )
+
+
+def seconds(hi: float) -> Check:
+    @wire_type(f"number of seconds in [0, {hi:g}]")
+    def check(v: Any, where: str) -> float:
+        s = number(v, where)
+        if not 0.0 <= s <= hi:  # (NaN fails too)
+            raise ProtocolError(f"{where}: {v!r} is not a duration in [0, {hi:g}] seconds")
+        return s
+
+    return check
+
+
 @wire_type("number")
 def number(v: Any, where: str) -> float:
     """An integer or a float (NaN and infinities pass: the receiver names them)."""

@@ -26,7 +26,9 @@ from dataplane.wire.checks import (
     name,
     number,
     one_of,
+    opt_small_int,
     opt_u63,
+    seconds,
     small_int,
     type_name,
     u63,
@@ -56,6 +58,7 @@ from dataplane.wire.replies import (
     BlendRetrieved,
     Committed,
     Hits,
+    Noted,
     PingReply,
     PoolRegistered,
     PoolRetrieved,
@@ -227,6 +230,27 @@ class LookupScope(Message[ScopeHits]):
     key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
 
 
+WAIT_OUTCOMES = ("hit", "partial", "gave_up")
+MAX_WAIT_S = 3600.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupWaited(Message[Noted]):
+    """A scheduler held a request back while chunks of its prefix were being stored, and how
+    that ended: counted in /metrics (the server never sees the wait itself: the scheduler asks
+    again on later steps)."""
+
+    TYPE = MsgType.LOOKUP_WAITED
+    waited_s: Annotated[
+        float, seconds(MAX_WAIT_S), "from the first LOOKUP that saw chunks in flight to the last"
+    ]
+    outcome: Annotated[
+        str,
+        one_of(WAIT_OUTCOMES),
+        "hit: every chunk waited for landed; partial: some did; gave_up: the bound passed first",
+    ]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineRegister(Message[PoolRegistered]):
     """Engine-driven: the worker keeps ordinary tensors; the server hands out a chunk pool."""
@@ -301,9 +325,11 @@ class EngineLease(Message[RepT]):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineCommit(EngineLease[Committed]):
-    """Publish the chunks written into a reserve's buffers."""
+    """Publish the chunks written into a reserve's buffers: all, closing the lease, or the next
+    ``count`` of them, keeping it open, so a long store becomes visible as it lands."""
 
     TYPE = MsgType.ENGINE_COMMIT
+    count: Annotated[int | None, opt_small_int(1, MAX_POOL_CHUNKS), "nil: all left; n: the next n"] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

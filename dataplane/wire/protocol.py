@@ -28,8 +28,9 @@ from dataplane.wire.table import PARSERS
 # 2: every request of an instance carries its secret; 3: ENGINE_REGISTER names its KV format and block
 # size; 4: every message that names tokens carries their key context (salt, adapter, spans); 5: every
 # reply is a typed record with exactly its declared fields (ENGINE_REGISTER's `arena` is nil, not
-# absent, without an arena), checked by the client
-PROTOCOL_VERSION = 5
+# absent, without an arena), checked by the client; 6: lookups answer the tokens being stored
+# (pending_tokens), ENGINE_COMMIT may publish part of a lease (count), LOOKUP_WAITED
+PROTOCOL_VERSION = 6
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 
 # The liveness contract both sides size themselves against: the server's reap timeout is never

@@ -102,12 +102,18 @@ class Retrieved(Reply):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Hits(Reply):
     hit_tokens: Annotated[int, _TOKENS, "prefix tokens held, a multiple of the chunk size"]
+    pending_tokens: Annotated[
+        int, _TOKENS, "prefix tokens after those being stored now (reserved or written, not yet committed)"
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScopeHits(Reply):
     hit_tokens: Annotated[int, _TOKENS, "prefix tokens every rank holds"]
     chunk_size: Annotated[int, small_int(1, 1 << 21), "tokens per chunk"]
+    pending_tokens: Annotated[
+        int, _TOKENS, "prefix tokens after those that every rank holds or is storing now (not yet committed)"
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +156,11 @@ class Reserved(Reply):
     skipped: Annotated[int, _COUNT, "chunks not handed out: the server is unhealthy"]
     chunks: Annotated[int, _COUNT, "chunks the request names"]
     usable: Annotated[int, _BYTES, "arena bytes usable now"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Noted(Reply):
+    counted: Annotated[bool, boolean, "the report was counted in /metrics"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from dataplane.client.vllm_state import (
     ScopeLookup,
     connector_settings,
 )
+from dataplane.client.vllm_wait import Found
 from dataplane.client.vllm_worker import Registrar, Saver, load
 from dataplane.memory.blockkv import BlockKV
 from dataplane.wire.errors import InvalidLayout
@@ -182,9 +183,9 @@ def test_scope_lookup_answers_zero_at_once_while_the_server_is_away(
 def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new() -> None:
     asked: list[int] = []
 
-    def hits(tokens: np.ndarray, key: KeyContext | None) -> int:
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> Found:
         asked.append(len(tokens))
-        return len(tokens) // CS * CS  # the server holds everything asked for
+        return Found(len(tokens) // CS * CS)  # the server holds everything asked for
 
     p = Planner(hits, BS)
     p.chunk_size = lambda: CS
@@ -219,9 +220,9 @@ def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new(
 def test_planner_carries_each_requests_key_context_and_never_caches_an_uncached_one() -> None:
     asked: list[KeyContext | None] = []
 
-    def hits(tokens: np.ndarray, key: KeyContext | None) -> int:
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> Found:
         asked.append(key)
-        return len(tokens) // CS * CS
+        return Found(len(tokens) // CS * CS)
 
     p = Planner(hits, BS)
     p.chunk_size = lambda: CS

@@ -36,7 +36,7 @@ from tests.helpers import ServerProcess, call, error_of, next_rid, request
 def test_server_info(server: ServerProcess, sock: Sock) -> None:
     reply = call(sock, frame("HELLO", []))
     assert reply.ok
-    assert reply.body["protocol_version"] == 5 == PROTOCOL_VERSION
+    assert reply.body["protocol_version"] == 6 == PROTOCOL_VERSION
     assert reply.body["chunk_size"] == CHUNK
     assert reply.body["max_frame_bytes"] == MAX_FRAME
 

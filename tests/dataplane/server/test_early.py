@@ -39,7 +39,7 @@ class Lookups:
 
     def _lookup(self, _rctx: RequestContext, p: Lookup) -> Hits:
         self.served.append(int(p.token_ids[0]))
-        return Hits(int(p.token_ids[0]))  # the first token, to tell the replies apart
+        return Hits(int(p.token_ids[0]), 0)  # the first token, to tell the replies apart
 
     def start(self) -> None:
         return None

@@ -493,7 +493,7 @@ def test_a_handler_answering_with_another_reply_type_gets_internal_and_the_loop_
     make_loop: ServerFactory, make_dealer: DealerFactory
 ) -> None:
     def wrong(_rctx: RequestContext, _p: Store) -> Hits:
-        return Hits(0)  # STORE's row says StoreCounts
+        return Hits(0, 0)  # STORE's row says StoreCounts
 
     server = make_loop(
         HandMade("wrong", {MsgType.STORE: Handler(wrong, by_instance), MsgType.PING: PING_HANDLER})

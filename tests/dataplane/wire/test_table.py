@@ -23,14 +23,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 # one valid instance of every reply record
 SAMPLES: dict[type[Reply], Reply] = {
-    r.ServerHello: r.ServerHello("ab12", 7, "0.1.0", 5, 256, 16 << 20),
+    r.ServerHello: r.ServerHello("ab12", 7, "0.1.0", 6, 256, 16 << 20),
     r.PingReply: r.PingReply(7, None),
     r.Unregistered: r.Unregistered(True),
     r.Registered: r.Registered(False, 256),
     r.StoreCounts: r.StoreCounts(4, 1, 2, 1, 0),
     r.Retrieved: r.Retrieved(512),
-    r.Hits: r.Hits(256),
-    r.ScopeHits: r.ScopeHits(256, 256),
+    r.Hits: r.Hits(256, 512),
+    r.ScopeHits: r.ScopeHits(256, 256, 0),
+    r.Noted: r.Noted(True),
     r.PoolRegistered: r.PoolRegistered(True, 256, "kvwarden-1-00", 4096, 4, r.ArenaInfo("a", 8192, 4096)),
     r.PoolRetrieved: r.PoolRetrieved(3),
     r.Reserved: r.Reserved(9, ((0, 0), (2, 4096)), 4096, 1, 0, 0, 3, 8192),
@@ -74,10 +75,18 @@ def test_a_nil_arena_travels_as_nil() -> None:
     ("mtype", "body", "names"),
     [
         (MsgType.LOOKUP, [256], "a reply must be a map"),
-        (MsgType.LOOKUP, {}, "fields missing ['hit_tokens']"),
-        (MsgType.LOOKUP, {"hit_tokens": 1, "extra": 2}, "unknown [\"'extra'\"]"),
-        (MsgType.LOOKUP, {"hit_tokens": "256"}, "LOOKUP reply.hit_tokens: expected an integer"),
-        (MsgType.LOOKUP, {"hit_tokens": -1}, "LOOKUP reply.hit_tokens: -1 is out of range"),
+        (MsgType.LOOKUP, {}, "fields missing ['hit_tokens', 'pending_tokens']"),
+        (MsgType.LOOKUP, {"hit_tokens": 1, "pending_tokens": 0, "extra": 2}, "unknown [\"'extra'\"]"),
+        (
+            MsgType.LOOKUP,
+            {"hit_tokens": "256", "pending_tokens": 0},
+            "LOOKUP reply.hit_tokens: expected an integer",
+        ),
+        (
+            MsgType.LOOKUP,
+            {"hit_tokens": 0, "pending_tokens": -1},
+            "LOOKUP reply.pending_tokens: -1 is out of range",
+        ),
         (MsgType.PING, {"boot_token": 1, "tracked": 1}, "PING reply.tracked: expected a boolean"),
         (
             MsgType.ENGINE_ACQUIRE,
