@@ -44,6 +44,7 @@ from dataplane.wire.messages import (
     KVFormat,
     Lookup,
     LookupScope,
+    LookupWaited,
     Message,
     MsgType,
     Ping,
@@ -247,6 +248,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "max_positions": st.one_of(st.integers(1, 4096), st.integers(0, 2**63 - 1)),
     "position": st.one_of(st.integers(0, 64), st.integers(0, 1 << 31)),
     "block_size": st.one_of(st.sampled_from([1, BLOCK, 2 * BLOCK]), st.integers(1, 1 << 16)),
+    "count": st.one_of(st.none(), st.integers(-1, 70)),  # ENGINE_COMMIT: part of a lease, or all
+    "waited_s": st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5000)),
+    "outcome": st.sampled_from(["hit", "partial", "gave_up", "", "later"]),
     # a key context: none, a valid one (salt, namespace, spans), or fields of the wrong shape
     "key": st.one_of(
         st.none(),
@@ -477,6 +481,7 @@ def _valid_messages(geo: Geometry) -> list[Message]:
         geo.register,
         Lookup(REG_ID, SECRET, tokens),
         LookupScope("fuzz", 1, "bfloat16", 2, 2, 8, KVFormat.TOKEN_MAJOR, BLOCK, tokens),
+        LookupWaited(0.01, "hit"),
         Store(REG_ID, SECRET, tokens, blocks),
         Retrieve(REG_ID, SECRET, tokens, blocks),
         dataclasses.replace(engine_register_message(ENG_ID), model_name="fuzz"),

@@ -74,7 +74,7 @@ def test_wrong_version(sock: Sock) -> None:
     reply = call(sock, frame("PING", [None, None], rid=rid, version=7))
     code, message = error_of(reply)
     assert code == "VERSION_MISMATCH"
-    assert "v7" in message and "v5" in message
+    assert "v7" in message and "v6" in message
     assert reply.request_id == rid  # the id is echoed even on a decode error
     ping(sock)
 
@@ -96,7 +96,7 @@ def test_v1_client_gets_version_mismatch(
         reply = call(sock, frame(mtype, v1_payload, rid=rid, version=1))
         code, message = error_of(reply)
         assert code == "VERSION_MISMATCH", (mtype, code, message)
-        assert "client speaks v1" in message and "server speaks v5" in message, message
+        assert "client speaks v1" in message and "server speaks v6" in message, message
         assert reply.request_id == rid
     assert ping(sock, w.instance_id, secret_of(w)).body["tracked"] is True
 

@@ -95,7 +95,7 @@ def test_hello_and_ping_are_answered_while_the_rest_waits_for_start(make_dealer:
         assert server.state is Lifecycle.RUNNING
         assert any(connected for _, connected in events)  # the connection made while starting
         sock.send(encode_message(3, lookup(7)))
-        assert replies(sock, 1)[3].body == {"hit_tokens": 7}
+        assert replies(sock, 1)[3].body == {"hit_tokens": 7, "pending_tokens": 0}
     finally:
         assert server.stop(5.0)
 

@@ -119,6 +119,7 @@ def test_every_instance_message_type_is_covered() -> None:
         MsgType.HELLO,
         MsgType.GET_SERVER_INFO,
         MsgType.LOOKUP_SCOPE,
+        MsgType.LOOKUP_WAITED,
     }
 
 
@@ -373,7 +374,7 @@ def test_wrong_secret_is_not_owner_and_changes_nothing(
     expected = {
         "STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0, "skipped": 0},
         "RETRIEVE": {"retrieved_tokens": 2 * CHUNK},
-        "LOOKUP": {"hit_tokens": 2 * CHUNK},
+        "LOOKUP": {"hit_tokens": 2 * CHUNK, "pending_tokens": 0},
         "UNREGISTER_KV_CACHE": {"removed": True},
     }[mtype]
     assert reply.body == expected
@@ -411,7 +412,7 @@ def test_engine_wrong_secret_is_not_owner_and_changes_nothing(
     expected = {
         "ENGINE_STORE": {"chunks": 2, "stored": 2, "present": 0, "rejected": 0, "skipped": 0},
         "ENGINE_RETRIEVE": {"chunks": 2},
-        "LOOKUP": {"hit_tokens": 2 * CHUNK},
+        "LOOKUP": {"hit_tokens": 2 * CHUNK, "pending_tokens": 0},
         "UNREGISTER_KV_CACHE": {"removed": True},
     }[mtype]
     assert reply.body == expected
@@ -439,7 +440,7 @@ def test_engine_transfers_with_a_wrong_secret_leave_the_pool_alone(sock: Sock) -
         flat.copy_(pattern)
         expect_not_owner(sock, EngineStore(iid, OTHER, other, 0, 2))
         r = send(sock, Lookup(iid, SECRET, other))
-        assert r.ok and r.body == {"hit_tokens": 0}  # nothing of the pool was stored
+        assert r.ok and r.body == {"hit_tokens": 0, "pending_tokens": 0}  # nothing of the pool was stored
 
         flat.zero_()
         r = send(sock, EngineRetrieve(iid, SECRET, stored, 0, 2))  # the owner's is served

@@ -1,0 +1,188 @@
+"""A prefix just stored is a hit for the next request, with real vLLM engines (vLLM's CPU build).
+
+The model is built here (no download) with 32 KiB of KV a token (8 layers, 8 KV heads, head dim
+128: `kvbench.vllm_model.PREFILL`), the prompts are 2,900 tokens, one output token each, vLLM's
+own prefix caching off on kvwarden's engines: the repeat of a request sent the moment the first
+answered would race the connector's store of it, and must hit (2,816 tokens: every full chunk but
+the last token's). Outputs are compared token for token with an engine that has vLLM's own
+prefix caching on and serves each prompt twice: its first pass is the miss (a full prefill), its
+second the prefix-cache hit on the same 2,816 tokens.
+
+A store is caught in flight by polling the server's LOOKUP_SCOPE as the engine's scheduler asks
+it, and frozen there by SIGSTOP of the storing engine's process group: another engine's request
+then waits for it (the server's ``kvwarden_lookup_pending_tokens_total`` grows with its re-asks),
+and hits once the store goes on (SIGCONT), or falls back to a miss within a second when the
+storing engine is SIGKILLed instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import numpy as np
+import pytest
+
+from dataplane.client.vllm_state import Scope, ScopeLookup
+from dataplane.wire.messages import KVFormat
+from kvbench.vllm import EngineProcess
+from tests.e2e.vllm_support import CHUNK, VLLM_PYTHON, require_vllm, serve
+from tests.helpers import ServerProcess, subprocess_env, wait_until
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
+
+TOKENS, HIT = 2900, 2816  # the hit: 11 chunks of 256 = 22 of vLLM's 128-token blocks
+_rng = np.random.default_rng(31)
+PROMPTS = [[int(x) for x in _rng.integers(3, 1000, TOKENS)] for _ in range(7)]
+REPEATED, SHARED, KILLED = PROMPTS[:3], PROMPTS[3], PROMPTS[4:]  # KILLED: tries of the kill test
+
+
+class Ref(NamedTuple):
+    miss: list[int]  # a full prefill's output
+    hit: list[int]  # vLLM's own prefix-cache hit on the same tokens
+
+
+class World(NamedTuple):
+    model: Path
+    ref: list[Ref]  # per prompt of PROMPTS
+    srv: ServerProcess
+    a: EngineProcess
+    b: EngineProcess
+
+
+def _metric(srv: ServerProcess, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _engine(model: Path, url: str | None, log: Path, prefix_caching: bool = False) -> EngineProcess:
+    return EngineProcess(VLLM_PYTHON, model, url, log, {"kvwarden.retry_s": 0.5}, prefix_caching)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    require_vllm()
+    tmp = tmp_path_factory.mktemp("ryw")
+    model = tmp / "model"
+    code = f"from kvbench.vllm_model import PREFILL, build_model; build_model({str(model)!r}, PREFILL)"
+    subprocess.run([str(VLLM_PYTHON), "-c", code], check=True, env=subprocess_env())
+    ref_engine = _engine(model, None, tmp / "reference.log", prefix_caching=True)
+    try:
+        ref = []
+        for p in PROMPTS:
+            miss, hit = ref_engine.generate(p, 1), ref_engine.generate(p, 1)
+            assert (miss["cached"], hit["cached"]) == (0, HIT)
+            ref.append(Ref(miss["tokens"], hit["tokens"]))
+    finally:
+        ref_engine.close()
+    srv = serve(tmp / "server")
+    engines: list[EngineProcess] = []
+    try:
+        engines += [_engine(model, srv.endpoint, tmp / f"engine-{n}.log") for n in "ab"]
+        yield World(model, ref, srv, *engines)
+    finally:
+        for eng in engines:
+            eng.kill()
+        srv.stop()
+
+
+def _lookup(w: World) -> ScopeLookup:
+    """LOOKUP_SCOPE as the engines' schedulers ask it."""
+    scope = Scope(str(w.model), 1, "bfloat16", 8, 8, 128, KVFormat.VLLM_CPU, 128)
+    return ScopeLookup(w.srv.endpoint, scope, timeout_s=5.0)
+
+
+def _freeze_mid_store(w: World, prompt: list[int], look: ScopeLookup) -> tuple[int, int]:
+    """Send ``prompt`` to engine a and SIGSTOP it while its store is in flight; (hit, pending)
+    tokens then (pending 0: the store was over before the stop landed)."""
+    tokens = np.asarray(prompt[:-1], dtype=np.int64)
+    w.a.submit(prompt, 1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = look.find(tokens)
+        if found.pending or found.hit:
+            os.killpg(w.a.proc.pid, signal.SIGSTOP)
+            after = look.find(tokens)
+            return after.hit, after.pending
+    raise AssertionError("engine a never stored its prompt\n" + w.a.tail())
+
+
+def _waiting(w: World, since: float) -> bool:
+    """Engine b asked again while chunks were pending: it is waiting."""
+    return _metric(w.srv, "kvwarden_lookup_pending_tokens_total") >= since + 2 * CHUNK
+
+
+def test_a_repeat_sent_the_moment_the_first_answered_hits_every_time(world: World) -> None:
+    w = world
+    waits = _metric(w.srv, "kvwarden_lookup_waits_total")
+    for p, ref in zip(REPEATED, w.ref, strict=False):
+        first = w.a.generate(p, 1)
+        again = w.a.generate(p, 1)  # the first one's store is still running
+        assert first["cached"] == 0 and first["tokens"] == ref.miss
+        assert again["cached"] >= HIT, (again, w.a.tail())
+        assert again["tokens"] == ref.hit
+    # each repeat waited for its own engine's save, and only the repeats: a request with
+    # nothing in flight is never held back (a first request's lookup finds nothing pending)
+    assert _metric(w.srv, "kvwarden_lookup_waits_total") - waits <= len(REPEATED)
+    assert _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="gave_up"}') == 0
+
+
+def test_another_engine_asking_while_the_first_stores_waits_and_hits(world: World) -> None:
+    w, ref = world, world.ref[3]
+    look = _lookup(w)
+    try:
+        hit, pending = _freeze_mid_store(w, SHARED, look)
+        try:
+            assert pending > 0, "the store was over before engine a stopped"  # then b just hits
+            seen = _metric(w.srv, "kvwarden_lookup_pending_tokens_total")
+            w.b.submit(SHARED, 1)
+            wait_until(lambda: _waiting(w, seen), 60, 0.05, what="engine b waiting for the store")
+        finally:
+            os.killpg(w.a.proc.pid, signal.SIGCONT)
+        first = w.a.result(120)
+        got = w.b.result(120)
+    finally:
+        look.close()
+    assert first["tokens"] == ref.miss
+    assert got["cached"] >= HIT and got["tokens"] == ref.hit, (hit, pending, got)
+    assert _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="hit"}') >= 1
+
+
+def test_a_store_whose_engine_is_killed_releases_the_waiter_at_once_with_a_miss(world: World) -> None:
+    """Last: it kills engine a."""
+    w = world
+    look = _lookup(w)
+    try:
+        for i, p in enumerate(KILLED):
+            hit, pending = _freeze_mid_store(w, p, look)
+            if hit == 0 and pending > 0:
+                ref = w.ref[4 + i]
+                break
+            os.killpg(w.a.proc.pid, signal.SIGCONT)  # caught too late: the next prompt
+            w.a.result(120)
+        else:
+            pytest.fail("no store of engine a was caught before its first commit in three tries")
+        seen = _metric(w.srv, "kvwarden_lookup_pending_tokens_total")
+        ended = _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="partial"}')
+        w.b.submit(p, 1)
+        wait_until(lambda: _waiting(w, seen), 60, 0.05, what="engine b waiting for the store")
+    finally:
+        look.close()
+    t0 = time.monotonic()
+    w.a.kill()  # SIGKILL, while stopped mid-store
+    wait_until(
+        lambda: _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="partial"}') > ended,
+        30,
+        0.01,
+        what="engine b's wait to end",
+    )
+    released = time.monotonic() - t0
+    got = w.b.result(120)
+    assert released < 1.0, released
+    assert got["cached"] == 0 and got["tokens"] == ref.miss
