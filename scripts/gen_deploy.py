@@ -92,6 +92,18 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         [(f"rate(kvwarden_l1_evictions_total[{RI}])", "{{instance}}")],
     ),
     (
+        "Requests waiting for a store in flight",
+        "ops",
+        "timeseries",
+        [
+            (f"sum by (outcome) (rate(kvwarden_lookup_waits_total[{RI}]))", "{{outcome}}"),
+            (
+                f"histogram_quantile(0.99, sum by (le) (rate(kvwarden_lookup_wait_seconds_bucket[{RI}])))",
+                "p99 wait (s)",
+            ),
+        ],
+    ),
+    (
         "Remote ping latency",
         "s",
         "timeseries",

@@ -26,6 +26,7 @@ in its block keys is neither loaded nor stored. The planning and the worker's th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -362,6 +363,8 @@ class KVWardenConnector(KVConnectorBase_V1):
             )
             for i, req_id in enumerate(c.req_ids)
         ]
+        if so.total_num_scheduled_tokens == 0 and (idle := self._planner.waits.idle_s()) > 0:
+            time.sleep(idle)  # only requests waiting for stores: do not spin (`Waits.idle_s`)
         return KVWardenConnectorMetadata(self._planner.plan(new, cached, bool(so.preempted_req_ids)))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -143,6 +143,15 @@ class Waits:
         self._report(now - w.start, outcome)
         return hit
 
+    def idle_s(self) -> float:
+        """Seconds until the first waiting request may ask again (0: none waits). An engine
+        whose step schedules nothing sleeps this long rather than spin: vLLM steps again at once
+        while a request waits, and a spinning engine takes the cores that the store it waits
+        for, and a dead store's teardown, need."""
+        if not self._waits:
+            return 0.0
+        return max(0.0, min(w.next_ask for w in self._waits.values()) - self._clock())
+
     def forget(self, req_id: str) -> None:
         """The request is gone (finished, aborted) while it waited: no outcome to report."""
         self._waits.pop(req_id, None)

@@ -61,8 +61,11 @@ def _metric(srv: ServerProcess, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def _engine(model: Path, url: str | None, log: Path, prefix_caching: bool = False) -> EngineProcess:
-    return EngineProcess(VLLM_PYTHON, model, url, log, {"kvwarden.retry_s": 0.5}, prefix_caching)
+def _engine(
+    model: Path, url: str | None, log: Path, prefix_caching: bool = False, wait_s: float = 1.0
+) -> EngineProcess:
+    extra = {"kvwarden.retry_s": 0.5, "kvwarden.lookup_wait_s": wait_s}
+    return EngineProcess(VLLM_PYTHON, model, url, log, extra, prefix_caching)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +87,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     srv = serve(tmp / "server")
     engines: list[EngineProcess] = []
     try:
-        engines += [_engine(model, srv.endpoint, tmp / f"engine-{n}.log") for n in "ab"]
+        # b waits up to 5 s: the kill test must see it released by the store's end, not its bound
+        engines += [
+            _engine(model, srv.endpoint, tmp / f"engine-{n}.log", wait_s=1.0 + 4 * (n == "b")) for n in "ab"
+        ]
         yield World(model, ref, srv, *engines)
     finally:
         for eng in engines:
@@ -176,13 +182,14 @@ def test_a_store_whose_engine_is_killed_releases_the_waiter_at_once_with_a_miss(
         look.close()
     t0 = time.monotonic()
     w.a.kill()  # SIGKILL, while stopped mid-store
-    wait_until(
+    wait_until(  # (a scrape costs the server a few ms: not too often on two cores)
         lambda: _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="partial"}') > ended,
         30,
-        0.01,
+        0.025,
         what="engine b's wait to end",
     )
     released = time.monotonic() - t0
     got = w.b.result(120)
     assert released < 1.0, released
     assert got["cached"] == 0 and got["tokens"] == ref.miss
+    assert _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="gave_up"}') == 0

@@ -5,6 +5,7 @@ is on its way. A fake clock; the lookups are functions."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dataplane.client.vllm_state import Planner
 from dataplane.client.vllm_wait import REASK_S, Found, OwnSaves, Waits
@@ -123,3 +124,14 @@ def test_own_saves_count_per_key_context_and_rank_and_finished_waits_report_noth
     p, _, reports = planner(server)
     assert p.matched("a", PROMPT, 0) is None
     assert p.finished("a") is False and len(p.waits) == 0 and reports == []  # aborted while waiting
+
+
+def test_an_engine_with_only_waiting_requests_sleeps_until_the_next_ask() -> None:
+    p, clock, _ = planner(Server(pending=3 * CS))
+    assert p.waits.idle_s() == 0.0  # nothing waits: never sleeps
+    assert p.matched("a", PROMPT, 0) is None
+    assert p.waits.idle_s() == pytest.approx(REASK_S)
+    clock.advance(REASK_S / 2)
+    assert p.waits.idle_s() == pytest.approx(REASK_S / 2)
+    clock.advance(REASK_S)
+    assert p.waits.idle_s() == 0.0
