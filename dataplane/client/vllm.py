@@ -95,6 +95,8 @@ def scope_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scope:
     )
 
 
+FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
+
 # the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that
 # request_key folds in; a request whose block keys carry any other kind is never cached
 KNOWN_EXTRA_KEYS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
@@ -284,6 +286,8 @@ class KVWardenConnector(KVConnectorBase_V1):
         if meta.plan.saves and self._saver is not None:
             self._planned |= {s.req_id for s in meta.plan.saves}
             self._saver.submit(meta.plan.saves)
+        if meta.plan.flush_saves and self._saver is not None:
+            self._saver.drain(FLUSH_S)  # a step with nothing to compute: requests wait for these
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVWardenConnectorMetadata)
@@ -363,9 +367,13 @@ class KVWardenConnector(KVConnectorBase_V1):
             )
             for i, req_id in enumerate(c.req_ids)
         ]
-        if so.total_num_scheduled_tokens == 0 and (idle := self._planner.waits.idle_s()) > 0:
-            time.sleep(idle)  # only requests waiting for stores: do not spin (`Waits.idle_s`)
-        return KVWardenConnectorMetadata(self._planner.plan(new, cached, bool(so.preempted_req_ids)))
+        plan = self._planner.plan(new, cached, bool(so.preempted_req_ids))
+        if so.total_num_scheduled_tokens == 0 and len(self._planner.waits):
+            if len(self._planner.own):
+                plan.flush_saves = True  # the worker finishes this engine's saves (`Plan`)
+            elif (idle := self._planner.waits.idle_s()) > 0:
+                time.sleep(idle)  # waiting for another engine's stores: do not spin (`Waits.idle_s`)
+        return KVWardenConnectorMetadata(plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None

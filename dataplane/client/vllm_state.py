@@ -217,6 +217,10 @@ class Plan:
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
     preempted: bool = False  # blocks of some request go back this step: no save may still read them
+    # nothing else to do this step while requests wait for this engine's own saves: the worker
+    # finishes them before it answers (its thread sleeps meanwhile rather than spin on the core
+    # the saves run on), so they land, and are reported, a step sooner
+    flush_saves: bool = False
 
 
 @dataclass
