@@ -26,6 +26,12 @@ def server(make_server: ServerFactory) -> Iterator[ServerProcess]:
     os.kill(s.proc.pid, signal.SIGCONT)  # a stopped server would only die by SIGKILL
 
 
+def _state(pid: int) -> str:
+    """The process's state letter (``T``: stopped): a SIGSTOP takes effect asynchronously."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_frozen_server_transfer_returns_a_miss_not_a_hang(
     server: ServerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -36,6 +42,7 @@ def test_frozen_server_transfer_returns_a_miss_not_a_hang(
         tokens, blocks = np.arange(4 * CHUNK), np.arange(8)
         assert w.store(tokens, blocks)
         os.kill(server.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: _state(server.proc.pid) == "T", 10, 0.005, what="the server stopped")
         with caplog.at_level(logging.WARNING, "dataplane.client.adapter"):
             assert w.retrieve(tokens, blocks) == 0  # in flight when the heartbeat gives up
         # abandoned because the heartbeat declared the server unhealthy ("RETRIEVE: abandoned,

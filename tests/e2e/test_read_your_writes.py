@@ -173,7 +173,7 @@ def test_another_engine_asking_while_the_first_stores_waits_and_hits(world: Worl
 def test_a_store_whose_engine_is_killed_releases_the_waiter_at_once_with_a_miss(world: World) -> None:
     """Last: it kills engine a. The waiter is released once the server sees the dead engine's
     connections close, which is when the kernel has torn the process down (nothing observes a
-    death sooner): both are timed from the kill."""
+    death sooner): the release is timed from the close."""
     w = world
     look = _lookup(w)
     try:
@@ -206,8 +206,11 @@ def test_a_store_whose_engine_is_killed_releases_the_waiter_at_once_with_a_miss(
         0.02,
         what="engine b's wait to end",
     )
-    released = time.monotonic() - t0  # (within one scrape interval)
+    released = time.monotonic() - closed  # (within one scrape interval)
     got = w.b.result(120)
-    assert released < 1.0, f"released {released:.3f}s after the kill (the close seen at {closed - t0:.3f}s)"
+    # the kernel closes a killed process's sockets once it has torn it down: 0.2 s on this host
+    # alone, over 1 s while the rest of the suite runs beside it; the server and the waiting
+    # scheduler then take milliseconds
+    assert released < 1.0, f"released {released:.3f}s after the close, seen {closed - t0:.3f}s after the kill"
     assert got["cached"] == 0 and got["tokens"] == ref.miss
     assert _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="gave_up"}') == 0
