@@ -218,39 +218,32 @@ def _prompts(seed: int, n: int, tokens: int) -> list[list[int]]:
     return [[int(x) for x in rng.integers(3, 1000, tokens)] for _ in range(n)]
 
 
+def _serve(eng: EngineProcess, prompts: list[list[int]], cases: dict[str, list[Any]], *keys: str) -> None:
+    """Each prompt once per key, one after another (the case of each pass), then quit ``eng``."""
+    try:
+        for p in prompts:
+            for key in keys:
+                cases[key].append(eng.generate(p, 1))
+    finally:
+        eng.close()
+
+
 def _measure(
     python: str, model: Path, work: Path, rounds: int, tokens: int, env: dict[str, str]
 ) -> dict[str, Any]:
     own, ours = _prompts(1, rounds, tokens), _prompts(2, rounds, tokens)
     keys = ("none", "vllm_miss", "vllm_hit", "miss", "repeat", "hit")
     cases: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
-    eng = EngineProcess(python, model, None, work / "none.log", env_extra=env)
-    try:
-        cases["none"] = [eng.generate(p, 1) for p in own]
-    finally:
-        eng.close()
-    eng = EngineProcess(python, model, None, work / "prefix.log", prefix_caching=True, env_extra=env)
-    try:
-        for p in own:
-            cases["vllm_miss"].append(eng.generate(p, 1))
-            cases["vllm_hit"].append(eng.generate(p, 1))
-    finally:
-        eng.close()
+    _serve(EngineProcess(python, model, None, work / "none.log", env_extra=env), own, cases, "none")
+    prefix = EngineProcess(python, model, None, work / "prefix.log", prefix_caching=True, env_extra=env)
+    _serve(prefix, own, cases, "vllm_miss", "vllm_hit")
     srv = launch("--chunk-size", str(CHUNK), "--l1-size-gb", "2")
     try:
         wait_http(srv)
         eng = EngineProcess(python, model, srv.endpoint, work / "miss.log", env_extra=env)
-        try:
-            for p in ours:
-                cases["miss"].append(eng.generate(p, 1))
-                cases["repeat"].append(eng.generate(p, 1))
-        finally:
-            eng.close()
+        _serve(eng, ours, cases, "miss", "repeat")
         eng = EngineProcess(python, model, srv.endpoint, work / "hit.log", env_extra=env)
-        try:
-            cases["hit"] = [eng.generate(p, 1) for p in ours]
-        finally:
-            eng.close()
+        _serve(eng, ours, cases, "hit")
     finally:
         srv.proc.terminate()
         srv.proc.wait(30)

@@ -26,7 +26,7 @@ import zmq
 from dataplane.client.channel import Channel
 from dataplane.client.vllm_wait import Found, OwnSaves, Waits
 from dataplane.wire.errors import KVWardenError, RequestError
-from dataplane.wire.messages import KeyContext, KVFormat, LookupScope, LookupWaited
+from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScope, LookupWaited
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class ScopeLookup:
             if self._clock() < self._down_until:
                 return
         try:
-            self._chan.request(LookupWaited(min(waited_s, 3600.0), outcome), self.timeout_s)
+            self._chan.request(LookupWaited(min(waited_s, MAX_WAIT_S), outcome), self.timeout_s)
         except RequestError:
             raise
         except KVWardenError as exc:
