@@ -139,8 +139,33 @@ class RemotePublic(BaseModel):
     dropped_writes: int = Field(description="writes dropped: queue full, backend bypassed, shutdown")
 
 
+class FsPublic(BaseModel):
+    path: str = Field(description="the file tier's directory")
+    bypassed: bool = Field(description="true while the local_cpu fallback bypasses it")
+    capacity_bytes: int = Field(description="fs_size_gb in bytes: the cap on its files")
+    used_bytes: int = Field(description="bytes of the chunk files this server knows of, headers included")
+    files: int = Field(description="chunk files this server knows of")
+    rebuilt: bool = Field(description="the scan after start has ended (until then the cap is not yet known)")
+    rebuild_seconds: float | None = Field(description="how long that scan took")
+    hits: int = Field(description="chunks read from the file tier")
+    misses: int = Field(description="reads that found nothing usable (bad files included)")
+    bad_files: int = Field(description="files refused and removed: truncated, damaged, foreign")
+    get_failures: int = Field(description="reads and lookups that failed: timeouts, I/O errors")
+    read_ahead: int = Field(description="chunks read into L1 because a LOOKUP found them on disk")
+    puts: int = Field(description="chunk files written")
+    put_failures: int = Field(description="writes that failed: no space, read-only, vanished, I/O errors")
+    evictions: int = Field(description="files removed to keep the cap")
+    queue_depth: int = Field(description="writes waiting in the write-behind queue")
+    queue_bytes: int
+    dropped_writes: int = Field(description="writes dropped: queue full, tier bypassed, shutdown")
+    stalled_seconds: float = Field(description="how long the oldest disk call in progress has run")
+    ping_latency_seconds: float = Field(description="the last health probe's round trip")
+    ping_error_code: int = Field(description="the last health probe: 0 ok, -1 timeout or stuck, -2 other")
+
+
 class StoragePublic(BaseModel):
     l1: L1Public
+    fs: FsPublic | None = Field(description="the file tier (null without fs_path)")
     remote: RemotePublic | None
 
 

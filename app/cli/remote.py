@@ -131,6 +131,21 @@ def _remote_line(r: dict[str, Any] | None) -> str:
     )
 
 
+def _fs_line(f: dict[str, Any] | None) -> str:
+    if f is None:
+        return "none"
+    probe = {0: "ok", -1: "TIMEOUT"}.get(int(f.get("ping_error_code", 0)), "ERROR")
+    index = "" if f.get("rebuilt", True) else "  (index being rebuilt)"
+    return (
+        f"{f['path']}{'  BYPASSED' if f['bypassed'] else ''}  {_bytes(f['used_bytes'])} of "
+        f"{_bytes(f['capacity_bytes'])}  {f['files']} files{index}  probe "
+        f"{f.get('ping_latency_seconds', 0.0) * 1e3:.1f} ms {probe}  hits {f.get('hits', 0)}  misses "
+        f"{f.get('misses', 0)} (bad files {f.get('bad_files', 0)})  failures get {f.get('get_failures', 0)} "
+        f"put {f.get('put_failures', 0)}  write queue {f.get('queue_depth', 0)}, dropped "
+        f"{f.get('dropped_writes', 0)}"
+    )
+
+
 def format_status(doc: dict[str, Any]) -> str:
     srv = doc["server"]
     live = doc["worker_liveness"]
@@ -158,6 +173,7 @@ def format_status(doc: dict[str, Any]) -> str:
         f"liveness  {reaping}  tracked {live['tracked_instances']}  reaped {live['reaped_total']}",
         f"l1        {_bytes(l1['used_bytes'])} of {_bytes(l1['capacity_bytes'])} used  "
         f"{l1['chunks']} chunks  hot cache {'on' if l1['hot_cache'] else 'off'}",
+        "fs        " + _fs_line(doc["storage"].get("fs")),
         "remote    " + _remote_line(remote),
         "",
     ]

@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
+from app.core.fs_metrics import fs_metrics
 from app.core.health import HealthChecker
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class DataPlaneStateCollector(Collector):
             "kvwarden_inflight_stores", "Stores writing chunks now.", value=stats.inflight_stores
         )
         yield from tenant_metrics(stats.tenants or [])
+        yield from fs_metrics(dp)
         yield from remote_metrics(dp)
 
 

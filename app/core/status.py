@@ -91,11 +91,42 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
                 "tenant_share_bytes": l1.tenant_share_bytes,
                 "tenants": [asdict(t) for t in l1.tenants or ()],
             },
+            "fs": fs_view(dp),
             "remote": remote_view(dp),
         },
         "health": health_summary(dp, report),
     }
     return doc
+
+
+def fs_view(dp: DataPlaneView) -> dict[str, Any] | None:
+    s = dp.fs_state()
+    if s is None:
+        return None
+    bypassed = "fs" in dp.monitor_state().bypassed_backends
+    return {
+        "path": s.root,
+        "bypassed": bypassed,
+        "capacity_bytes": s.capacity_bytes,
+        "used_bytes": s.used_bytes,
+        "files": s.files,
+        "rebuilt": s.rebuilt,
+        "rebuild_seconds": s.rebuild_seconds,
+        "hits": s.hits,
+        "misses": s.misses,
+        "bad_files": sum(s.bad_files.values()),
+        "get_failures": sum(s.get_failures.values()),
+        "read_ahead": s.read_ahead,
+        "puts": s.puts,
+        "put_failures": sum(s.put_failures.values()),
+        "evictions": s.evictions,
+        "queue_depth": s.queue_depth,
+        "queue_bytes": s.queue_bytes,
+        "dropped_writes": sum(s.drops.values()),
+        "stalled_seconds": s.stalled_seconds,
+        "ping_latency_seconds": s.ping_latency_s,
+        "ping_error_code": s.ping_code,
+    }
 
 
 def remote_view(dp: DataPlaneView) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
+    from dataplane.storage.fs_tier import FileTier
     from dataplane.storage.remote import RemoteBackend
 
 
@@ -31,6 +32,19 @@ class FallbackPolicy(enum.StrEnum):
 class IrrecoverableException(Exception):
     """A failure no retry can fix (e.g. refused credentials): the monitor stops for good and
     the server stays unhealthy."""
+
+
+class Backend(Protocol):
+    """A lower tier as its health check drives it (`RemoteBackend`, `FileTier`)."""
+
+    url: str
+    bypassed: bool
+
+    def probe(self) -> bool: ...
+
+    def ping(self) -> tuple[float, int]: ...
+
+    def take_failed_gets(self) -> int: ...
 
 
 class LocalTier(Protocol):
@@ -48,6 +62,7 @@ class Components:
     """What checks are created from, and the settings of the remote check."""
 
     remote_backends: Mapping[str, RemoteBackend] = field(default_factory=dict)
+    fs_tiers: Mapping[str, FileTier] = field(default_factory=dict)
     local_tier: LocalTier | None = None
     # name -> the problem (None: fine); live checks of the data plane's own parts
     self_checks: Mapping[str, Callable[[], str | None]] = field(default_factory=dict)

@@ -244,7 +244,7 @@ class HealthMonitor:
         backend = chk.get_bypass_backend_name()
         assert backend is not None
         tier = self.components.local_tier
-        target = self.components.remote_backends.get(backend)
+        target = self.components.remote_backends.get(backend) or self.components.fs_tiers.get(backend)
         restore: bool | None = None
         with self._lock:
             if not ok and backend not in self._bypassed:

@@ -68,6 +68,7 @@ class _Opened:
     kv: MappedKV | None = None
     slots: np.ndarray | None = None
     pool: list[torch.Tensor] | None = None
+    scope: bytes = b""  # the keys' scope (where lower tiers file them)
 
     def worker_side(self, i: int) -> Side:
         if self.pool is not None:
@@ -182,7 +183,7 @@ class BlendModule(InstanceLivenessTarget):
                 self._check_span(tables, p.position, len(keys))
                 r = e.reg
                 g = Geometry(TORCH_DTYPES[r.dtype], r.num_layers, cs, r.heads, r.head_dim)
-                yield _Opened(tables, g, keys, e.chunk_bytes, pool=e.strategy.slots)
+                yield _Opened(tables, g, keys, e.chunk_bytes, pool=e.strategy.slots, scope=e.scope)
             return
         with self.transfer.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             kv = c.kv
@@ -194,7 +195,7 @@ class BlendModule(InstanceLivenessTarget):
                 raise RequestError(str(exc)) from None
             self._check_span(tables, p.position, len(keys))
             g = Geometry(kv.dtype, kv.num_layers, cs, kv.heads, kv.head_dim)
-            yield _Opened(tables, g, keys, kv.chunk_nbytes(cs), kv=kv, slots=slots)
+            yield _Opened(tables, g, keys, kv.chunk_nbytes(cs), kv=kv, slots=slots, scope=c.scope)
 
     def _check_span(self, tables: RopeTables, position: int, chunks: int) -> None:
         try:
@@ -220,7 +221,7 @@ class BlendModule(InstanceLivenessTarget):
 
             tenant = tenant_of(p.key)
             return self.transfer.write_chunks(
-                p.instance_id, o.keys, o.chunk_bytes, fill, tenant=tenant, conn_fd=rctx.conn_fd
+                p.instance_id, o.keys, o.chunk_bytes, fill, tenant=tenant, conn_fd=rctx.conn_fd, scope=o.scope
             )
 
     def _retrieve(self, rctx: RequestContext, p: BlendRetrieve) -> BlendRetrieved:
@@ -228,7 +229,7 @@ class BlendModule(InstanceLivenessTarget):
         with self._open(rctx, p) as o:
             hits: list[tuple[int, bool]] = []
             for i, key in enumerate(o.keys):
-                got = l1.acquire_prefix([key], tenant_of(p.key))
+                got = l1.acquire_prefix([key], tenant_of(p.key), o.scope)
                 if got:
                     try:
                         self._deliver(o, i, got[0], p.position + i * cs)

@@ -74,7 +74,7 @@ class BlendDirectModule:
             try:
                 tenant = tenant_of(p.key)
                 handed, present, rejected, skipped = reserve_into(
-                    lease, self.l1, keys, c.chunk_bytes, tenant, rctx.conn_fd
+                    lease, self.l1, keys, c.chunk_bytes, tenant, rctx.conn_fd, c.scope
                 )
                 lid = c.leases.add(lease)
             except BaseException:
@@ -94,7 +94,7 @@ class BlendDirectModule:
             chunks: list[tuple[int, int]] = []
             try:
                 for i, key in enumerate(keys):  # each chunk on its own, not a prefix
-                    got = self.l1.acquire_prefix([key], tenant_of(p.key))
+                    got = self.l1.acquire_prefix([key], tenant_of(p.key), c.scope)
                     if got:
                         lease.pinned.append(key)
                     chunks.append((i, self.l1.arena.offset_of(got[0]) if got else -1))

@@ -260,13 +260,14 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 prefix=keys[: p.first_chunk],
                 tenant=tenant_of(p.key),
                 conn_fd=rctx.conn_fd,
+                scope=c.scope,
             )
 
     def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> PoolRetrieved:
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             wanted = keys[p.first_chunk : p.first_chunk + p.n_chunks]
-            bufs = self.l1.acquire_prefix(wanted, tenant_of(p.key))
+            bufs = self.l1.acquire_prefix(wanted, tenant_of(p.key), c.scope)
             try:
                 for i, buf in enumerate(bufs):
                     self._copy(s.slots[i], buf)

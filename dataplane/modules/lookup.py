@@ -12,6 +12,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.tenants import tenant_of
 from dataplane.wire.errors import NotRegistered
 from dataplane.wire.messages import Lookup, LookupScope, LookupWaited, MsgType
 from dataplane.wire.replies import Hits, Noted, ScopeHits
@@ -56,7 +57,7 @@ class LookupModule:
         else:
             raise NotRegistered(f"instance {p.instance_id} is not registered")
         keys = chunk_keys(scope, p.token_ids, self.chunk_size, p.key)
-        held, reach = self._reach(keys)
+        held, reach = self._reach(keys, scope, tenant_of(p.key))
         return Hits(*self._answer(len(p.token_ids), held, reach))
 
     def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> ScopeHits:
@@ -76,7 +77,7 @@ class LookupModule:
                 p.block_size,
             )
             keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)
-            h, r = self._reach(keys)
+            h, r = self._reach(keys, scope, tenant_of(p.key))
             held, reach = min(held, h), min(reach, r)
         hit, pending = self._answer(len(p.token_ids), held, reach)
         return ScopeHits(hit, self.chunk_size, pending)
@@ -86,9 +87,9 @@ class LookupModule:
         self.metrics.lookup_wait_seconds.observe(p.waited_s)
         return Noted(True)
 
-    def _reach(self, keys: list[bytes]) -> tuple[int, int]:
+    def _reach(self, keys: list[bytes], scope: bytes, tenant: bytes) -> tuple[int, int]:
         """(the chunks held, those and the chunks being stored right after them)."""
-        held = self.l1.prefix_hits(keys)
+        held = self.l1.prefix_hits(keys, scope, tenant)
         return held, held + self.l1.inflight.run(keys[held:])
 
     def _answer(self, tokens: int, held: int, reach: int) -> tuple[int, int]:

@@ -101,7 +101,7 @@ class DirectTransferModule:
         try:
             tenant = tenant_of(p.key)
             handed, present, rejected, skipped = reserve_into(
-                lease, self.l1, wanted, c.chunk_bytes, tenant, rctx.conn_fd
+                lease, self.l1, wanted, c.chunk_bytes, tenant, rctx.conn_fd, c.scope
             )
             lid = c.leases.add(lease)
         except BaseException:
@@ -130,7 +130,7 @@ class DirectTransferModule:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         _, wanted = self._wanted(c, p)
         c.leases.room(self.l1)
-        bufs = self._held(rctx, wanted, tenant_of(p.key))
+        bufs = self._held(rctx, wanted, tenant_of(p.key), c.scope)
         lease = Lease(pinned=wanted[: len(bufs)])
         try:
             lid = c.leases.add(lease)
@@ -140,13 +140,13 @@ class DirectTransferModule:
         self.metrics.transfer_bytes.labels(direction="retrieve").inc(len(bufs) * c.chunk_bytes)
         return Acquired(lid, tuple(self._offsets(bufs)), c.chunk_bytes, self.l1.arena.growth()[0])
 
-    def _held(self, rctx: RequestContext, wanted: list[bytes], tenant: bytes) -> list[Any]:
+    def _held(self, rctx: RequestContext, wanted: list[bytes], tenant: bytes, scope: bytes) -> list[Any]:
         """The stored prefix of ``wanted``, pinned. On the loop thread L1's only: when the remote
         tier might continue it the request is `Deferred` to the transfer pool, which reads it
         (the loop never waits on Redis)."""
         if not rctx.inline or not isinstance(self.l1, TieredStore):
-            return self.l1.acquire_prefix(wanted, tenant)
-        bufs = self.l1.acquire_local(wanted)
+            return self.l1.acquire_prefix(wanted, tenant, scope)
+        bufs = self.l1.acquire_local(wanted, scope)
         if bufs is None:
             raise Deferred
         return bufs

@@ -174,7 +174,13 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
 
             nbytes = kv.chunk_nbytes(self.chunk_size)
             return self.write_chunks(
-                p.instance_id, keys, nbytes, fill, tenant=tenant_of(p.key), conn_fd=rctx.conn_fd
+                p.instance_id,
+                keys,
+                nbytes,
+                fill,
+                tenant=tenant_of(p.key),
+                conn_fd=rctx.conn_fd,
+                scope=c.scope,
             )
 
     @staticmethod
@@ -195,7 +201,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
-            bufs = self.l1.acquire_prefix(keys, tenant_of(p.key))
+            bufs = self.l1.acquire_prefix(keys, tenant_of(p.key), c.scope)
             held = keys[: len(bufs)]
             try:
                 chunks = self._chunks(kv, p, len(bufs))

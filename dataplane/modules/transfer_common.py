@@ -84,6 +84,7 @@ class TransferModule(Generic[E]):
         prefix: list[bytes] | None = None,
         tenant: bytes = NO_TENANT,
         conn_fd: int = -1,
+        scope: bytes = b"",
     ) -> StoreCounts:
         """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes, as
         ``tenant``'s chunks (`dataplane.storage.tenants`).
@@ -111,7 +112,7 @@ class TransferModule(Generic[E]):
                 except BaseException:
                     self.l1.abort(buf)
                     raise
-                stored += self.l1.commit(keys[i], buf, pin=True)
+                stored += self.l1.commit(keys[i], buf, pin=True, scope=scope)
                 self.l1.inflight.landed(mark, [keys[i]])
                 pinned.append(keys[i])
         finally:

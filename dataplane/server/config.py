@@ -127,8 +127,27 @@ class Settings(BaseSettings):
     remote_write_queue_mb: int = Field(
         256, ge=1, le=1 << 20, description="Write-behind queue to the remote tier (MiB); more is dropped."
     )
+    fs_path: Path | None = Field(
+        None,
+        description="Directory of the file tier (local NVMe, or a mount several servers share); it "
+        "must exist. Chunks written there survive restarts. Off without it.",
+    )
+    fs_size_gb: float = Field(
+        0.0,
+        ge=0,
+        le=1 << 20,
+        description="Bytes the file tier may hold (GiB); needs fs_path, which needs it.",
+    )
+    fs_timeout_seconds: float = Field(
+        1.0, gt=0, le=600, description="Deadline of one file-tier read; past it the read is a miss."
+    )
+    fs_write_queue_mb: int = Field(
+        256, ge=1, le=1 << 20, description="Write-behind queue to the file tier (MiB); more is dropped."
+    )
     local_cpu: bool = Field(
-        True, description="L1 keeps chunks as a hot cache; false = L1 only stages writes (needs remote_url)."
+        True,
+        description="L1 keeps chunks as a hot cache; false = L1 only stages writes (needs remote_url "
+        "or fs_path).",
     )
     worker_reap_timeout_seconds: float = Field(
         120.0, ge=0, description="Silence after which a pinging worker is reaped; 0 disables; >= 30."
@@ -179,6 +198,8 @@ class Settings(BaseSettings):
         "max_pool_gb",
         "max_mapped_gb",
         "remote_timeout_seconds",
+        "fs_size_gb",
+        "fs_timeout_seconds",
         "worker_reap_timeout_seconds",
         "worker_registration_grace_seconds",
         "worker_disconnect_grace_seconds",
@@ -206,8 +227,18 @@ class Settings(BaseSettings):
             self.worker_registration_grace_seconds,
             self.worker_disconnect_grace_seconds,
         )
-        if not self.local_cpu and self.remote_url is None:
-            raise ValueError("local_cpu=false needs remote_url: L1 would only stage writes for a remote tier")
+        if not self.local_cpu and self.remote_url is None and self.fs_path is None:
+            raise ValueError(
+                "local_cpu=false needs remote_url or fs_path: L1 would only stage writes for a lower tier"
+            )
+        if (self.fs_path is None) != (self.fs_size_gb == 0):
+            raise ValueError(
+                "fs_path and fs_size_gb: give both (a directory and the GiB it may hold) or neither"
+            )
+        if self.fs_path is not None and not self.fs_path.is_dir():
+            raise ValueError(
+                f"fs_path {str(self.fs_path)!r}: not a directory (create it, or mount the volume there)"
+            )
         if self.ipc_path is not None and {"host", "port"} & self.model_fields_set:
             raise ValueError("ipc_path and host/port: the data plane listens on one of them, not both")
         if self.admin_token_file is not None:

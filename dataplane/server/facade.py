@@ -19,6 +19,7 @@ from dataplane.health.monitor import MonitorState
 from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
+from dataplane.storage.fs_stats import FsStats
 from dataplane.storage.l1 import L1Stats
 from dataplane.storage.tenants import TenantStats
 
@@ -27,6 +28,7 @@ __all__ = [
     "ComponentState",
     "ContextEntry",
     "DataPlaneView",
+    "FsStats",
     "L1Stats",
     "LivenessRow",
     "LivenessStatus",
@@ -133,6 +135,10 @@ class DataPlaneView(Protocol):
 
     def remote_state(self) -> RemoteState | None:
         """The remote tier (None: no remote_url)."""
+        ...
+
+    def fs_state(self) -> FsStats | None:
+        """The file tier (None: no fs_path)."""
         ...
 
     def force_reap(self, instance_id: int) -> list[str]:

@@ -41,6 +41,8 @@ from dataplane.server.facade import ComponentState, LivenessStatus, MonitorState
 from dataplane.server.factory import new_server
 from dataplane.server.loop import Server
 from dataplane.storage.arena import Arena
+from dataplane.storage.fs_stats import FsStats
+from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.l1 import L1Stats
 from dataplane.storage.remote import DURATION_BUCKETS, RemoteBackend
 from dataplane.storage.tiered import TieredStore
@@ -64,12 +66,15 @@ class DataPlane:
     monitor: HealthMonitor
     remote: RemoteBackend | None = None
     clock: Callable[[], float] = time.monotonic
+    fs: FileTier | None = None
 
     def start(self) -> None:
         self.l1.arena.start()  # faults L1 in while the server already answers
         self.splitter.start()
         if self.remote is not None:
             self.remote.start()
+        if self.fs is not None:  # its index is rebuilt in the background: PINGs are answered at once
+            self.fs.start()
         self.server.start()
         self.monitor.start()
 
@@ -82,6 +87,9 @@ class DataPlane:
             self.remote.stop()
             self.remote.join()
             self.remote.close()
+        if self.fs is not None:  # likewise; a thread stuck on a dead mount is left behind
+            self.fs.stop()
+            self.fs.join()
         self.l1.close()  # last: the modules released every view of it
         return clean
 
@@ -184,6 +192,9 @@ class DataPlane:
             tuple((op, DURATION_BUCKETS, tuple(c), s.duration_sums[op]) for op, c in s.durations.items()),
         )
 
+    def fs_state(self) -> FsStats | None:
+        return None if self.fs is None else self.fs.stats()
+
     def render_metrics(self) -> bytes:
         return generate_latest(self.metrics.registry)
 
@@ -199,8 +210,8 @@ def build_dataplane(
     ``server``: one already bound and answering (`dataplane.server.early`), else a new one."""
     sweep_orphans()
     metrics = server.metrics if server is not None else DataPlaneMetrics()
-    remote, init_failure = _remote_backend(settings)
-    l1 = _l1(settings, remote)
+    (remote, init_failure), (fs, fs_failure) = _remote_backend(settings), _file_tier(settings)
+    l1 = _l1(settings, remote, fs)
     if server is None:
         server = new_server(settings, metrics)
     info = server.info(settings.chunk_size)
@@ -241,17 +252,17 @@ def build_dataplane(
         lookup,
     ):
         server.add_module(module)
-    monitor = _monitor(settings, l1, remote, _self_checks(server, management), clock)
-    if init_failure is not None:
-        monitor.mark_init_failed(init_failure)
+    monitor = _monitor(settings, l1, remote, fs, _self_checks(server, management), clock)
+    if init_failure or fs_failure:
+        monitor.mark_init_failed(str(init_failure or fs_failure))
     l1.gate = monitor.is_healthy
     return DataPlane(
-        settings, server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock
+        settings, server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock, fs
     )
 
 
-def _l1(settings: Settings, remote: RemoteBackend | None) -> TieredStore:
-    """L1 over its arena, with the remote tier beneath it when there is one."""
+def _l1(settings: Settings, remote: RemoteBackend | None, fs: FileTier | None) -> TieredStore:
+    """L1 over its arena, with the file and remote tiers beneath it when there are."""
     shared = {L1Backing.AUTO: None, L1Backing.SHM: True, L1Backing.PRIVATE: False}[settings.l1_backing]
     arena = Arena(settings.l1_capacity_bytes, shared=shared, pin_memory=torch.cuda.is_available())
     logger.info("kvwarden: L1 arena of %d bytes, %s", arena.capacity, arena.backing)
@@ -261,7 +272,26 @@ def _l1(settings: Settings, remote: RemoteBackend | None) -> TieredStore:
         arena=arena,
         remote=remote,
         tenant_share_bytes=settings.l1_tenant_share_bytes,
+        fs=fs,
     )
+
+
+def _file_tier(settings: Settings) -> tuple[FileTier | None, str | None]:
+    """The file tier (None without fs_path), and why it could not be built."""
+    if settings.fs_path is None:
+        return None, None
+    try:
+        tier = FileTier(
+            str(settings.fs_path),
+            int(settings.fs_size_gb * (1 << 30)),
+            timeout_s=settings.fs_timeout_seconds,
+            queue_bytes=settings.fs_write_queue_mb << 20,
+            health_timeout_s=settings.health_ping_timeout,
+        )
+    except Exception as exc:  # the server still serves: recompute-only, unhealthy
+        return None, f"the file tier could not be set up: {type(exc).__name__}: {exc}"
+    logger.info("kvwarden: file tier %s, %d bytes", tier.root, tier.capacity_bytes)
+    return tier, None
 
 
 def _remote_backend(settings: Settings) -> tuple[RemoteBackend | None, str | None]:
@@ -310,11 +340,13 @@ def _monitor(
     settings: Settings,
     l1: TieredStore,
     remote: RemoteBackend | None,
+    fs: FileTier | None,
     self_checks: dict[str, Callable[[], str | None]],
     clock: Callable[[], float],
 ) -> HealthMonitor:
     components = Components(
         remote_backends={} if remote is None else {remote.name: remote},
+        fs_tiers={} if fs is None else {fs.name: fs},
         local_tier=l1,
         self_checks=self_checks,
         fallback_policy=settings.fallback_policy,
@@ -325,4 +357,9 @@ def _monitor(
     monitor = HealthMonitor(components, settings.health_ping_interval)
     if remote is not None:  # a burst of failed reads: a round at once, not at the interval's end
         remote.burst_at, remote.on_burst = settings.get_blocking_failed_threshold, monitor.request_round
+    if fs is not None:
+        fs.counters.burst_at, fs.counters.on_burst = (
+            settings.get_blocking_failed_threshold,
+            monitor.request_round,
+        )
     return monitor

@@ -91,8 +91,9 @@ class L1Store:
         self.inflight = InFlight()  # chunks being written, not yet committed (lookups see them)
 
     # ---------------------------------------------------------------- reads
-    def prefix_hits(self, keys: list[bytes]) -> int:
-        """How many leading keys are present (refreshes their LRU position)."""
+    def prefix_hits(self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT) -> int:
+        """How many leading keys are present (refreshes their LRU position). ``scope``: the
+        keys' scope, ``tenant``: who asks (for the lower tiers of `TieredStore`)."""
         n = 0
         with self._lock:
             for k in keys:
@@ -104,9 +105,11 @@ class L1Store:
                 n += 1
         return n
 
-    def acquire_prefix(self, keys: list[bytes], tenant: bytes = NO_TENANT) -> list[torch.Tensor]:
+    def acquire_prefix(
+        self, keys: list[bytes], tenant: bytes = NO_TENANT, scope: bytes = b""
+    ) -> list[torch.Tensor]:
         """Pin and return the buffers of the longest present prefix of ``keys`` (``tenant``: who
-        asks, should a lower tier bring chunks into L1 for it)."""
+        asks, should a lower tier bring chunks into L1 for it; ``scope``: the keys' scope)."""
         out: list[torch.Tensor] = []
         with self._lock:
             for k in keys:
@@ -180,9 +183,10 @@ class L1Store:
                     self._rejected += 1
                 return None  # (when growth just ended short, the next turn may evict instead)
 
-    def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False) -> bool:
+    def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"") -> bool:
         """Publish a reserved buffer; False (buffer returned) when the key was already present.
-        With ``pin`` the chunk stays pinned (whichever copy won) until ``release``."""
+        With ``pin`` the chunk stays pinned (whichever copy won) until ``release``; ``scope``:
+        the key's scope (where a lower tier of `TieredStore` files it)."""
         with self._lock:
             self._writing -= 1
             off = self.arena.offset_of(buf)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -109,6 +110,34 @@ def decode(
     """(dtype, shape, payload view) of ``value`` read under ``key``, after every check; with
     ``dtype`` / ``shape`` given, the value must match them too. RemoteValueError otherwise."""
     mv = memoryview(value).cast("B")
+    head = check_header(None, mv, mv.nbytes, dtype, shape)
+    check_hash(mv, head, mv[head.start :])  # (a damaged value is "checksum", whatever it claims)
+    check_key(key, head)
+    return head.dtype, head.shape, mv[head.start :]
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A value's header, checked but for the hash of the payload (`check_hash`)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # where the payload starts (the header's size)
+    nbytes: int  # the payload's size
+    key_hash: int  # of the key it was written under
+
+
+def check_header(
+    key: bytes | None,
+    head: bytes | memoryview,
+    total: int,
+    dtype: str | None = None,
+    shape: Sequence[int] | None = None,
+) -> Header:
+    """The header at the start of ``head`` (at least `MAX_HEADER` bytes, or the whole value) of a
+    value of ``total`` bytes read under ``key``, checked: format, version, length, key (unless
+    None: `check_key` later) and layout; RemoteValueError naming the kind otherwise."""
+    mv = memoryview(head).cast("B")
     if mv.nbytes < _FIXED.size:
         raise RemoteValueError("truncated", f"{mv.nbytes} bytes, shorter than the {_FIXED.size}-byte header")
     magic, version, code, ndim, khash, n = _FIXED.unpack_from(mv)
@@ -122,19 +151,33 @@ def decode(
     start = header_size(ndim)
     if mv.nbytes < start:
         raise RemoteValueError("truncated", f"{mv.nbytes} bytes, header and shape need {start}")
-    if mv.nbytes - start != n:
-        raise RemoteValueError("truncated", f"payload of {mv.nbytes - start} bytes, header says {n}")
-    hash_at = start - _HASH.size
-    h = xxhash.xxh3_64(mv[:hash_at])
-    payload = mv[start:]
-    h.update(payload)
-    if h.intdigest() != _HASH.unpack_from(mv, hash_at)[0]:
-        raise RemoteValueError("checksum", "the value's hash differs from its header's")
-    if khash != key_hash(key):
-        raise RemoteValueError("key", "the value was written under another key")
+    if total - start != n:
+        raise RemoteValueError("truncated", f"payload of {total - start} bytes, header says {n}")
     dims = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
     if n != _nbytes(name, dims):
         raise RemoteValueError("format", f"{n} bytes is not {name}{list(dims)}")
     if (dtype is not None and dtype != name) or (shape is not None and tuple(shape) != dims):
         raise RemoteValueError("layout", f"{name}{list(dims)}, expected {dtype}{list(shape or ())}")
-    return name, dims, payload
+    h = Header(name, dims, start, n, khash)
+    if key is not None:
+        check_key(key, h)
+    return h
+
+
+def check_key(key: bytes, header: Header) -> None:
+    if header.key_hash != key_hash(key):
+        raise RemoteValueError("key", "the value was written under another key")
+
+
+def check_hash(head: bytes | memoryview, header: Header, payload: bytes | memoryview) -> None:
+    """RemoteValueError ("checksum") unless the value hash in ``head`` covers the header before
+    it and ``payload``."""
+    mv = memoryview(head).cast("B")
+    hash_at = header.start - _HASH.size
+    h = xxhash.xxh3_64(mv[:hash_at])
+    h.update(payload)
+    if h.intdigest() != _HASH.unpack_from(mv, hash_at)[0]:
+        raise RemoteValueError("checksum", "the value's hash differs from its header's")
+
+
+MAX_HEADER = header_size(MAX_NDIM)

@@ -1,21 +1,28 @@
-"""TieredStore: L1 first, then the remote tier, behind the health gate; what the modules use.
+"""TieredStore: L1 first, then the file tier, then the remote tier, behind the health gate; what
+the modules use.
 
-A subclass of the L1 store (`L1Store`): the modules call it through L1's interface, and it adds:
+A subclass of the L1 store (`L1Store`): the modules call it through L1's interface, naming the
+chunks' scope (the file tier keeps a directory per scope), and it adds:
 
-- **LOOKUP** (`prefix_hits`): the prefix L1 holds, then how far the remote tier continues it, in
-  one pipelined round trip.
-- **RETRIEVE** (`acquire_prefix`): what L1 lacks is read from the remote tier, checked, and
-  promoted into L1 (pinned like the rest), chunk by chunk until the first miss.
-- **STORE** (`commit`): a chunk newly committed to L1 is queued for the remote tier (write-behind,
-  never waited for), its L1 buffer pinned until the write is done. With the hot cache off
-  (``local_cpu=false``) L1 only stages: a chunk leaves L1 once written and no reader holds it.
+- **LOOKUP** (`prefix_hits`): the prefix L1 holds, then how far the file tier continues it (its
+  index, a ``stat`` for what that lacks), then the remote tier (one pipelined round trip). The
+  chunks found on disk start being read into L1 at once (`_read_ahead`, on the file tier's I/O
+  threads), so the RETRIEVE that follows finds them there.
+- **RETRIEVE** (`acquire_prefix`): what L1 lacks is read from the file tier (or waited for, while
+  a read-ahead brings it), then from the remote tier, checked, and promoted into L1 (pinned like
+  the rest), chunk by chunk until the first miss.
+- **STORE** (`commit`): a chunk newly committed to L1 is queued for the file and remote tiers
+  (write-behind, never waited for), its L1 buffer pinned until each write is done. With the hot
+  cache off (``local_cpu=false``) L1 only stages: a chunk leaves L1 once written and no reader
+  holds it.
 - **The health gate** (``gate``, the health monitor's ``is_healthy``): while it says no,
   STORE is skipped (`writable`), RETRIEVE is an all-miss and LOOKUP is 0, each with a warning
   at most every `WARN_EVERY_S` (the count of what was skipped meanwhile in it).
 
-Remote reads run on the caller's thread (transfer and normal workers), each bounded by the
+File tier reads run on its I/O threads, the caller waiting at most the tier's deadline; remote
+reads run on the caller's thread (transfer and normal workers), each bounded by the
 backend's timeout, and never on the loop thread: what it may call (`acquire_local`, `commit`,
-which only queues the write, `release`, `pin_present`, `reserve`) never calls Redis. A one-copy
+which only queues the write, `release`, `pin_present`, `reserve`) never calls Redis nor the disk. A one-copy
 ACQUIRE answered on the loop takes L1's part of the prefix with `acquire_local`, and is handed to
 the transfer pool when the remote tier might continue it.
 """
@@ -31,6 +38,7 @@ import numpy as np
 import torch
 
 from dataplane.storage.arena import Arena
+from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.remote import RemoteBackend
 from dataplane.storage.tenants import NO_TENANT
@@ -51,9 +59,13 @@ class TieredStore(L1Store):
         remote: RemoteBackend | None = None,
         gate: Callable[[], bool] | None = None,
         tenant_share_bytes: int | None = None,
+        fs: FileTier | None = None,
     ) -> None:
         super().__init__(capacity_bytes, hot_cache, arena, clock, tenant_share_bytes)
         self.remote = remote
+        self.fs = fs
+        self._ahead_lock = threading.Lock()  # leaf: guards _ahead
+        self._ahead: dict[bytes, threading.Event] = {}  # keys a read-ahead is bringing into L1
         self.gate = gate or (lambda: True)
         self._warn_lock = threading.Lock()  # leaf: guards _warned_at and _suppressed
         self._warned_at: dict[str, float] = {}
@@ -83,40 +95,130 @@ class TieredStore(L1Store):
         logger.warning("storage: unhealthy (recompute): %s %s%s", what, answer, more)
 
     # ----------------------------------------------------------------- reads
-    def prefix_hits(self, keys: list[bytes]) -> int:
+    def prefix_hits(self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT) -> int:
         if not self._open("LOOKUP", "answered 0"):
             return 0
         n = super().prefix_hits(keys)
+        if self.fs is not None and n < len(keys):
+            on_disk = self.fs.held(scope, keys[n:])
+            if on_disk:
+                self._read_ahead(scope, keys[n : n + on_disk], tenant, self._chunk_bytes(keys[:n]))
+            n += on_disk
         if self.remote is not None and n < len(keys):
             n += self.remote.count_prefix(keys[n:])
         return n
 
-    def acquire_prefix(self, keys: list[bytes], tenant: bytes = NO_TENANT) -> list[torch.Tensor]:
+    def acquire_prefix(
+        self, keys: list[bytes], tenant: bytes = NO_TENANT, scope: bytes = b""
+    ) -> list[torch.Tensor]:
         if not self._open("RETRIEVE", "answered with misses"):
             return []
         bufs = super().acquire_prefix(keys)
-        if self.remote is None or len(bufs) == len(keys):
+        if (self.remote is None and self.fs is None) or len(bufs) == len(keys):
             return bufs
         nbytes = bufs[0].numel() if bufs else None
         for key in keys[len(bufs) :]:
-            buf = self._promote(key, nbytes, tenant)
+            buf = self._lower(scope, key, nbytes, tenant)
             if buf is None:
                 break
             nbytes = buf.numel()
             bufs.append(buf)
         return bufs
 
-    def acquire_local(self, keys: list[bytes]) -> list[torch.Tensor] | None:
+    def acquire_local(self, keys: list[bytes], scope: bytes = b"") -> list[torch.Tensor] | None:
         """`acquire_prefix` for a caller that must not wait (the loop thread): what L1 holds of
-        the prefix, pinned, when the remote tier could not add to it; None (nothing pinned) when
-        it might: the caller asks `acquire_prefix` where waiting is fine. Never calls Redis."""
+        the prefix, pinned, when no lower tier could add to it; None (nothing pinned) when one
+        might: the caller asks `acquire_prefix` where waiting is fine. Never calls Redis nor the
+        disk."""
         if not self._open("RETRIEVE", "answered with misses"):
             return []
         bufs = super().acquire_prefix(keys)
-        if self.remote is None or len(bufs) == len(keys):
+        if (self.remote is None and self.fs is None) or len(bufs) == len(keys):
             return bufs
         super().release(keys[: len(bufs)])  # (L1's own release: they stay as they were)
         return None
+
+    def _lower(self, scope: bytes, key: bytes, nbytes: int | None, tenant: bytes) -> torch.Tensor | None:
+        """The chunk of ``key`` from the file tier, else the remote tier, in L1 and pinned."""
+        if self.fs is not None:
+            ahead = self._ahead.get(key)
+            if ahead is not None:  # a read-ahead is bringing it: wait for that, not read it twice
+                ahead.wait(self.fs.io.timeout_s)
+                got = super().acquire_prefix([key])
+                if got:
+                    return got[0]
+            if self._from_fs(scope, key, nbytes, tenant, wait=True):
+                got = super().acquire_prefix([key])
+                if got:
+                    return got[0]
+        if self.remote is not None:
+            return self._promote(key, nbytes, tenant)
+        return None
+
+    def _from_fs(self, scope: bytes, key: bytes, nbytes: int | None, tenant: bytes, wait: bool) -> bool:
+        """Read ``key``'s file into L1 (committed, not pinned): waiting at most the tier's
+        deadline, or on this thread (``wait=False``: an I/O thread's read-ahead). Whether L1
+        holds the chunk now."""
+        assert self.fs is not None
+        held: list[torch.Tensor] = []
+
+        def alloc(n: int) -> memoryview | None:
+            buf = self.reserve(n, tenant)
+            if buf is None:
+                return None
+            held.append(buf)
+            return buf.numpy().data.cast("B")
+
+        def give_back(_: memoryview) -> None:
+            self.abort(held.pop())
+
+        got = self.fs.get(scope, key, nbytes, alloc, give_back, wait=wait)
+        if got is None:
+            return False
+        super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
+        return True
+
+    def _read_ahead(self, scope: bytes, keys: list[bytes], tenant: bytes, nbytes: int | None) -> None:
+        """Start reading ``keys`` (found on disk by a LOOKUP) into L1, in order, on an I/O thread;
+        a RETRIEVE that wants one meanwhile waits for it (`_lower`)."""
+        assert self.fs is not None
+        fs = self.fs
+        with self._ahead_lock:
+            mine = {k: threading.Event() for k in keys if k not in self._ahead}
+            self._ahead.update(mine)
+        if not mine:
+            return
+
+        def done() -> None:
+            with self._ahead_lock:
+                for k, ev in mine.items():
+                    if self._ahead.get(k) is ev:
+                        del self._ahead[k]
+                    ev.set()
+
+        def run() -> None:
+            try:
+                size = nbytes
+                for k in mine:
+                    if not super(TieredStore, self).prefix_hits([k]):
+                        if not self._from_fs(scope, k, size, tenant, wait=False):
+                            break
+                        fs.counters.add(read_ahead=1)
+                    mine[k].set()
+            finally:
+                done()
+
+        if not fs.io.submit(run):
+            done()
+
+    def _chunk_bytes(self, keys: list[bytes]) -> int | None:
+        """The size of the chunks of ``keys`` (those L1 holds), None when it holds none."""
+        got = super().acquire_prefix(keys[-1:]) if keys else []
+        if not got:
+            return None
+        n = got[0].numel()
+        super().release(keys[-1:])
+        return n
 
     def _promote(self, key: bytes, nbytes: int | None, tenant: bytes) -> torch.Tensor | None:
         """The chunk of ``key`` from the remote tier, copied into L1 and pinned; None: not there
@@ -140,21 +242,30 @@ class TieredStore(L1Store):
         return got[0] if got else None
 
     # ---------------------------------------------------------------- writes
-    def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False) -> bool:
+    def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"") -> bool:
         written = super().commit(key, buf, pin)
-        if written and self.remote is not None:
+        if not written:
+            return written
+        view = memoryview(buf.numpy().data)
+        for tier in (self.fs, self.remote):
+            if tier is None:
+                continue
             self.pin_present([key])  # until the write-behind queue is done with its bytes
-            view = memoryview(buf.numpy().data)
-            self.remote.put(key, _DTYPE, (buf.numel(),), view, lambda: self._written(key))
+            done = lambda: self._written(key)  # noqa: E731
+            if tier is self.fs:
+                self.fs.put(scope, key, view, done)
+            else:
+                assert self.remote is not None
+                self.remote.put(key, _DTYPE, (buf.numel(),), view, done)
         return written
 
     def _written(self, key: bytes) -> None:
-        """The remote write of ``key`` is done (sent, failed or dropped)."""
+        """A lower tier's write of ``key`` is done (written, failed or dropped)."""
         self.release([key])
         if not self.hot_cache:
             self.discard([key])
 
     def release(self, keys: list[bytes]) -> None:
         super().release(keys)
-        if not self.hot_cache and self.remote is not None:
+        if not self.hot_cache and (self.remote is not None or self.fs is not None):
             self.discard(keys)  # staging only: what no reader holds leaves L1

@@ -20,6 +20,7 @@ from dataplane.server.facade import (
     ComponentState,
     ContextEntry,
     DataPlaneView,
+    FsStats,
     L1Stats,
     LivenessRow,
     LivenessStatus,
@@ -175,6 +176,9 @@ class FakeDataPlane:
 
     def remote_state(self) -> RemoteState | None:
         return self.remote
+
+    def fs_state(self) -> FsStats | None:
+        return None
 
     def force_reap(self, instance_id: int) -> list[str]:
         self.force_reap_calls.append(instance_id)
@@ -359,6 +363,7 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
                     {"tenant": "unsalted", "bytes": 1_048_576, "chunks": 4, "hits": 0, "evictions": 4},
                 ],
             },
+            "fs": None,
             "remote": None,
         },
         "health": {

@@ -13,14 +13,18 @@ Refused credentials raise `IrrecoverableException`.
 
 from __future__ import annotations
 
-from dataplane.health.base import Components, FallbackPolicy, HealthCheck, IrrecoverableException
-from dataplane.storage.remote import OK, TIMEOUT, RemoteAuthError, RemoteBackend
+from dataplane.health.base import Backend, Components, FallbackPolicy, HealthCheck, IrrecoverableException
+from dataplane.storage.remote import OK, TIMEOUT, RemoteAuthError
 
 
 class RemoteBackendHealthCheck(HealthCheck):
     component_type = "datastore"
+    # what its reasons call a failed call, and a ping that timed out or failed
+    failed_calls = "failed reads"
+    ping_timed_out = "ping timed out"
+    ping_failed = "ping failed (no connection or an error)"
 
-    def __init__(self, backend_name: str, backend: RemoteBackend, components: Components) -> None:
+    def __init__(self, backend_name: str, backend: Backend, components: Components) -> None:
         self.backend_name = backend_name
         self.backend = backend
         self.components = components
@@ -65,13 +69,12 @@ class RemoteBackendHealthCheck(HealthCheck):
         failed = self.backend.take_failed_gets()
         if failed >= c.get_blocking_failed_threshold:
             self.failed_at = now
-            self._reason = (
-                f"{failed} failed reads since the last round (threshold {c.get_blocking_failed_threshold})"
-            )
+            threshold = c.get_blocking_failed_threshold
+            self._reason = f"{failed} {self.failed_calls} since the last round (threshold {threshold})"
             return False
         _, code = self.backend.ping()  # (latency and code are kept in the backend's stats)
         if code != OK:
-            self._reason = "ping timed out" if code == TIMEOUT else "ping failed (no connection or an error)"
+            self._reason = self.ping_timed_out if code == TIMEOUT else self.ping_failed
             return False
         self._reason = ""
         return True

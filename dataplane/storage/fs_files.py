@@ -1,0 +1,178 @@
+"""The file tier's disk operations on one chunk file: read it checked, write it whole, remove it.
+
+Every function here makes disk calls and may block as long as the file system does: the file
+tier runs them on its I/O threads or its writer, never on a thread that serves requests.
+A file that fails a check of `remote_codec` (truncated, damaged, foreign: another key's, another
+layout's, not a kvwarden chunk, not a regular file) raises `BadFile` naming its kind; the tier
+counts it, removes the file and answers a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import threading
+from collections.abc import Callable, Sequence
+
+from dataplane.storage.fs_layout import tmp_path
+from dataplane.storage.remote_codec import MAX_HEADER, Header, RemoteValueError, check_hash, check_header
+
+# what a failed disk call was, for the counters (`failure_kind`)
+FAILURE_KINDS = ("timeout", "no_space", "read_only", "vanished", "io", "error")
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a planted FIFO cannot block
+
+
+class BadFile(Exception):
+    """A chunk file that must not be served; ``kind`` as `remote_codec.VALUE_ERROR_KINDS`."""
+
+    def __init__(self, kind: str, detail: str, ino: int | None = None) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.ino = ino  # the file's inode: remove it only if the path still names it
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The counter a failed disk call goes to."""
+    if not isinstance(exc, OSError):
+        return "error"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "no_space"
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "read_only"
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ESTALE):
+        return "vanished"
+    if exc.errno == errno.EIO:
+        return "io"
+    return "error"
+
+
+def read_chunk(
+    path: str,
+    key: bytes,
+    nbytes: int | None,
+    alloc: Callable[[int], memoryview | None],
+) -> tuple[memoryview, float, int] | None:
+    """The payload of ``path`` read into ``alloc(size)``'s buffer after every check, the
+    file's modification time and its size; None when the file is not there (FileNotFoundError is a miss) or
+    ``alloc`` has no room. BadFile when it fails a check (the buffer was written: the caller
+    gives it back), OSError when the disk fails."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadFile("format", "a symbolic link, not a chunk file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile("format", "not a regular file", st.st_ino)
+        head = os.pread(fd, MAX_HEADER, 0)
+        try:
+            h = check_header(key, head, st.st_size, "uint8", None if nbytes is None else (nbytes,))
+        except RemoteValueError as exc:
+            raise BadFile(exc.kind, str(exc), st.st_ino) from None
+        dest = alloc(h.nbytes)
+        if dest is None:
+            return None
+        try:
+            _read_exact(fd, dest, h)
+            check_hash(head, h, dest)
+        except RemoteValueError as exc:
+            raise BadFile(exc.kind, str(exc), st.st_ino) from None
+        return dest, st.st_mtime, st.st_size
+    finally:
+        os.close(fd)
+
+
+def _read_exact(fd: int, dest: memoryview, h: Header) -> None:
+    got, pos = 0, h.start
+    while got < h.nbytes:
+        n = os.preadv(fd, [dest[got:]], pos + got)
+        if n == 0:  # shorter than its header says: cut while we read
+            raise RemoteValueError("truncated", f"{got} payload bytes, header says {h.nbytes}")
+        got += n
+
+
+def write_chunk(path: str, root: str, parts: Sequence[bytes | memoryview]) -> int:
+    """Write ``parts`` to ``path`` as one file, published whole by a rename (its directories made
+    as needed below ``root``, never ``root`` itself: a vanished mount is not re-created on the
+    disk beneath it); the bytes written. OSError on failure, nothing left behind."""
+    tmp = tmp_path(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        if not os.path.isdir(root):
+            raise
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    total = 0
+    try:
+        try:
+            views = [memoryview(p).cast("B") for p in parts]
+            want = sum(v.nbytes for v in views)
+            while views:
+                n = os.writev(fd, views)
+                total += n
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
+        finally:
+            os.close(fd)
+        if total != want:
+            raise OSError(errno.EIO, f"wrote {total} of {want} bytes")
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return total
+
+
+def remove_if(path: str, ino: int | None) -> None:
+    """Remove the file ``path`` names if it is still inode ``ino`` (any file with None): a bad
+    file another server has since replaced with a good one stays."""
+    with contextlib.suppress(OSError):
+        if ino is None or os.stat(path, follow_symlinks=False).st_ino == ino:
+            os.unlink(path)
+
+
+def remove(path: str) -> bool:
+    """Remove a chunk file; False when it was gone already (another server removed it)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def exists(path: str) -> int | None:
+    """The size of the regular file ``path``, None when there is none."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def touch(path: str) -> None:
+    """Mark a chunk used now (its modification time: the eviction order survives restarts)."""
+    with contextlib.suppress(OSError):  # (removed or replaced meanwhile: nothing to mark)
+        os.utime(path)
+
+
+def probe(root: str) -> bool:
+    """Write a probe file under ``root``, read it back and remove it: True when equal."""
+    path = os.path.join(root, f".probe.{os.getpid()}.{threading.get_ident()}")
+    data = os.urandom(64)
+    write_chunk(path, root, (data,))
+    try:
+        with open(path, "rb") as f:
+            return f.read() == data
+    finally:
+        remove(path)

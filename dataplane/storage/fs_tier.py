@@ -1,0 +1,396 @@
+"""The file tier: chunks in files under ``fs_path`` (local NVMe, or a directory a fleet shares),
+between L1 and the remote tier; they survive restarts (`fs_layout` has the layout).
+
+- **Index**: what this server knows is on disk (key -> scope and size), in least-recently-used
+  order, and the bytes it adds up to. At start it is empty and the server serves at once; the
+  writer thread rebuilds it from a scan (sweeping stale temporary files), and rescans every
+  `RESCAN_S` to learn what other servers of a shared directory wrote or removed. A key not in
+  the index is looked for on disk (one ``stat``), so a restart or another server's write is a
+  hit before any scan has seen it.
+- **Writes** are behind: `put` queues (bounded in bytes; more is dropped and counted, as for
+  the remote tier) and the thread ``kvwarden-fs-writer`` (start/stop/join) writes each chunk
+  whole under a temporary name and renames it in place. Before a write it evicts, least
+  recently used first, until the new file fits under ``capacity_bytes``; the writer waits for
+  the first scan, so the cap holds across restarts. A file another server removed is simply
+  gone; one it replaced is the same chunk.
+- **Reads** (`get`, `held`) are disk calls on the I/O threads (`fs_io.DiskPool`), each with a
+  deadline: a read past it is a miss for the caller. A file that fails its check is counted,
+  removed and never served.
+- **Health**: `ping` / `probe` round-trip a probe file within the health timeout; failed disk
+  calls (not misses) trip the health check as failed remote reads do. ``bypassed`` (the
+  local_cpu fallback) turns every call into a miss or a drop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from dataplane.storage import fs_files
+from dataplane.storage.fs_files import BadFile, failure_kind
+from dataplane.storage.fs_index import FileIndex
+from dataplane.storage.fs_io import DiskPool, DiskTimeout
+from dataplane.storage.fs_layout import ScanCounts, chunk_path, scan
+from dataplane.storage.fs_stats import FsCounters, FsStats
+from dataplane.storage.remote import OK, OTHER_ERROR, TIMEOUT
+from dataplane.storage.remote_codec import encode_header
+
+logger = logging.getLogger(__name__)
+
+RESCAN_S = 300.0  # how often the index is checked against the directory
+TOUCH_AFTER_S = 60.0  # a hit refreshes the file's time when it is older than this
+_DTYPE = "uint8"
+T = TypeVar("T")
+
+
+@dataclass
+class _Write:
+    scope: bytes
+    key: bytes
+    payload: memoryview
+    done: Callable[[], None] | None
+
+
+class FileTier:
+    name = "fs"
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        timeout_s: float = 1.0,
+        queue_bytes: int = 256 << 20,
+        io_threads: int = 4,
+        health_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity_bytes <= 0 or queue_bytes <= 0 or timeout_s <= 0:
+            raise ValueError("capacity_bytes, queue_bytes and timeout_s must be > 0")
+        self.root = os.path.abspath(path)
+        if not os.path.isdir(self.root):
+            raise ValueError(f"fs_path {path!r}: not a directory (create it, or mount the volume there)")
+        self.url = self.root  # (how checks and /status name it)
+        self.capacity_bytes = capacity_bytes
+        self.queue_limit = queue_bytes
+        self.health_timeout_s = health_timeout_s or timeout_s
+        self.io = DiskPool(io_threads, timeout_s, clock=clock)
+        self.index = FileIndex()
+        self.counters = FsCounters()
+        self._clock = clock
+        self._lock = threading.Lock()  # leaf: guards _queue, _queued_bytes, _writing_since, _rebuilt_at
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._queued_bytes = 0
+        self._writing_since = 0.0  # when the write in progress started (0: none)
+        self._rebuilt_at: float | None = None  # when the first scan ended
+        self._started_at = clock()
+        self.bypassed = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("FileTier already started")
+        self.io.start()
+        self._thread = threading.Thread(target=self._run, name="kvwarden-fs-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the writer (what is still queued is dropped, counted ``stopped``) and the I/O threads."""
+        self._stop.set()
+        self._wake.set()
+        self.io.stop()
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.io.join(timeout_s)
+        for w in self._take_all():
+            self.counters.dropped("stopped")
+            _done(w)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.io.is_alive()
+
+    # ----------------------------------------------------------------- reads
+    def held(self, scope: bytes, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are on disk: the index, then one ``stat`` each
+        for those it does not know (on the I/O threads, within the deadline; 0 more on failure)."""
+        if self.bypassed or not keys:
+            return 0
+        n = self.index.prefix(keys)
+        if n == len(keys):
+            return n
+        rest = keys[n:]
+        try:
+            return n + self._timed("exists", lambda: self._stat_prefix(scope, rest))
+        except (OSError, DiskTimeout) as exc:
+            self._failed("get", exc)
+            return n
+
+    def _stat_prefix(self, scope: bytes, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            size = fs_files.exists(chunk_path(self.root, scope, k))
+            if size is None:
+                break
+            self.index.learn(scope, k, size)
+            n += 1
+        return n
+
+    def get(
+        self,
+        scope: bytes,
+        key: bytes,
+        nbytes: int | None,
+        alloc: Callable[[int], memoryview | None],
+        give_back: Callable[[memoryview], None],
+        wait: bool = True,
+    ) -> memoryview | None:
+        """The chunk of ``key`` read into ``alloc(size)``'s buffer, checked; None: not there,
+        damaged, no room, failed or past the deadline (counted). A buffer the caller will not
+        get goes to ``give_back``. ``wait=False``: read on this thread (an I/O thread)."""
+        if self.bypassed:
+            return None
+        path = chunk_path(self.root, scope, key)
+
+        def read() -> tuple[memoryview | None, int]:
+            got: list[memoryview] = []
+
+            def take(n: int) -> memoryview | None:
+                buf = alloc(n)
+                if buf is not None:
+                    got.append(buf)
+                return buf
+
+            try:
+                r = fs_files.read_chunk(path, key, nbytes, take)
+            except BaseException:
+                for b in got:
+                    give_back(b)
+                raise
+            if r is None:
+                return None, 0
+            buf, mtime, size = r
+            if time.time() - mtime > TOUCH_AFTER_S:
+                fs_files.touch(path)
+            return buf, size
+
+        def late(r: tuple[memoryview | None, int]) -> None:
+            if r[0] is not None:
+                give_back(r[0])
+
+        try:
+            buf, size = self._timed("get", read, on_late=late) if wait else self._timed_here("get", read)
+        except BadFile as exc:
+            self.counters.read(None, exc.kind)
+            self.index.forget(key)
+            ino = exc.ino
+            self.io.submit(lambda: fs_files.remove_if(path, ino))
+            return None
+        except (OSError, DiskTimeout) as exc:
+            self._failed("get", exc)
+            return None
+        if buf is None:
+            self.counters.read(None)
+            self.index.forget(key)  # (not there: gone, or never was)
+            return None
+        self.counters.read(buf.nbytes)
+        self.index.learn(scope, key, size)
+        return buf
+
+    # ---------------------------------------------------------------- writes
+    def put(
+        self, scope: bytes, key: bytes, payload: memoryview, done: Callable[[], None] | None = None
+    ) -> bool:
+        """Queue a write (never waits on the disk). ``payload`` must stay unchanged until
+        ``done`` is called. False: dropped (queue full, bypassed, stopped), counted."""
+        w = _Write(scope, key, payload.cast("B"), done)
+        reason = None
+        with self._lock:
+            if self.bypassed:
+                reason = "bypassed"
+            elif self._stop.is_set():
+                reason = "stopped"
+            elif self._queued_bytes + w.payload.nbytes > self.queue_limit:
+                reason = "full"
+            else:
+                self._queue.append(w)
+                self._queued_bytes += w.payload.nbytes
+        if reason is not None:
+            self.counters.dropped(reason)
+            _done(w)
+            return False
+        self._wake.set()
+        return True
+
+    def _run(self) -> None:
+        self._rescan()
+        with self._lock:
+            self._rebuilt_at = self._clock()
+        next_scan = self._clock() + RESCAN_S
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_scan - self._clock()))
+            self._wake.clear()
+            while not self._stop.is_set():
+                with self._lock:
+                    if not self._queue:
+                        break
+                    w = self._queue.popleft()
+                    self._queued_bytes -= w.payload.nbytes
+                    self._writing_since = self._clock()
+                try:
+                    self._write(w)
+                finally:
+                    with self._lock:
+                        self._writing_since = 0.0
+                    _done(w)
+            if self._clock() >= next_scan and not self._stop.is_set():
+                self._rescan()
+                next_scan = self._clock() + RESCAN_S
+
+    def _write(self, w: _Write) -> None:
+        if self.bypassed or w.key in self.index:  # (bypassed meanwhile; or on disk already)
+            return
+        header = encode_header(w.key, _DTYPE, (w.payload.nbytes,), w.payload)
+        size = len(header) + w.payload.nbytes
+        if size > self.capacity_bytes:
+            self.counters.dropped("full")
+            return
+        self._evict(size)
+        path = chunk_path(self.root, w.scope, w.key)
+        try:
+            self._timed_here("put", lambda: fs_files.write_chunk(path, self.root, (header, w.payload)))
+        except OSError as exc:
+            self._failed("put", exc)
+            return
+        self.counters.add(puts=1, bytes_written=size)
+        self.index.learn(w.scope, w.key, size)
+
+    def _evict(self, room: int) -> None:
+        """Remove least recently used files until ``room`` more bytes fit under the cap."""
+        for key, f in self.index.victims(room, self.capacity_bytes):
+            try:
+                gone = not fs_files.remove(chunk_path(self.root, f.scope, key))
+            except OSError as exc:
+                self._failed("put", exc)
+                continue
+            self.counters.add(evictions=1, evicted_gone=int(gone))
+
+    def _rescan(self) -> None:
+        """Match the index to the directory (`FileIndex.merge`), then keep the cap."""
+        counts = ScanCounts()
+        found = list(scan(self.root, counts, self._stop.is_set))
+        if self._stop.is_set():
+            return
+        self.index.merge(found)
+        self.counters.add(swept=counts.swept, scan_errors=counts.errors)
+        self._evict(0)
+        with self._lock:
+            first = self._rebuilt_at is None
+        if first:
+            n, used = self.index.sizes()
+            what = (n, used, self.root, counts.swept)
+            logger.info("fs tier: %d chunk files, %d bytes, under %s (%d stale temporary files swept)", *what)
+
+    # ---------------------------------------------------------------- health
+    def probe(self) -> bool:
+        """A probe file written, read back equal and removed within the health timeout."""
+        return self.ping()[1] == OK
+
+    def ping(self) -> tuple[float, int]:
+        """(latency in seconds, code: 0 ok, -1 past the health timeout, -2 any other failure):
+        a probe round trip, or -1 while a disk call has not returned for longer than the timeout."""
+        t0 = time.perf_counter()
+        if self.stalled_for() > self.health_timeout_s:
+            code = TIMEOUT
+        else:
+            try:
+                code = (
+                    OK
+                    if self.io.call(lambda: fs_files.probe(self.root), timeout_s=self.health_timeout_s)
+                    else OTHER_ERROR
+                )
+            except DiskTimeout:
+                code = TIMEOUT
+            except OSError:
+                code = OTHER_ERROR
+        latency = time.perf_counter() - t0
+        self.counters.pinged(latency, code)
+        return latency, code
+
+    def stalled_for(self) -> float:
+        """How long the oldest disk call in progress (a read or the writer's) has run."""
+        with self._lock:
+            since = self._writing_since
+        writer = self._clock() - since if since else 0.0
+        return max(writer, self.io.stalled_for())
+
+    def take_failed_gets(self) -> int:
+        """Failed disk calls since the last call (the health check's per-round count)."""
+        return self.counters.take_failed()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (polling, up to ``timeout_s``) until the queue is written: tests and shutdown."""
+        deadline = time.monotonic() + timeout_s
+        pause = threading.Event()
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not self._writing_since and self._rebuilt_at is not None:
+                    return True
+            pause.wait(0.005)
+        return False
+
+    def stats(self) -> FsStats:
+        stalled = self.stalled_for()
+        files, used = self.index.sizes()
+        with self._lock:
+            rebuilt, depth, qbytes = self._rebuilt_at, len(self._queue), self._queued_bytes
+        return self.counters.snapshot(
+            root=self.root,
+            capacity_bytes=self.capacity_bytes,
+            files=files,
+            used_bytes=used,
+            rebuilt=rebuilt is not None,
+            rebuild_seconds=None if rebuilt is None else rebuilt - self._started_at,
+            queue_depth=depth,
+            queue_bytes=qbytes,
+            stalled_seconds=stalled,
+        )
+
+    # --------------------------------------------------------------- helpers
+    def _timed(self, op: str, fn: Callable[[], T], on_late: Callable[[T], None] | None = None) -> T:
+        t0 = time.perf_counter()
+        try:
+            return self.io.call(fn, on_late=on_late)
+        finally:
+            self.counters.took(op, time.perf_counter() - t0)
+
+    def _timed_here(self, op: str, fn: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.counters.took(op, time.perf_counter() - t0)
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.counters.failed(op, "timeout" if isinstance(exc, DiskTimeout) else failure_kind(exc))
+
+    def _take_all(self) -> list[_Write]:
+        with self._lock:
+            out = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            return out
+
+
+def _done(w: _Write) -> None:
+    if w.done is not None:
+        w.done()
