@@ -8,15 +8,18 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import zmq
 
 from tests.e2e.test_remote_tier import BLOCK_IDS, CS, Worker, health, prompt, status
-from tests.helpers import ServerProcess, mounted_tmpfs, wait_until
+from tests.fuse_mount import FuseMount
+from tests.helpers import ROOT, ServerProcess, dealer, mounted_tmpfs, ping, subprocess_env, wait_until
 
 INTERVAL, TIMEOUT = 0.3, 0.5  # health_ping_interval, health_ping_timeout and fs_timeout
 
@@ -98,6 +101,16 @@ def test_chunks_survive_a_sigkill_and_are_hits_after_the_restart(tmp_path: Path,
         assert took < 30, took
         wait_until(lambda: fs_doc(b)["rebuilt"], 20, what="the index rebuilt")
         assert fs_doc(b)["files"] == 3
+        out = subprocess.run(
+            [sys.executable, "-m", "app.cli", "status", "--url", f"http://127.0.0.1:{b.http_port}"],
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        line = next(x for x in out.stdout.splitlines() if x.startswith("fs "))
+        assert str(root) in line and "3 files" in line and "probe" in line and "BYPASSED" not in line, line
         text = httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
         assert "kvwarden_fs_files 3.0" in text and "kvwarden_fs_rebuilt 1.0" in text
         assert 'kvwarden_fs_duration_seconds_count{op="get"}' in text
@@ -324,3 +337,55 @@ def test_a_directory_made_read_only_then_removed_while_serving(tmp_path: Path) -
             if w is not None:
                 w.close()
             srv.stop()
+
+
+@pytest.mark.parametrize("policy", ["local_cpu", "recompute"])
+def test_a_mount_that_stops_answering_never_stalls_requests(tmp_path: Path, policy: str) -> None:
+    mount = FuseMount(tmp_path / "backing", tmp_path / "mnt")  # a real mount, its server frozen below
+    srv = serve(tmp_path / "a", tmp_path / "mnt", "--fallback-policy", policy)
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = dealer(ctx, srv.endpoint)
+    w = None
+    try:
+        w = Worker(srv)
+        stored = prompt(10, 2 * CS)
+        want = w.fill(10)
+        assert w.w.store_detail(stored, BLOCK_IDS).stored == 2
+        written(srv, 2)
+        mount.freeze()  # every call into the mount now blocks in the kernel
+        t0 = time.monotonic()
+        ping(sock)
+        w.fill(11)
+        # (the health check needs health_ping_timeout to call the tier stuck: these come first)
+        assert w.w.store_detail(prompt(11, 2 * CS), BLOCK_IDS).stored == 2  # the write waits, not the STORE
+        w.blank()
+        assert w.w.retrieve(stored, BLOCK_IDS) == 2 * CS and w.same(want, 2 * CS)  # L1 still serves
+        assert w.w.lookup(prompt(12, 2 * CS)) == 0  # its stat passes the deadline: a miss
+        assert time.monotonic() - t0 < 5 * TIMEOUT
+        if policy == "local_cpu":
+            wait_until(lambda: fs_doc(srv)["bypassed"], 10, interval=0.05, what="the tier bypassed")
+            assert health(srv)[0] == 200
+        else:
+            wait_until(lambda: health(srv)[0] == 503, 10, interval=0.05, what="the server unhealthy")
+        check = next(c for c in status(srv)["health"]["checks"] if c["name"].startswith("fs_tier:"))
+        assert check["output"].startswith("the probe file did not round-trip in time"), check
+        assert fs_doc(srv)["stalled_seconds"] > TIMEOUT
+        t1 = time.monotonic()
+        for _ in range(20):
+            ping(sock)
+        assert time.monotonic() - t1 < 2  # the loop never waits on the disk
+        mount.thaw()
+        wait_until(lambda: health(srv) == (200, "pass"), 20, interval=0.05, what="the tier back")
+        assert not fs_doc(srv)["bypassed"]
+        w.fill(13)
+        puts = fs_doc(srv)["puts"]
+        assert w.w.store_detail(prompt(13, 2 * CS), BLOCK_IDS).stored == 2
+        written(srv, puts + 2)
+    finally:
+        mount.thaw()
+        sock.close(linger=0)
+        ctx.term()
+        if w is not None:
+            w.close()
+        assert srv.stop() == 0
+        mount.close()

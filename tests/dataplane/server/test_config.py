@@ -187,10 +187,29 @@ def test_field_accepted(field: str, value: Any) -> None:
     assert getattr(Settings(**{field: value}), field) == value
 
 
-def test_local_cpu_off_needs_a_remote_tier() -> None:
-    assert "local_cpu=false needs remote_url" in rejected(local_cpu=False)
+def test_local_cpu_off_needs_a_lower_tier(tmp_path: Path) -> None:
+    assert "local_cpu=false needs remote_url or fs_path" in rejected(local_cpu=False)
     s = Settings(local_cpu=False, remote_url="redis://127.0.0.1:6379/0")
     assert s.local_cpu is False
+    assert Settings(local_cpu=False, fs_path=tmp_path, fs_size_gb=1).local_cpu is False
+
+
+def test_the_file_tier_needs_an_existing_directory_and_a_size(tmp_path: Path) -> None:
+    s = Settings(fs_path=tmp_path, fs_size_gb=0.5)
+    assert s.fs_path == tmp_path and s.fs_size_gb == 0.5
+    assert "fs_path and fs_size_gb: give both" in rejected(fs_path=tmp_path)
+    assert "fs_path and fs_size_gb: give both" in rejected(fs_size_gb=2)
+    assert f"fs_path '{tmp_path / 'nope'}': not a directory" in rejected(
+        fs_path=tmp_path / "nope", fs_size_gb=1
+    )
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    assert "not a directory" in rejected(fs_path=f, fs_size_gb=1)
+    for bad in (-1, math.nan, math.inf):
+        assert "fs_size_gb" in rejected(fs_path=tmp_path, fs_size_gb=bad)
+    for bad in (0, -1, 601, math.nan):
+        assert "fs_timeout_seconds" in rejected(fs_timeout_seconds=bad)
+    assert "fs_write_queue_mb" in rejected(fs_write_queue_mb=0)
 
 
 @pytest.mark.parametrize("prefix", ["", "has space", "x" * 65])
