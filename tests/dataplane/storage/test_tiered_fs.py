@@ -1,0 +1,104 @@
+"""The tiered store over a real file tier: writes behind with pins, staging-only L1, read-ahead
+on LOOKUP, reads into L1, and no byte of L1 lost when a read fails or ends past its deadline."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataplane.storage.fs_layout import chunk_path
+from dataplane.storage.fs_tier import FileTier
+from dataplane.storage.tiered import TieredStore
+from tests.helpers import wait_until
+
+SCOPE = b"\x07" * 16
+CHUNK = 32 << 10
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Iterator[FileTier]:
+    t = FileTier(str(tmp_path), 1 << 30, timeout_s=0.3, io_threads=2)
+    t.start()
+    yield t
+    t.stop()
+    t.join()
+
+
+def store(t: TieredStore, i: int) -> torch.Tensor:
+    buf = t.reserve(CHUNK)
+    assert buf is not None
+    buf.copy_(torch.full((CHUNK,), i, dtype=torch.uint8))
+    assert t.commit(key(i), buf, scope=SCOPE)
+    return buf.clone()
+
+
+def test_a_committed_chunk_is_written_under_its_scope_and_pinned_until_then(
+    fs: FileTier, tmp_path: Path
+) -> None:
+    t = TieredStore(1 << 20, fs=fs)
+    want = store(t, 1)
+    assert fs.flush(10)
+    assert Path(chunk_path(str(tmp_path), SCOPE, key(1))).is_file()
+    assert t.stats().chunks == 1 and t._pinned == 0  # the writer let go of its pin
+    t2 = TieredStore(1 << 20, fs=fs)  # another server's L1 over the same tier
+    assert t2.prefix_hits([key(1), key(2)], SCOPE) == 1
+    wait_until(lambda: t2.stats().chunks == 1, 5, what="the read-ahead into L1")
+    assert fs.stats().read_ahead == 1
+    (buf,) = t2.acquire_prefix([key(1)], scope=SCOPE)
+    assert torch.equal(buf, want) and fs.stats().hits == 1  # read once: by the read-ahead
+    t2.release([key(1)])
+
+
+def test_staging_only_l1_keeps_nothing_once_written_and_reads_back_from_disk(fs: FileTier) -> None:
+    t = TieredStore(1 << 20, hot_cache=False, fs=fs)
+    want = store(t, 2)
+    assert fs.flush(10)
+    wait_until(lambda: t.stats().chunks == 0, 5, what="the staged chunk to leave L1")
+    (buf,) = t.acquire_prefix([key(2)], scope=SCOPE)
+    assert torch.equal(buf, want)
+    t.release([key(2)])
+    assert t.stats().chunks == 0 and t.stats().used_bytes == 0
+
+
+def test_an_unhealthy_gate_skips_the_disk(fs: FileTier) -> None:
+    healthy = [True]
+    t = TieredStore(1 << 20, fs=fs, gate=lambda: healthy[0])
+    store(t, 3)
+    assert fs.flush(10)
+    t.discard([key(3)])
+    healthy[0] = False
+    before = fs.stats()
+    assert t.prefix_hits([key(3)], SCOPE) == 0 and t.acquire_prefix([key(3)], scope=SCOPE) == []
+    after = fs.stats()
+    assert (after.gets, after.durations) == (before.gets, before.durations)  # not one disk call
+
+
+def test_a_full_l1_or_a_read_past_its_deadline_loses_no_byte_of_l1(fs: FileTier) -> None:
+    t = TieredStore(2 * CHUNK, fs=fs)
+    store(t, 4)
+    store(t, 5)
+    assert fs.flush(10)
+    t.discard([key(4)])
+    pinned = t.acquire_prefix([key(5)], scope=SCOPE)  # L1: one chunk pinned, room for one
+    blocker = t.reserve(CHUNK)  # and that room taken: L1 cannot take chunk 4 now
+    assert blocker is not None and len(pinned) == 1
+    assert t.acquire_prefix([key(4)], scope=SCOPE) == []  # no room: a miss
+    t.abort(blocker)
+    used = t.stats().used_bytes
+    release = threading.Event()
+    for _ in range(2):
+        assert fs.io.submit(lambda: release.wait(30))  # both I/O threads stuck
+    got = t.acquire_prefix([key(4)], scope=SCOPE)  # queued behind them past its deadline
+    assert got == [] and fs.stats().get_failures["timeout"] >= 1
+    release.set()
+    assert t.stats().used_bytes == used  # the abandoned read never ran: nothing reserved
+    assert len(t.acquire_prefix([key(4)], scope=SCOPE)) == 1  # and the disk answers again
+    t.release([key(4), key(5)])
