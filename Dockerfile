@@ -29,6 +29,9 @@ RUN python -m pip install -e .
 # the blend rotation kernels compiled now, into NUMBA_CACHE_DIR: a server loads them, not compiles
 RUN python -c "from dataplane.memory import rope_jit; rope_jit.compile_all()"
 
+# the file tier's directory (KVWARDEN_FS_PATH in compose.yaml and the DaemonSet), the server's own
+RUN mkdir -p /var/lib/kvwarden/fs && chown kvwarden:kvwarden /var/lib/kvwarden/fs
+
 USER kvwarden
 # 5555: the ZMQ data plane; 8080: the HTTP sidecar (/livez, /health, /status, /metrics)
 EXPOSE 5555 8080

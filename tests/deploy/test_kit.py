@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from dataplane.server.config import Settings
 from tests.helpers import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -38,13 +39,15 @@ def test_compose_config_accepts_the_stack() -> None:
     assert p.returncode == 0, p.stderr
     cfg = yaml.safe_load(p.stdout)
     svc = cfg["services"]
-    assert set(svc) == {"kvwarden", "redis", "prometheus", "grafana"}
+    assert set(svc) == {"kvwarden", "fs-init", "redis", "prometheus", "grafana"}
+    one_shot = {"fs-init"}  # runs once and exits: waited for as completed, not healthy
     for name, s in svc.items():
         for port in s.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), (name, port)  # loopback only
-        for dep in s.get("depends_on", {}).values():
-            assert dep["condition"] == "service_healthy", name
-        assert "healthcheck" in s, name
+        for dep_name, dep in s.get("depends_on", {}).items():
+            want = "service_completed_successfully" if dep_name in one_shot else "service_healthy"
+            assert dep["condition"] == want, (name, dep_name)
+        assert ("healthcheck" in s) == (name not in one_shot), name
     assert "ports" not in svc["redis"]  # the remote tier is not published
     kv = svc["kvwarden"]
     assert kv["build"]["context"] == str(ROOT) and kv["environment"]["KVWARDEN_ADMIN_TOKEN"] == "t0ken"
@@ -52,6 +55,39 @@ def test_compose_config_accepts_the_stack() -> None:
     mounts = [str(v).split(":")[0] for s in svc.values() for v in s.get("volumes", [])]
     binds = [m for m in mounts if m.startswith("/")]
     assert len(binds) == 3 and all(Path(m).exists() for m in binds), mounts
+
+
+def _image_uid() -> int:
+    """The uid the image runs as (the Dockerfile's ``useradd --uid``)."""
+    m = re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile").read_text())
+    assert m is not None
+    return int(m.group(1))
+
+
+def _fs_settings(env: dict[str, str], tmp_path: Path) -> Settings:
+    """The settings ``env`` (KVWARDEN_* variables) gives the server, its fs_path a directory of
+    ``tmp_path`` (the server checks that it exists)."""
+    assert all(k.startswith("KVWARDEN_") for k in env)
+    fields = {k[len("KVWARDEN_") :].lower(): v for k, v in env.items()}
+    assert set(fields) <= set(Settings.model_fields), sorted(set(fields) - set(Settings.model_fields))
+    fields["fs_path"] = str(tmp_path)
+    fields.pop("admin_token", None)
+    return Settings.model_validate(fields)
+
+
+def test_compose_puts_the_file_tier_on_a_volume_the_server_owns(tmp_path: Path) -> None:
+    p = compose("config")
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    kv, init = cfg["services"]["kvwarden"], cfg["services"]["fs-init"]
+    env = {k: str(v) for k, v in kv["environment"].items()}
+    path = env["KVWARDEN_FS_PATH"]
+    volume = {str(v).split(":")[1]: str(v).split(":")[0] for v in kv["volumes"]}[path]
+    assert volume in cfg["volumes"]  # a named volume, not a directory of the host
+    assert f"{volume}:{path}:rw" in init["volumes"]
+    assert init["command"] == ["chown", f"{_image_uid()}:{_image_uid()}", path]
+    s = _fs_settings(env, tmp_path)
+    assert s.fs_size_gb > 0
 
 
 def test_compose_names_the_missing_admin_token() -> None:
@@ -135,6 +171,24 @@ def test_the_daemonset_probes_shares_memory_and_is_sized_from_l1() -> None:
     assert mon["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert all((K8S / r).exists() for r in kust["resources"])
+
+
+def test_the_daemonset_puts_the_file_tier_on_the_node_disk_owned_by_the_server(tmp_path: Path) -> None:
+    spec = load("daemonset.yaml")["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    path = env["KVWARDEN_FS_PATH"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == path]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["hostPath"]["type"] == "DirectoryOrCreate"
+    uid = spec["securityContext"]["runAsUser"]
+    assert uid == _image_uid()
+    (init,) = spec["initContainers"]
+    assert init["command"] == ["chown", f"{uid}:{uid}", path]
+    assert {"name": mount["name"], "mountPath": path} in init["volumeMounts"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    s = _fs_settings(env, tmp_path)
+    assert s.fs_size_gb > 0 and s.host == "0.0.0.0"
 
 
 @pytest.mark.parametrize("name", ["servicemonitor.yaml", "prometheusrule.yaml"])

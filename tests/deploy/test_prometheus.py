@@ -1,9 +1,10 @@
 """The operations kit against real programs: promtool checks the scrape config and the rules and
 runs the alert unit tests; a real Prometheus scrapes a live ``kvwarden serve`` (a real Redis as
-its remote tier, a worker storing and retrieving, an instance reaped by an operator) and answers
-``kvwarden_healthy``, the recording rule ``lmcache:is_healthy`` and every PromQL expression of
-every dashboard panel with a non-empty result; every metric name the dashboard and the rules use
-(found by a real PromQL parser) exists in the server's /metrics."""
+its remote tier, a directory as its file tier, a worker storing and retrieving, an instance
+reaped by an operator, a damaged chunk file found on disk) and answers ``kvwarden_healthy``, the
+recording rule ``lmcache:is_healthy`` and every PromQL expression of every dashboard panel with
+a non-empty result; every metric name the dashboard and the rules use (found by a real PromQL
+parser) exists in the server's /metrics."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_generated_files_are_current() -> None:
 def test_promtool_checks_the_config_and_the_rules() -> None:
     assert "SUCCESS" in promtool("check", "config", "prometheus.yml")
     out = promtool("check", "rules", "alerts.yml", "recording.yml")
-    assert "9 rules found" in out and "7 rules found" in out
+    assert "13 rules found" in out and "7 rules found" in out
 
 
 def test_every_alert_has_a_unit_test_that_fires_and_one_that_stays_quiet() -> None:
@@ -138,11 +139,23 @@ def concrete(expr: str) -> str:
 
 @pytest.fixture
 def live(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[ServerProcess, str]]:
-    """A live server (remote tier on), a worker that stored, retrieved and was reaped, and a
-    Prometheus scraping it every second with the kit's rules, ready; (server, Prometheus URL)."""
+    """A live server (remote and file tiers on), a worker that stored, retrieved and was reaped,
+    a damaged file it found on disk, and a Prometheus scraping it every second with the kit's
+    rules, ready; (server, Prometheus URL)."""
     env = subprocess_env(KVWARDEN_ADMIN_TOKEN=TOKEN)
+    fs = tmp_path / "fs"
+    fs.mkdir()
     srv = ServerProcess(
-        tmp_path / "kv", "--chunk-size", str(CHUNK), "--remote-url", redis_server.url, env=env
+        tmp_path / "kv",
+        "--chunk-size",
+        str(CHUNK),
+        "--remote-url",
+        redis_server.url,
+        "--fs-path",
+        str(fs),
+        "--fs-size-gb",
+        "1",
+        env=env,
     )
     srv.wait_ready()
     port = free_port()
@@ -173,6 +186,7 @@ def live(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[ServerProc
     url = f"http://127.0.0.1:{port}"
     try:
         _traffic(srv)
+        _bad_file(srv, fs, tmp_path / "seed")
         wait_prometheus_ready(url, prom, log_path)
         yield srv, url
     finally:
@@ -199,6 +213,43 @@ def _traffic(srv: ServerProcess) -> None:
         )
         assert r.status_code == 200, r.text
         other.close()
+
+
+def _fs(srv: ServerProcess) -> dict[str, Any]:
+    doc: dict[str, Any] = httpx.get(f"http://127.0.0.1:{srv.http_port}/status", timeout=10).json()
+    return dict(doc["storage"]["fs"])
+
+
+def _chunk_files(root: Path) -> set[Path]:
+    return set(root.glob("kvwarden-v1/*/*/*/*.kv"))
+
+
+def _bad_file(srv: ServerProcess, root: Path, workdir: Path) -> None:
+    """A damaged chunk file in ``srv``'s file tier, found by it (so `kvwarden_fs_bad_files_total`
+    has a series): another server on the same directory writes a chunk, its file is damaged, and
+    ``srv``'s LOOKUP finds it on disk; reading it, ``srv`` refuses and removes it."""
+    wait_until(
+        lambda: _fs(srv)["puts"] >= 4 and _fs(srv)["queue_depth"] == 0, 20, 0.05, what="the chunks on disk"
+    )
+    ours = _chunk_files(root)
+    tokens = np.arange(CHUNK) + 10_000
+    seed = ServerProcess(workdir, "--chunk-size", str(CHUNK), "--fs-path", str(root), "--fs-size-gb", "1")
+    try:
+        seed.wait_ready()
+        with WorkerAdapter(seed.endpoint, "prom-test", heartbeat_interval=1.0) as w:
+            w.register_kv_caches(allocate_kv_caches(2, 8, 16, 2, 8, dtype=torch.bfloat16))
+            assert w.store(tokens, np.arange(8))
+        (path,) = wait_until(lambda: _chunk_files(root) - ours, 20, 0.05, what="the other server's file")
+    finally:
+        seed.stop()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with WorkerAdapter(srv.endpoint, "prom-test", heartbeat_interval=1.0) as w:
+        w.register_kv_caches(allocate_kv_caches(2, 8, 16, 2, 8, dtype=torch.bfloat16))
+        assert w.lookup(tokens) == CHUNK  # on disk (a stat): read ahead into L1, and refused
+        assert w.retrieve(tokens, np.arange(8)) == 0
+    wait_until(lambda: _fs(srv)["bad_files"] == 1 and not path.exists(), 10, 0.05, what="the bad file")
 
 
 def wait_prometheus_ready(
