@@ -270,8 +270,51 @@ def blend_tables(rep: dict[str, Any]) -> list[Table]:
     ]
 
 
+def fs_tables(rep: dict[str, Any]) -> list[Table]:
+    fs, mib, x = rep["filesystem"], rep["chunk_bytes"] / (1 << 20), rep["ratios"]
+    s, fr, wm = rep["store_ms"], rep["fresh_ms"], rep["warm_ms"]
+    direct = rep["direct_io"] if fr["direct_read"] is None else f"{fr['direct_read']:.1f}"
+    rows = [
+        ["STORE, no file tier", f"{s['without_fs']:.1f}", ""],
+        ["STORE, file tier on (ratio: on / off)", f"{s['with_fs']:.1f}", _x(rep["store_ratio"])],
+        ["fresh: buffered read of the file", f"{fr['buffered_read']:.1f}", ""],
+        ["fresh: O_DIRECT read of the file", direct, ""],
+        ["fresh: RETRIEVE, disk -> L1 -> worker", f"{fr['retrieve']:.1f}", _x(x["fresh"])],
+        ["fresh: RETRIEVE vs the O_DIRECT read", "", _x(x["direct"])],
+        ["warm: buffered read of the file", f"{wm['buffered_read']:.1f}", ""],
+        ["warm: RETRIEVE, page cache -> L1 -> worker", f"{wm['retrieve']:.1f}", _x(x["warm"])],
+    ]
+    r = rep["restart"]
+    restart = [
+        [
+            "empty directory" if name == "empty" else f"{r['files']:,} chunk files",
+            f"{r[name]['first_ping_s']:.3f}",
+            f"{r[name]['registered_s']:.3f}",
+            f"{r[name]['first_retrieve_s']:.3f} ({'miss' if name == 'empty' else 'hit'})",
+            f"{r[name]['rebuild_seconds']:.3f}",
+            f"{r[name]['files']:,}",
+        ]
+        for name in ("empty", "many")
+    ]
+    restart.append(["files / empty", _x(r["ping_ratio"]), "", "", "", ""])
+    return [
+        Table(
+            f"The file tier on {fs['type']} ({fs['device']}), {mib:g} MiB chunks, fresh servers "
+            "(median ms; ratio: plain read time / RETRIEVE time)",
+            ["figure", "ms", "ratio"],
+            rows,
+        ),
+        Table(
+            f"Restart: from server start (median of {len(r['many']['runs'])} starts each, s)",
+            ["fs directory", "first PING", "REGISTER", "first RETRIEVE", "index rebuilt", "files indexed"],
+            restart,
+        ),
+    ]
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
     "blend": blend_tables,
+    "fs": fs_tables,
     "remote": remote_tables,
     "transfer": transfer_tables,
     "ping": ping_tables,

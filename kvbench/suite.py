@@ -11,11 +11,11 @@ from typing import Any
 
 from kvbench.results import add_output_args
 
-ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend")
+ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "fs", "blend")
 
 
 def modules() -> dict[str, ModuleType]:
-    from kvbench import blend, ping, reaper, remote, sidecar, startup, transfer, vllm
+    from kvbench import blend, fs, ping, reaper, remote, sidecar, startup, transfer, vllm
 
     return {
         "startup": startup,
@@ -24,6 +24,7 @@ def modules() -> dict[str, ModuleType]:
         "reaper": reaper,
         "http": sidecar,
         "remote": remote,
+        "fs": fs,
         "blend": blend,
         "vllm": vllm,
     }

@@ -56,6 +56,7 @@ def verdicts(reports: dict[str, dict[str, Any]]) -> list[Verdict]:
         "startup": _startup,
         "remote": _remote,
         "blend": _blend,
+        "fs": _fs,
     }
     for name, check in checks.items():
         if name in reports:
@@ -161,3 +162,32 @@ def _blend(rep: dict[str, Any]) -> list[Verdict]:
         )
         for r in rep["rows"]
     ]
+
+
+def _fs(rep: dict[str, Any]) -> list[Verdict]:
+    out = []
+    if rep["chunk_bytes"] >= 32 << 20:
+        x = rep["ratios"]
+        out.append(
+            Verdict("fs RETRIEVE fresh / buffered read (throughput, 32 MiB)", x["fresh"], 0.8, "x", True)
+        )
+        out.append(
+            Verdict("fs RETRIEVE warm / buffered read (throughput, 32 MiB)", x["warm"], 0.8, "x", True)
+        )
+        out.append(
+            Verdict("STORE with the file tier / without (32 MiB)", rep["store_ratio"], 1.05, "x", False)
+        )
+    r = rep["restart"]
+    if r["files"] >= 100_000:
+        n = f"{r['files']:,}"
+        out.append(
+            Verdict(
+                f"start to first PING, {n} chunk files / empty fs directory", r["ping_ratio"], 1.1, "x", False
+            )
+        )
+        out.append(
+            Verdict(
+                f"start to first disk hit, {n} chunk files", r["many"]["first_retrieve_s"], 2.0, "s", False
+            )
+        )
+    return out

@@ -124,9 +124,35 @@ def check_blend(rep: dict[str, Any]) -> None:
         assert f["kernel_at_first_store"] in ("compiling", "ready")
 
 
+def check_fs(rep: dict[str, Any]) -> None:
+    n = rep["params"]["samples"]
+    assert rep["chunk_bytes"] > 0 and rep["file_bytes"] > rep["chunk_bytes"]
+    assert {"type", "device", "mount"} <= rep["filesystem"].keys()
+    assert rep["store_ratio"] > 0 and min(rep["store_ms"].values()) > 0
+    assert rep["ratios"]["fresh"] > 0 and rep["ratios"]["warm"] > 0
+    for when in ("fresh", "warm"):
+        assert rep[f"{when}_ms"]["retrieve"] > 0 and rep[f"{when}_ms"]["buffered_read"] > 0
+        assert len(rep["samples_ms"][f"{when}_retrieve"]) == n
+    direct = rep["fresh_ms"]["direct_read"]
+    if rep["direct_io"] == "supported":
+        assert direct > 0 and rep["ratios"]["direct"] > 0 and len(rep["samples_ms"]["fresh_direct_read"]) == n
+    else:
+        assert direct is None and rep["ratios"]["direct"] is None
+        assert rep["direct_io"].startswith("not supported")
+    assert rep["server_fs"]["hits"] >= 2 * n  # every RETRIEVE was served from disk
+    r = rep["restart"]
+    assert r["many"]["files"] == r["files"] > 0 and r["empty"]["files"] == 0
+    assert r["ping_ratio"] > 0 and r["fill_s"] > 0
+    for name in ("empty", "many"):
+        assert len(r[name]["runs"]) == rep["params"]["rounds"]
+        assert 0 < r[name]["first_ping_s"] <= r[name]["registered_s"] <= r[name]["first_retrieve_s"]
+        assert r[name]["rebuild_seconds"] >= 0 and r[name]["rebuilt_s"] > 0
+
+
 CHECKS = {
     "blend": check_blend,
     "remote": check_remote,
+    "fs": check_fs,
     "transfer": check_transfer,
     "ping": check_ping,
     "reaper": check_reaper,

@@ -1,0 +1,397 @@
+"""`kvwarden bench fs`: the file tier, beside plain reads of the same files in this process.
+
+The files go to a temporary directory under ``--dir`` (default: the current one; removed at the
+end), on the file system the report names. Every server is fresh (no warm-up); a prompt is one
+32 MiB chunk of 256 tokens (Llama-3-8B's KV shape).
+
+- **STORE, file tier on vs off**: server A (``--fs-path``) and server P (none) STORE distinct
+  one-chunk prompts, in turn: the latency ratio A / P. A's earlier chunks may still be being
+  written meanwhile, as in service.
+- **RETRIEVE from disk**: once A has written every chunk it is stopped; a fresh server B on the
+  same directory (its L1 cold) RETRIEVEs each prompt, and this process reads the same file
+  (``readinto`` a buffer allocated beforehand). *Fresh*: the file dropped from the page cache
+  (``posix_fadvise(DONTNEED)``) right before each read, the server's and ours, with an
+  ``O_DIRECT`` read beside them where the file system takes it. *Warm*: the file read once
+  first. Ratio: the plain read's time / RETRIEVE's (1.0: as fast as reading the file).
+- **Restart**: a directory of many small chunk files (written here in the tier's layout and
+  format, their keys as a server computes them for the worker that then asks) and an empty
+  one, servers started in turn: start to the first PING answered, to the first RETRIEVE
+  answered (from disk: a hit), and how long the index took to be rebuilt. The directories'
+  entries are in the kernel's caches (the files were written just before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import mmap
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.storage.fs_layout import chunk_path
+from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.storage.remote_codec import encode_header
+from dataplane.wire.messages import Ping
+from dataplane.wire.protocol import decode_reply, encode_message
+from kvbench import report
+from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
+from kvbench.results import add_output_args, finish, resolve
+
+BS, CS = 16, 256
+BLOCKS = np.arange(CS // BS)
+MODEL, HEADS, HEAD_DIM = "bench", 8, 128  # Llama-3-8B's KV heads
+SMALL_MODEL, SMALL_HEAD_DIM = "bench-restart", 2  # restart files: 1 layer, 1 head: 2 KiB chunks
+ALIGN = 4096  # O_DIRECT: buffer, offsets and lengths in whole blocks
+
+
+def add_args(sub: Any) -> None:
+    p = sub.add_parser(
+        "fs", help="the file tier: RETRIEVE from disk vs plain reads, STORE with vs without it, restart"
+    )
+    p.add_argument("--samples", type=int, default=None, help="prompts per condition (9; quick 5)")
+    p.add_argument("--layers", type=int, default=None, help="KV layers (32: a 32 MiB chunk)")
+    p.add_argument("--files", type=int, default=None, help="chunk files at restart (100,000; quick 20,000)")
+    p.add_argument("--rounds", type=int, default=None, help="server starts per directory (3; quick 1)")
+    p.add_argument("--dir", type=Path, default=None, help="where the files go (default: here); not a tmpfs")
+    add_output_args(p)
+    p.set_defaults(func=run_fs)
+
+
+def run_fs(ns: argparse.Namespace) -> int:
+    resolve(ns, samples=(9, 5, 2), layers=(32, 32, 2), files=(100_000, 20_000, 500), rounds=(3, 1, 1))
+    if min(ns.samples, ns.layers, ns.files, ns.rounds) < 1:
+        print("bench: --samples, --layers, --files and --rounds must be at least 1", file=sys.stderr)
+        return 2
+    parent = Path.cwd() if ns.dir is None else ns.dir
+    if not parent.is_dir():
+        print(f"bench: --dir {str(parent)!r} is not a directory", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix=".kvbench-fs-", dir=parent))
+    where = filesystem(root)
+    memory = " (memory, not a disk: the figures are the page cache's)" if where["type"] == "tmpfs" else ""
+    print(f"bench fs: files under {root}: {where['type']} on {where['device']}{memory}", flush=True)
+    params = {"samples": ns.samples, "layers": ns.layers, "chunk_tokens": CS, "rounds": ns.rounds}
+    try:
+        out: dict[str, Any] = {"params": params, "filesystem": where}
+        out |= _tier(ns, root / "tier", where["type"])
+        out["restart"] = _restart(ns, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    finish(ns, "fs", out, report.show("fs"))
+    return 0
+
+
+def filesystem(path: Path) -> dict[str, str]:
+    """The mount ``path`` lies on (/proc/mounts' longest match): its type, device and mount point."""
+    real = os.path.realpath(path)
+    best = {"type": "unknown", "device": "unknown", "mount": ""}
+    for line in Path("/proc/mounts").read_text().splitlines():
+        dev, mnt, kind = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f) for f in line.split()[:3])
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best["mount"]):
+            best = {"type": kind, "device": dev, "mount": mnt}
+    return best
+
+
+def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
+    d.mkdir()
+    chunk = ns.layers * 2 * CS * HEADS * HEAD_DIM * 2
+    common = ["--l1-size-gb", "0.25" if ns.tiny else "2", "--log-level", "error"]
+    cap = ["--fs-size-gb", str(1 + (3 * ns.samples * chunk >> 30)), "--fs-write-queue-mb", "2048"]
+    with_fs = [*common, "--fs-path", str(d), *cap]
+    samples: dict[str, list[float]] = {}
+    plain, a = launch(*common), launch(*with_fs)
+    try:
+        prompts, cache = _stores(ns, plain, a, samples)
+        _poll(a, lambda f: f["puts"] >= len(prompts) and f["queue_depth"] == 0, "the chunks written")
+    finally:
+        plain.stop()
+        a.stop()
+    scope = scope_digest(MODEL, 1, 0, "bfloat16", ns.layers, HEADS, HEAD_DIM)
+    paths = [chunk_path(str(d), scope, chunk_keys(scope, p, CS)[0]) for p in prompts]
+    for path in paths:
+        _evict(path)  # (written back first: a dirty page stays in the cache)
+    b = launch(*with_fs)
+    try:
+        why, status = _reads(ns, b, kind, list(zip(prompts, paths, strict=True)), cache, samples)
+    finally:
+        b.stop()
+    s = {k: [1e3 * x for x in v] for k, v in samples.items()}
+    m = {k: statistics.median(v) for k, v in s.items() if v}
+    by: dict[str, dict[str, float | None]] = {
+        c: {k.split("_", 1)[1]: v for k, v in m.items() if k.startswith(c)} for c in ("fresh", "warm")
+    }
+    direct = by["fresh"].setdefault("direct_read", None)
+    return {
+        "chunk_bytes": chunk,
+        "file_bytes": os.path.getsize(paths[0]),
+        "store_ms": {"without_fs": m["store_without_fs"], "with_fs": m["store_with_fs"]},
+        "store_ratio": m["store_with_fs"] / m["store_without_fs"],
+        "fresh_ms": by["fresh"],
+        "warm_ms": by["warm"],
+        "ratios": {
+            "fresh": m["fresh_buffered_read"] / m["fresh_retrieve"],
+            "warm": m["warm_buffered_read"] / m["warm_retrieve"],
+            "direct": None if direct is None else direct / m["fresh_retrieve"],
+        },
+        "direct_io": why,
+        "server_fs": status,
+        "samples_ms": s,
+    }
+
+
+def _worker(server: BenchServer, layers: int, fill: bool) -> tuple[WorkerAdapter, list[torch.Tensor]]:
+    """A worker of ``server`` once its L1 arena is faulted in; its cache random when ``fill``."""
+    wait_http(server)
+    wait_arena_ready(server)
+    caches = allocate_kv_caches(layers, CS // BS, BS, HEADS, HEAD_DIM, torch.bfloat16)
+    for c in caches if fill else ():
+        c.copy_(torch.randn(c.shape).to(torch.bfloat16))
+    w = WorkerAdapter(server.endpoint, MODEL, heartbeat_interval=5.0)
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def _stores(
+    ns: argparse.Namespace, plain: BenchServer, a: BenchServer, samples: dict[str, list[float]]
+) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+    """2 x samples distinct one-chunk STOREs through each of P and A, in turn (who goes first
+    alternates); A's prompts and its worker's cache (what B must give back)."""
+    torch.set_num_threads(1)
+    wp, _ = _worker(plain, ns.layers, True)
+    wa, cache = _worker(a, ns.layers, True)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 50_000, CS) for _ in range(4 * ns.samples)]
+    off, on = samples.setdefault("store_without_fs", []), samples.setdefault("store_with_fs", [])
+    try:
+        for i in range(2 * ns.samples):
+            pair = [(wp, off, prompts[2 * i]), (wa, on, prompts[2 * i + 1])]
+            for w, times, p in pair if i % 2 == 0 else pair[::-1]:
+                t0 = time.perf_counter()
+                if w.store_detail(p, BLOCKS).stored != 1:
+                    raise RuntimeError("bench fs: a STORE was not kept")
+                times.append(time.perf_counter() - t0)
+    finally:
+        wp.close()
+        wa.close()
+    return prompts[1::2], cache
+
+
+def _poll(server: BenchServer, ready: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+    """Poll `/status` (300 s at most) until the file tier's view is ``ready``; that view."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        f: dict[str, Any] = server.json("/status")["storage"]["fs"]
+        if f["dropped_writes"] or f["put_failures"]:
+            raise RuntimeError(f"bench fs: writes lost: {f}")
+        if ready(f):
+            return f
+        time.sleep(0.02)  # polling a real process, under a deadline
+    raise RuntimeError(f"bench fs: not {what} within 300 s")
+
+
+def _evict(path: str) -> None:
+    """Write ``path`` back (if dirty) and drop it from the page cache (no root needed)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _read(path: str, buf: memoryview) -> int:
+    """The baseline: the file read whole with buffered ``readinto`` into ``buf`` (its size; page
+    aligned, as L1's buffers are: a bytearray, 16 bytes past a page, reads 3-4x slower here)."""
+    with open(path, "rb") as f:
+        return f.readinto(buf)  # (a buffered reader fills it whole, up to the end of the file)
+
+
+class _Direct:
+    """Whole files read with ``O_DIRECT`` (past the page cache) into one page-aligned buffer."""
+
+    def __init__(self, size: int) -> None:
+        self.mem = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
+        self.view = memoryview(self.mem)
+
+    def read(self, path: str) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [self.view], 0)  # (whole, up to the end of the file: one call)
+        finally:
+            os.close(fd)
+
+
+def _direct(path: str, size: int, kind: str) -> tuple[_Direct | None, str]:
+    """An O_DIRECT reader, tried once on ``path``; None and why where the file system refuses
+    (or, in memory, takes the flag with no disk beneath to read past the cache to)."""
+    if kind in ("tmpfs", "ramfs"):
+        return None, f"not supported on this file system ({kind}: no disk beneath the page cache)"
+    reader = _Direct(size)
+    try:
+        ok = reader.read(path) == size
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return None, f"not supported on this file system ({exc.strerror})"
+    return (reader, "supported") if ok else (None, "not supported: a short read")
+
+
+def _retrieve(w: WorkerAdapter, prompt: np.ndarray) -> None:
+    if (got := w.retrieve(prompt, BLOCKS)) != CS:
+        raise RuntimeError(f"bench fs: a RETRIEVE from disk missed ({got} tokens)")
+
+
+def _reads(
+    ns: argparse.Namespace,
+    b: BenchServer,
+    kind: str,
+    files: list[tuple[np.ndarray, str]],
+    stored: list[torch.Tensor],
+    samples: dict[str, list[float]],
+) -> tuple[str, dict[str, Any]]:
+    """B's RETRIEVEs of A's prompts beside this process's reads of their files: the first
+    samples fresh (each file dropped from the page cache before each read), the rest warm; the
+    readers' order rotates from one prompt to the next. Whether O_DIRECT worked; B's counters."""
+    w, cache = _worker(b, ns.layers, False)
+    _poll(b, lambda f: bool(f["rebuilt"]), "rebuilt")  # (the scan of a few files: not beside the reads)
+    size = os.path.getsize(files[0][1])
+    buf = memoryview(mmap.mmap(-1, size))
+    direct, why = _direct(files[0][1], size, kind)
+    samples.update({f"{c}_{k}": [] for c in ("fresh", "warm") for k in ("retrieve", "buffered_read")})
+    samples["fresh_direct_read"] = []
+    try:
+        for i, (prompt, path) in enumerate(files):
+            when = "fresh" if i < ns.samples else "warm"
+            steps: list[tuple[str, Callable[[], object]]] = [
+                (f"{when}_retrieve", partial(_retrieve, w, prompt)),
+                (f"{when}_buffered_read", partial(_read, path, buf)),
+            ]
+            if when == "fresh" and direct is not None:
+                steps.append(("fresh_direct_read", partial(direct.read, path)))
+            if when == "warm":
+                _read(path, buf)  # the page cache hot
+            turn = i % len(steps)
+            for name, fn in steps[turn:] + steps[:turn]:
+                if when == "fresh":
+                    _evict(path)
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+            if i == 0 and not all(torch.equal(x, y) for x, y in zip(stored, cache, strict=True)):
+                raise RuntimeError("bench fs: a RETRIEVE from disk gave back other bytes than were stored")
+        f = b.json("/status")["storage"]["fs"]
+    finally:
+        w.close()
+    return why, {k: f[k] for k in ("files", "hits", "misses", "read_ahead", "bad_files", "get_failures")}
+
+
+def _restart(ns: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Servers started on a directory of ``ns.files`` chunk files and on an empty one, in turn."""
+    (root / "empty").mkdir()
+    t0 = time.perf_counter()
+    probes = _fill(str(root / "many"), ns.files, ns.rounds)
+    fill_s = time.perf_counter() - t0
+    l1_gb = "0.0625" if ns.tiny else "1"
+    runs: dict[str, list[dict[str, Any]]] = {"empty": [], "many": []}
+    for r in range(ns.rounds):
+        order = [("empty", None), ("many", probes[r])]
+        for name, prompt in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(_start(root / name, prompt, l1_gb))
+    if any(run["files"] != ns.files for run in runs["many"]):
+        raise RuntimeError(f"bench fs: the index did not find the {ns.files} files: {runs['many']}")
+    out: dict[str, Any] = {"files": ns.files, "fill_s": fill_s, "l1_size_gb": float(l1_gb)}
+    for name, rs in runs.items():
+        out[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "files"}
+        out[name] |= {"files": rs[-1]["files"], "runs": rs}
+    out["ping_ratio"] = out["many"]["first_ping_s"] / out["empty"]["first_ping_s"]
+    out["ping_delta_ms"] = 1e3 * (out["many"]["first_ping_s"] - out["empty"]["first_ping_s"])
+    return out
+
+
+def _fill(d: str, n: int, n_probes: int) -> list[np.ndarray]:
+    """``n`` one-chunk files under ``d``, as a server would write them for a worker of the small
+    shape; the prompts of ``n_probes`` of them (spread out), dropped from the page cache."""
+    scope = scope_digest(SMALL_MODEL, 1, 0, "bfloat16", 1, 1, SMALL_HEAD_DIM)
+    payload = os.urandom(2 * CS * SMALL_HEAD_DIM * 2)
+    base = np.random.default_rng(11).integers(0, 50_000, CS)
+    os.mkdir(d)
+    made: set[str] = set()
+    probes: list[tuple[np.ndarray, str]] = []
+    step = max(1, n // n_probes)
+    for i in range(n):
+        tokens = base.copy()
+        tokens[0] = 50_000 + i
+        key = chunk_keys(scope, tokens, CS)[0]
+        path = chunk_path(d, scope, key)
+        folder = os.path.dirname(path)
+        if folder not in made:
+            os.makedirs(folder, exist_ok=True)
+            made.add(folder)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, encode_header(key, "uint8", (len(payload),), payload) + payload)
+        finally:
+            os.close(fd)
+        if i % step == 0 and len(probes) < n_probes:
+            probes.append((tokens, path))
+    os.sync()  # (the writeback is not left to run beside the starts)
+    for _, path in probes:
+        _evict(path)
+    return [tokens for tokens, _ in probes]
+
+
+def _start(d: Path, prompt: np.ndarray | None, l1_gb: str) -> dict[str, Any]:
+    """A server started on ``d``: from the start to its first PING answered (queued before), the
+    first RETRIEVE answered (``prompt``'s file is in ``d``; None: a miss) and the index rebuilt."""
+    caches = allocate_kv_caches(1, CS // BS, BS, 1, SMALL_HEAD_DIM, torch.bfloat16)
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RECONNECT_IVL, 2)  # ms: the first connect after the bind is seen at once
+    sock.setsockopt(zmq.LINGER, 0)
+    server = launch("--l1-size-gb", l1_gb, "--log-level", "error", "--fs-path", str(d), "--fs-size-gb", "4")
+    w: WorkerAdapter | None = None
+    try:
+        sock.connect(server.endpoint)
+        sock.send(encode_message(7, Ping(None, None)))  # queued until the connection is up
+        deadline = time.monotonic() + 60
+        while not sock.poll(5):
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("bench fs: the server did not answer PING")
+        ping = time.perf_counter() - server.started
+        if not decode_reply(sock.recv()).ok:
+            raise RuntimeError("bench fs: the first PING was refused")
+        w = WorkerAdapter(server.endpoint, SMALL_MODEL, heartbeat_interval=5.0)
+        w.register_kv_caches(caches)
+        registered = time.perf_counter() - server.started
+        got = w.retrieve(np.arange(CS) if prompt is None else prompt, BLOCKS)
+        retrieved = time.perf_counter() - server.started
+        if prompt is not None and got != CS:
+            raise RuntimeError(f"bench fs: the first RETRIEVE after a restart missed its file ({got} tokens)")
+        wait_http(server)
+        f = _poll(server, lambda f: bool(f["rebuilt"]), "rebuilt")
+        return {
+            "first_ping_s": ping,
+            "registered_s": registered,  # the REGISTER is held until the server is open
+            "first_retrieve_s": retrieved,
+            "rebuilt_s": time.perf_counter() - server.started,  # when /status first said so
+            "rebuild_seconds": f["rebuild_seconds"],  # the tier's own figure
+            "files": f["files"],
+        }
+    finally:
+        if w is not None:
+            w.close()
+        sock.close(linger=0)
+        ctx.term()
+        server.stop()

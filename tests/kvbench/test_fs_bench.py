@@ -1,0 +1,47 @@
+"""`kvwarden bench fs --tiny` with its files on a tmpfs (``/dev/shm``): every figure reported,
+and the O_DIRECT baseline said to be unsupported there (memory has no disk to read past the page
+cache to) rather than given a ratio. The sizes are tiny: the numbers mean nothing here. (The
+run on the current directory's disk is part of `test_smoke`'s ``bench all --tiny``.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.cli import main as kvwarden
+from kvbench.fs import filesystem
+from tests.helpers import ROOT, subprocess_env
+from tests.kvbench.figures import check_fs, report
+
+SHM = Path("/dev/shm")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not SHM.is_dir() or filesystem(SHM)["type"] != "tmpfs", reason="no tmpfs at /dev/shm")
+def test_fs_bench_on_tmpfs(tmp_path: Path) -> None:
+    args = ["bench", "fs", "--tiny", "--dir", str(SHM), "--json", "--results-dir", str(tmp_path)]
+    p = subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rep = report(tmp_path, "fs")
+    check_fs(rep)
+    assert rep["filesystem"]["type"] == "tmpfs"
+    assert rep["direct_io"].startswith("not supported on this file system")
+    assert "not supported on this file system" in p.stdout  # in the table, in place of a time
+    assert not [e for e in os.listdir(SHM) if e.startswith(".kvbench-fs-")]  # removed at the end
+
+
+@pytest.mark.parametrize("args", [["--files", "0"], ["--samples", "0"], ["--dir", "/nonexistent/dir"]])
+def test_bad_flags_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvwarden(["bench", "fs", *args]) == 2  # refused before anything starts
+    assert capsys.readouterr().err.startswith("bench: ")
