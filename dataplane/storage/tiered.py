@@ -29,6 +29,7 @@ the transfer pool when the remote tier might continue it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -117,7 +118,12 @@ class TieredStore(L1Store):
         if (self.remote is None and self.fs is None) or len(bufs) == len(keys):
             return bufs
         nbytes = bufs[0].numel() if bufs else None
-        for key in keys[len(bufs) :]:
+        rest = keys[len(bufs) :]
+        if self.fs is not None and len(rest) > 1:  # read them side by side, used in order below
+            on_disk = self.fs.held(scope, rest)
+            if on_disk > 1:
+                self._read_ahead(scope, rest[:on_disk], tenant, nbytes, lookup=False)
+        for key in rest:
             buf = self._lower(scope, key, nbytes, tenant)
             if buf is None:
                 break
@@ -144,9 +150,9 @@ class TieredStore(L1Store):
             ahead = self._ahead.get(key)
             if ahead is not None:  # a read-ahead is bringing it: wait for that, not read it twice
                 ahead.wait(self.fs.io.timeout_s)
-                got = super().acquire_prefix([key])
-                if got:
-                    return got[0]
+            got = super().acquire_prefix([key])  # (one may have brought it already)
+            if got:
+                return got[0]
             if self._from_fs(scope, key, nbytes, tenant, wait=True):
                 got = super().acquire_prefix([key])
                 if got:
@@ -178,9 +184,12 @@ class TieredStore(L1Store):
         super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
         return True
 
-    def _read_ahead(self, scope: bytes, keys: list[bytes], tenant: bytes, nbytes: int | None) -> None:
-        """Start reading ``keys`` (found on disk by a LOOKUP) into L1, in order, on an I/O thread;
-        a RETRIEVE that wants one meanwhile waits for it (`_lower`)."""
+    def _read_ahead(
+        self, scope: bytes, keys: list[bytes], tenant: bytes, nbytes: int | None, lookup: bool = True
+    ) -> None:
+        """Start reading ``keys`` (found on disk by a LOOKUP, or wanted by a RETRIEVE) into L1,
+        each on an I/O thread of its own as they come free; a RETRIEVE that wants one meanwhile
+        waits for it (`_lower`). Those a LOOKUP started are counted as read ahead."""
         assert self.fs is not None
         fs = self.fs
         with self._ahead_lock:
@@ -189,27 +198,24 @@ class TieredStore(L1Store):
         if not mine:
             return
 
-        def done() -> None:
+        def done(k: bytes, ev: threading.Event) -> None:
             with self._ahead_lock:
-                for k, ev in mine.items():
-                    if self._ahead.get(k) is ev:
-                        del self._ahead[k]
-                    ev.set()
+                if self._ahead.get(k) is ev:
+                    del self._ahead[k]
+            ev.set()
 
-        def run() -> None:
+        def run(k: bytes, ev: threading.Event) -> None:
             try:
-                size = nbytes
-                for k in mine:
-                    if not super(TieredStore, self).prefix_hits([k]):
-                        if not self._from_fs(scope, k, size, tenant, wait=False):
-                            break
-                        fs.counters.add(read_ahead=1)
-                    mine[k].set()
+                if not super(TieredStore, self).prefix_hits([k]) and self._from_fs(
+                    scope, k, nbytes, tenant, wait=False
+                ):
+                    fs.counters.add(read_ahead=int(lookup))
             finally:
-                done()
+                done(k, ev)
 
-        if not fs.io.submit(run):
-            done()
+        for k, ev in mine.items():
+            if not fs.io.submit(functools.partial(run, k, ev)):
+                done(k, ev)
 
     def _chunk_bytes(self, keys: list[bytes]) -> int | None:
         """The size of the chunks of ``keys`` (those L1 holds), None when it holds none."""

@@ -102,3 +102,15 @@ def test_a_full_l1_or_a_read_past_its_deadline_loses_no_byte_of_l1(fs: FileTier)
     assert t.stats().used_bytes == used  # the abandoned read never ran: nothing reserved
     assert len(t.acquire_prefix([key(4)], scope=SCOPE)) == 1  # and the disk answers again
     t.release([key(4), key(5)])
+
+
+def test_a_retrieve_reads_the_chunks_l1_lacks_side_by_side_and_serves_them_in_order(fs: FileTier) -> None:
+    t = TieredStore(1 << 20, fs=fs)
+    want = [store(t, i) for i in range(10, 16)]
+    assert fs.flush(10)
+    cold = TieredStore(1 << 20, fs=fs)
+    bufs = cold.acquire_prefix([key(i) for i in range(10, 16)] + [key(99)], scope=SCOPE)
+    assert len(bufs) == 6 and all(torch.equal(b, w) for b, w in zip(bufs, want, strict=True))
+    s = fs.stats()
+    assert s.hits == 6 and s.read_ahead == 0  # (read ahead counts a LOOKUP's reads only)
+    cold.release([key(i) for i in range(10, 16)])
