@@ -174,6 +174,10 @@ def _fs(rep: dict[str, Any]) -> list[Verdict]:
         out.append(
             Verdict("fs RETRIEVE warm / buffered read (throughput, 32 MiB)", x["warm"], 0.8, "x", True)
         )
+        if x["direct"] is not None:
+            out.append(
+                Verdict("fs RETRIEVE fresh / O_DIRECT read (throughput, 32 MiB)", x["direct"], 0.8, "x", True)
+            )
         out.append(
             Verdict("STORE with the file tier / without (32 MiB)", rep["store_ratio"], 1.05, "x", False)
         )
@@ -185,9 +189,9 @@ def _fs(rep: dict[str, Any]) -> list[Verdict]:
                 f"start to first PING, {n} chunk files / empty fs directory", r["ping_ratio"], 1.1, "x", False
             )
         )
-        out.append(
-            Verdict(
-                f"start to first disk hit, {n} chunk files", r["many"]["first_retrieve_s"], 2.0, "s", False
-            )
-        )
+        # from when the server takes registrations: before that no hit of any tier can be asked
+        # for, and an empty directory's server takes as long to get there (`startup`'s subject)
+        m = r["many"]
+        hit = m["first_retrieve_s"] - m["registered_s"]
+        out.append(Verdict(f"server open to first disk hit, {n} chunk files", hit, 2.0, "s", False))
     return out

@@ -110,9 +110,10 @@ def decode(
     """(dtype, shape, payload view) of ``value`` read under ``key``, after every check; with
     ``dtype`` / ``shape`` given, the value must match them too. RemoteValueError otherwise."""
     mv = memoryview(value).cast("B")
-    head = check_header(None, mv, mv.nbytes, dtype, shape)
+    head = check_header(None, mv, mv.nbytes)
     check_hash(mv, head, mv[head.start :])  # (a damaged value is "checksum", whatever it claims)
     check_key(key, head)
+    check_expected(head, dtype, shape)
     return head.dtype, head.shape, mv[head.start :]
 
 
@@ -156,12 +157,17 @@ def check_header(
     dims = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
     if n != _nbytes(name, dims):
         raise RemoteValueError("format", f"{n} bytes is not {name}{list(dims)}")
-    if (dtype is not None and dtype != name) or (shape is not None and tuple(shape) != dims):
-        raise RemoteValueError("layout", f"{name}{list(dims)}, expected {dtype}{list(shape or ())}")
     h = Header(name, dims, start, n, khash)
     if key is not None:
         check_key(key, h)
+    check_expected(h, dtype, shape)
     return h
+
+
+def check_expected(h: Header, dtype: str | None, shape: Sequence[int] | None) -> None:
+    """RemoteValueError ("layout") unless the value is of ``dtype`` and ``shape`` (None: any)."""
+    if (dtype is not None and dtype != h.dtype) or (shape is not None and tuple(shape) != h.shape):
+        raise RemoteValueError("layout", f"{h.dtype}{list(h.shape)}, expected {dtype}{list(shape or ())}")
 
 
 def check_key(key: bytes, header: Header) -> None:
