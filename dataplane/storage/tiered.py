@@ -119,12 +119,13 @@ class TieredStore(L1Store):
             return bufs
         nbytes = bufs[0].numel() if bufs else None
         rest = keys[len(bufs) :]
+        started: dict[bytes, threading.Event] = {}
         if self.fs is not None and len(rest) > 1:  # read them side by side, used in order below
             on_disk = self.fs.held(scope, rest)
             if on_disk > 1:
-                self._read_ahead(scope, rest[:on_disk], tenant, nbytes, lookup=False)
+                started = self._read_ahead(scope, rest[:on_disk], tenant, nbytes, lookup=False)
         for key in rest:
-            buf = self._lower(scope, key, nbytes, tenant)
+            buf = self._lower(scope, key, nbytes, tenant, started.get(key))
             if buf is None:
                 break
             nbytes = buf.numel()
@@ -144,16 +145,24 @@ class TieredStore(L1Store):
         super().release(keys[: len(bufs)])  # (L1's own release: they stay as they were)
         return None
 
-    def _lower(self, scope: bytes, key: bytes, nbytes: int | None, tenant: bytes) -> torch.Tensor | None:
-        """The chunk of ``key`` from the file tier, else the remote tier, in L1 and pinned."""
+    def _lower(
+        self,
+        scope: bytes,
+        key: bytes,
+        nbytes: int | None,
+        tenant: bytes,
+        ahead: threading.Event | None = None,
+    ) -> torch.Tensor | None:
+        """The chunk of ``key`` from the file tier, else the remote tier, in L1 and pinned.
+        ``ahead``: the read of it this RETRIEVE started (else one a LOOKUP started, if any)."""
         if self.fs is not None:
-            ahead = self._ahead.get(key)
-            if ahead is not None:  # a read-ahead is bringing it: wait for that, not read it twice
+            ahead = ahead or self._ahead.get(key)
+            if ahead is not None:  # a read is bringing it: wait for that, never read it twice
                 ahead.wait(self.fs.io.timeout_s)
             got = super().acquire_prefix([key])  # (one may have brought it already)
             if got:
                 return got[0]
-            if self._from_fs(scope, key, nbytes, tenant, wait=True):
+            if ahead is None and self._from_fs(scope, key, nbytes, tenant, wait=True):
                 got = super().acquire_prefix([key])
                 if got:
                     return got[0]
@@ -186,17 +195,16 @@ class TieredStore(L1Store):
 
     def _read_ahead(
         self, scope: bytes, keys: list[bytes], tenant: bytes, nbytes: int | None, lookup: bool = True
-    ) -> None:
+    ) -> dict[bytes, threading.Event]:
         """Start reading ``keys`` (found on disk by a LOOKUP, or wanted by a RETRIEVE) into L1,
         each on an I/O thread of its own as they come free; a RETRIEVE that wants one meanwhile
-        waits for it (`_lower`). Those a LOOKUP started are counted as read ahead."""
+        waits for it (`_lower`). Those a LOOKUP started are counted as read ahead. Returns the
+        reads it started (a key another read is bringing already is not read again)."""
         assert self.fs is not None
         fs = self.fs
         with self._ahead_lock:
             mine = {k: threading.Event() for k in keys if k not in self._ahead}
             self._ahead.update(mine)
-        if not mine:
-            return
 
         def done(k: bytes, ev: threading.Event) -> None:
             with self._ahead_lock:
@@ -216,6 +224,7 @@ class TieredStore(L1Store):
         for k, ev in mine.items():
             if not fs.io.submit(functools.partial(run, k, ev)):
                 done(k, ev)
+        return mine
 
     def _chunk_bytes(self, keys: list[bytes]) -> int | None:
         """The size of the chunks of ``keys`` (those L1 holds), None when it holds none."""

@@ -149,50 +149,54 @@ def test_a_lookup_reads_what_it_found_on_disk_into_l1_before_the_retrieve(tmp_pa
 def test_damaged_truncated_and_foreign_files_are_counted_removed_and_never_served(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     root.mkdir()
-    srv = serve(tmp_path / "a", root)
-    w = None
+    a = serve(tmp_path / "a", root)
+    b = serve(tmp_path / "b", root)  # the reader: its L1 never held these prompts
+    wa = wb = None
     try:
-        w = Worker(srv)
-        tokens = prompt(3, 2 * CS)
-        want = w.fill(3)
-        assert w.w.store_detail(tokens[:CS], BLOCK_IDS).stored == 1
-        written(srv, 1)
-        (f0,) = chunk_files(root)
-        assert w.w.store_detail(tokens, BLOCK_IDS).stored == 1
-        written(srv, 2)
-        (f1,) = set(chunk_files(root)) - {f0}
-        v0, v1 = f0.read_bytes(), f1.read_bytes()
+        wa, wb = Worker(a), Worker(b)
+        files: list[tuple[Path, Path]] = []  # each prompt's (chunk 0, chunk 1)
+        wants = []
+        for n in range(4):
+            tokens = prompt(30 + n, 2 * CS)
+            wants.append(wa.fill(30 + n))
+            before = set(chunk_files(root))
+            assert wa.w.store_detail(tokens[:CS], BLOCK_IDS).stored == 1
+            written(a, 2 * n + 1)
+            (f0,) = set(chunk_files(root)) - before
+            assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 1
+            written(a, 2 * n + 2)
+            (f1,) = set(chunk_files(root)) - before - {f0}
+            files.append((f0, f1))
+        other = files[3][1].read_bytes()  # another key's file, whole
+        v0, v1 = files[0][0].read_bytes(), files[3][1].read_bytes()
         flipped = bytearray(v1)
         flipped[len(flipped) // 2] ^= 0x01
-        cases = [
-            (v0[: len(v0) // 2], v1, 0, "truncated"),
-            (v1, v1, 0, "key"),  # chunk 0's file holds chunk 1's bytes
-            (b"not ours at all" * 10, v1, 0, "format"),
-            (v0, bytes(flipped), CS, "checksum"),  # chunk 1 damaged: only chunk 0 is served
+        cases = [  # (chunk 0's file, chunk 1's file or None: unchanged), tokens served, the kind
+            (v0[: len(v0) // 2], None, 0, "truncated"),
+            (other, None, 0, "key"),
+            (b"not ours at all" * 10, None, 0, "format"),
+            (None, bytes(flipped), CS, "checksum"),  # chunk 1 damaged: only chunk 0 is served
         ]
         for n, (c0, c1, served, kind) in enumerate(cases):
-            f0.write_bytes(c0)
-            f1.write_bytes(c1)
-            w.blank()
-            # a fresh server each time: its L1 is empty and its index knows nothing of the edit
-            srv.stop()
-            srv = serve(tmp_path / f"s{n}", root)
-            w.w.close()
-            w = Worker(srv)
-            assert w.w.retrieve(tokens, BLOCK_IDS) == served, kind
-            assert w.same(want, served)
-            wait_until(lambda s=srv: fs_doc(s)["bad_files"] == 1, 10, what=f"the {kind} file counted")
+            f0, f1 = files[n]
+            if c0 is not None:
+                f0.write_bytes(c0)
+            if c1 is not None:
+                f1.write_bytes(c1)
+            wb.blank()
+            assert wb.w.retrieve(prompt(30 + n, 2 * CS), BLOCK_IDS) == served, kind
+            assert wb.same(wants[n], served)
+            wait_until(lambda n=n: fs_doc(b)["bad_files"] == n + 1, 10, what=f"the {kind} file counted")
             damaged = f1 if served else f0
             wait_until(lambda d=damaged: not d.exists(), 10, what=f"the {kind} file removed")
-            text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+            text = httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
             assert f'kvwarden_fs_bad_files_total{{kind="{kind}"}} 1.0' in text, kind
-            w.blank()
-            f0.write_bytes(v0)
-            f1.write_bytes(v1)
     finally:
-        if w is not None:
-            w.close()
-        srv.stop()
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        a.stop()
+        b.stop()
 
 
 def test_the_cap_holds_while_serving_and_across_a_restart_with_a_smaller_one(tmp_path: Path) -> None:
