@@ -11,11 +11,11 @@ from typing import Any
 
 from kvbench.results import add_output_args
 
-ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "fs", "blend")
+ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend")
 
 
 def modules() -> dict[str, ModuleType]:
-    from kvbench import blend, fs, ping, reaper, remote, sidecar, startup, transfer, vllm
+    from kvbench import blend, fs, ping, reaper, remote, sidecar, startup, trace, transfer, vllm
 
     return {
         "startup": startup,
@@ -27,6 +27,7 @@ def modules() -> dict[str, ModuleType]:
         "fs": fs,
         "blend": blend,
         "vllm": vllm,
+        "trace": trace,
     }
 
 

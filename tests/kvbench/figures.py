@@ -152,7 +152,6 @@ def check_fs(rep: dict[str, Any]) -> None:
 CHECKS = {
     "blend": check_blend,
     "remote": check_remote,
-    "fs": check_fs,
     "transfer": check_transfer,
     "ping": check_ping,
     "reaper": check_reaper,

@@ -1,0 +1,130 @@
+"""Trace replay, simulated: the hit rate of a cache of ``capacity`` chunks under a policy.
+
+It follows what a kvwarden server does with each request of a replay (`kvbench.trace`), so that
+the replay through the real server can be held to it:
+
+1. LOOKUP: the prefix of the request's *full* blocks that is held (a partial last block has no
+   chunk key and is never stored); each held block is used now.
+2. RETRIEVE of that prefix: used again (no change of order).
+3. STORE of every full block: those held are pinned and used now (in order), then each missing
+   one is inserted, evicting an unpinned block the policy picks; with every block pinned the
+   rest of the request is not stored.
+
+Policies: ``lru`` (kvwarden's L1) and ``optimum``, offline Belady/MIN with bypass: the block
+used again furthest in the future is evicted (or the new block not admitted, when it is that
+block), ties evicting the deeper block so the cache stays prefix-closed. It is a bound no
+online policy reaches, simulated only.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvbench.trace_data import BLOCK_TOKENS, Request
+
+NEVER = 1 << 62
+
+
+@dataclass
+class SimResult:
+    requests: int
+    blocks: int  # full blocks asked for
+    hit_blocks: int
+    tokens: int  # prompt tokens asked for
+    hit_tokens: int
+    evictions: int
+
+    @property
+    def block_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def token_rate(self) -> float:
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
+
+
+def simulate(reqs: Sequence[Request], capacity: int, policy: str = "lru") -> SimResult:
+    """The replay of ``reqs`` through a cache of ``capacity`` chunks."""
+    if policy == "lru":
+        return _lru(reqs, capacity)
+    if policy == "optimum":
+        return _optimum(reqs, capacity)
+    raise ValueError(f"policy {policy!r}: lru or optimum")
+
+
+def _count(r: Request, held: int, res: SimResult) -> None:
+    res.requests += 1
+    res.blocks += r.full_blocks
+    res.hit_blocks += held
+    res.tokens += r.input_length
+    res.hit_tokens += held * BLOCK_TOKENS
+
+
+def _lru(reqs: Sequence[Request], capacity: int) -> SimResult:
+    cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+    res = SimResult(0, 0, 0, 0, 0, 0)
+    for r in reqs:
+        full = r.hash_ids[: r.full_blocks]
+        held = 0
+        for b in full:
+            if b not in cache:
+                break
+            cache.move_to_end(b)
+            held += 1
+        _count(r, held, res)
+        present = [b for b in full if b in cache]
+        for b in present:
+            cache.move_to_end(b)
+        pinned = set(present)
+        for b in full:
+            if b in cache:
+                continue
+            if len(cache) >= capacity:
+                victim = next((k for k in cache if k not in pinned), None)
+                if victim is None:
+                    break  # all pinned: the rest is not stored
+                del cache[victim]
+                res.evictions += 1
+            cache[b] = None
+            pinned.add(b)
+    return res
+
+
+def _next_uses(reqs: Sequence[Request]) -> list[list[int]]:
+    """For each request and each of its full blocks: the index of the next request that asks
+    for that block (`NEVER`: none)."""
+    last: dict[int, int] = {}
+    out: list[list[int]] = [[] for _ in reqs]
+    for i in range(len(reqs) - 1, -1, -1):
+        full = reqs[i].hash_ids[: reqs[i].full_blocks]
+        out[i] = [last.get(b, NEVER) for b in full]
+        for b in full:
+            last[b] = i
+    return out
+
+
+def _optimum(reqs: Sequence[Request], capacity: int) -> SimResult:
+    nxt = _next_uses(reqs)
+    cache: dict[int, tuple[int, int]] = {}  # block -> (next use, depth)
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block): furthest first, deeper first
+    res = SimResult(0, 0, 0, 0, 0, 0)
+    for i, r in enumerate(reqs):
+        full = r.hash_ids[: r.full_blocks]
+        held = 0
+        for b in full:
+            if b not in cache:
+                break
+            held += 1
+        _count(r, held, res)
+        for depth, (b, n) in enumerate(zip(full, nxt[i], strict=True)):
+            cache[b] = (n, depth)
+            heapq.heappush(heap, (-n, -depth, b))
+        while len(cache) > capacity:
+            n, d, b = heapq.heappop(heap)
+            if cache.get(b) == (-n, -d):
+                del cache[b]
+                res.evictions += 1
+    return res
