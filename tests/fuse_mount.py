@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +110,14 @@ class FuseMount:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        deadline = time.monotonic() + 20
-        while not os.path.ismount(mountpoint):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                err = b"" if self.proc.stderr is None else self.proc.stderr.read()
-                self.close()
-                raise RuntimeError(f"the FUSE mount did not come up: {err.decode(errors='replace')}")
-            time.sleep(0.02)  # (polling the kernel's mount table; nothing to wait on)
+        from tests.helpers import wait_until  # (here: this file also runs as a script, outside the package)
+
+        with contextlib.suppress(AssertionError):  # (not up in time: said below, with its output)
+            wait_until(lambda: os.path.ismount(mountpoint) or self.proc.poll() is not None, 20)
+        if not os.path.ismount(mountpoint):
+            err = b"" if self.proc.stderr is None else self.proc.stderr.read()
+            self.close()
+            raise RuntimeError(f"the FUSE mount did not come up: {err.decode(errors='replace')}")
 
     def freeze(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)
