@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
+from app.core.events_metrics import events_metrics
 from app.core.fs_metrics import fs_metrics
 from app.core.health import HealthChecker
 
@@ -71,6 +72,7 @@ class DataPlaneStateCollector(Collector):
         yield from tenant_metrics(stats.tenants or [])
         yield from fs_metrics(dp)
         yield from remote_metrics(dp)
+        yield from events_metrics(dp)
 
 
 def tenant_metrics(tenants: list[TenantStats]) -> Iterator[Metric]:

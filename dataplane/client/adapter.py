@@ -15,10 +15,8 @@ Nothing waits on a dead server. While the heartbeat says the server is unhealthy
 dropped and lookups and retrieves report a miss, without waiting. A transfer whose connection
 closes ends at once; one made with no connection waits for it at most ``heartbeat_interval``;
 one in flight is abandoned as soon as the heartbeat turns unhealthy. Each of those is a miss,
-not an error; when the transfer channel has lost its connection, the adapter also clears its
-health (``Heartbeat.set_health(False)``), so the next transfers answer at once and the
-heartbeat's next good PING recovers as after any outage. The first miss of an outage logs one
-WARNING, the first transfer served after it one INFO line.
+not an error; a transfer channel that lost its connection also clears the health, so the next
+transfers answer at once until a good PING. An outage logs one WARNING, its end one INFO line.
 ``_reg_lock`` guards ``_registration`` and the REGISTER counters: a registration and a recovery
 never interleave; the misses and the outages are counted and logged by
 `dataplane.client.outage`.
@@ -46,6 +44,7 @@ from dataplane.client.kvalloc import unlink_segments
 from dataplane.client.outage import OutageLog
 from dataplane.client.transport import Identity, ServerDrivenTransport, Transport
 from dataplane.memory.rope import RopeParams
+from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import KVWardenError, NotRegistered, RequestAborted, RequestTimeout
 from dataplane.wire.messages import (
     BlendRegister,
@@ -74,6 +73,8 @@ from dataplane.wire.replies import (
 logger = logging.getLogger(__name__)
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+Ctx = KeyContext | None
+Names = EngineBlocks | None  # the engine's names of the blocks a STORE covers (KV events)
 T = TypeVar("T")
 R = TypeVar("R", bound=Reply)
 
@@ -235,28 +236,27 @@ class WorkerAdapter:
                 return False
             return True
 
-    # -------------------------------------------------------------- transfers
-    # ``key``: what the KV depends on beyond the tokens, and who may see it (a tenant's salt, a
-    # LoRA adapter, multimodal inputs: `dataplane.client.keys.key_context`); a chunk stored
-    # under one context is only ever found under the same one
-    def store(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None) -> bool:
+    # ---- transfers. ``key``: what the KV depends on beyond the tokens, and who may see it (salt,
+    # LoRA adapter, multimodal inputs: `dataplane.client.keys.key_context`); a chunk stored under
+    # one context is only ever found under the same one. ``names`` (`Names`) never changes a key.
+    def store(self, token_ids: TokenIds, block_ids: TokenIds, key: Ctx = None, names: Names = None) -> bool:
         """Store every full chunk; True when all of them are held by the server afterwards.
         False, without waiting, while unhealthy or when the server no longer knew us."""
-        r = self._store(token_ids, block_ids, key)
+        r = self._store(token_ids, block_ids, key, names)
         return r is not None and r.complete
 
     def store_detail(
-        self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None
+        self, token_ids: TokenIds, block_ids: TokenIds, key: Ctx = None, names: Names = None
     ) -> StoreCounts:
         """STORE's counts: chunks, stored (written now), present (already held), rejected,
         skipped (`dataplane.wire.replies.StoreCounts`); all 0 without an answer."""
-        r = self._store(token_ids, block_ids, key)
+        r = self._store(token_ids, block_ids, key, names)
         return NO_STORE if r is None else r
 
-    def _store(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None) -> StoreCounts | None:
+    def _store(self, token_ids: TokenIds, block_ids: TokenIds, key: Ctx, names: Names) -> StoreCounts | None:
         def run() -> StoreCounts | None:
             tokens, blocks = _id_array(token_ids), _id_array(block_ids)
-            return self._transport.store(self._send, tokens, blocks, self.chunk_size, key)
+            return self._transport.store(self._send, tokens, blocks, self.chunk_size, key, names)
 
         return self._unless_outage(run, None)
 

@@ -21,6 +21,7 @@ from dataplane.memory.copies import ChunkMap, CopySplitter
 from dataplane.memory.kvmemory import DTYPE_NAMES, map_local_tensors
 from dataplane.memory.rope import RopeParams
 from dataplane.memory.shm import Segment
+from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import ClientError
 from dataplane.wire.messages import (
     BlendRetrieve,
@@ -119,12 +120,18 @@ class EngineDrivenTransport:
             old[0].close()
 
     def store(
-        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
+        self,
+        send: Send,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        chunk_size: int | None,
+        ctx: Key = None,
+        names: EngineBlocks | None = None,
     ) -> StoreCounts:
         cs, local = self._require_local(chunk_size)
         with self._lock:
             if self._arena is not None:
-                return self._arena[1].store(send, local, tokens, blocks, cs, self._splitter, ctx)
+                return self._arena[1].store(send, local, tokens, blocks, cs, self._splitter, ctx, names)
         n_full = len(tokens) // cs
         # the chunks held need no copy
         present = send(Lookup(self.who.instance_id, self.who.secret, tokens, ctx)).hit_tokens // cs
@@ -140,7 +147,13 @@ class EngineDrivenTransport:
                     local.gather(chunks[c], pool[i], self._splitter)
                 r = send(
                     EngineStore(
-                        self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k, ctx
+                        self.who.instance_id,
+                        self.who.secret,
+                        tokens[: (first + k) * cs],
+                        first,
+                        k,
+                        ctx,
+                        names,
                     )
                 )
                 total = total.plus_round(r)

@@ -28,6 +28,7 @@ from dataplane.client.channel import Send
 from dataplane.memory.blockkv import LocalKV
 from dataplane.memory.copies import ChunkMap, CopySplitter, token_slots
 from dataplane.memory.kvmemory import MappedKV
+from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import ClientError, KVWardenError, RequestAborted, RequestError
 from dataplane.wire.messages import (
     MAX_POOL_CHUNKS,
@@ -152,13 +153,15 @@ class ArenaCopier:
         cs: int,
         splitter: CopySplitter | None = None,
         ctx: KeyContext | None = None,
+        names: EngineBlocks | None = None,
     ) -> StoreCounts:
         n_full = len(tokens) // cs
         chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
         total = StoreCounts(n_full, 0, 0, 0, 0)
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
-            r = send(EngineReserve(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k, ctx))
+            upto = tokens[: (first + k) * cs]
+            r = send(EngineReserve(self.instance_id, self.secret, upto, first, k, ctx, names))
 
             def write(c: int, buf: torch.Tensor) -> None:
                 local.gather(chunks[c], buf, splitter)

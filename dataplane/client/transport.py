@@ -19,6 +19,7 @@ import torch
 from dataplane.client.channel import Send as Send
 from dataplane.client.kvalloc import describe_caches
 from dataplane.memory.rope import RopeParams
+from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.messages import (
     BlendRetrieve,
     BlendStore,
@@ -59,7 +60,13 @@ class Transport(Protocol):
     def registered(self, result: Registered | PoolRegistered) -> None: ...
 
     def store(
-        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
+        self,
+        send: Send,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        chunk_size: int | None,
+        ctx: Key = None,
+        names: EngineBlocks | None = None,
     ) -> StoreCounts: ...
 
     def retrieve(
@@ -124,9 +131,15 @@ class ServerDrivenTransport:
         return None
 
     def store(
-        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
+        self,
+        send: Send,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        chunk_size: int | None,
+        ctx: Key = None,
+        names: EngineBlocks | None = None,
     ) -> StoreCounts:
-        return send(Store(self.who.instance_id, self.who.secret, tokens, blocks, ctx))
+        return send(Store(self.who.instance_id, self.who.secret, tokens, blocks, ctx, names))
 
     def retrieve(
         self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None

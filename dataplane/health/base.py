@@ -46,6 +46,8 @@ class Backend(Protocol):
 
     def take_failed_gets(self) -> int: ...
 
+    def withdraw_events(self) -> None: ...
+
 
 class LocalTier(Protocol):
     """The local CPU tier as the monitor drives it (`dataplane.storage.l1.L1Store`)."""
@@ -70,6 +72,7 @@ class Components:
     get_blocking_failed_threshold: int = 10
     waiting_time_for_recovery: float = 300.0
     clock: Callable[[], float] = time.monotonic
+    on_unhealthy: Callable[[], None] | None = None  # each time the server turns unhealthy
 
 
 class HealthCheck(abc.ABC):

@@ -229,6 +229,8 @@ class HealthMonitor:
             was, self._healthy = self._healthy, healthy
             self._rounds += 1
         if was != healthy:
+            if not healthy and self.components.on_unhealthy is not None:
+                self.components.on_unhealthy()  # (KV events: nothing is served meanwhile)
             log = logger.info if healthy else logger.warning
             log("health: the server is %s", "healthy again" if healthy else "unhealthy (recompute)")
         return self.is_healthy()
@@ -261,6 +263,8 @@ class HealthMonitor:
                 return
         if target is not None:
             target.bypassed = bypass
+            if bypass:
+                target.withdraw_events()  # (KV events: what it held is out of reach now)
         if bypass:
             logger.warning("health: %s failed: backend %s bypassed, L1 caches meanwhile", name, backend)
             if tier is not None:

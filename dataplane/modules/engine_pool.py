@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dataplane.events.describe import check_blocks, describe
 from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
@@ -252,6 +253,10 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             slots = s.slots
+            first, end = p.first_chunk, p.first_chunk + p.n_chunks
+            check_blocks(p.blocks, self.chunk_size, end)
+            prev = keys[first - 1] if first else None
+            describe(self.l1.events, keys[first:end], first, p.token_ids, self.chunk_size, p.blocks, prev)
             return self.write_chunks(
                 p.instance_id,
                 keys[p.first_chunk : p.first_chunk + p.n_chunks],

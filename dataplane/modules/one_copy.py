@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataplane.events.describe import check_blocks, describe
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Deferred, Handler, RequestContext
 from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
@@ -95,6 +96,11 @@ class DirectTransferModule:
     def _reserve(self, rctx: RequestContext, p: EngineReserve) -> Reserved:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         before, wanted = self._wanted(c, p)
+        cs = self.engine.chunk_size
+        check_blocks(p.blocks, cs, p.first_chunk + p.n_chunks)
+        describe(
+            self.l1.events, wanted, p.first_chunk, p.token_ids, cs, p.blocks, before[-1] if before else None
+        )
         c.leases.room(self.l1)
         lease = Lease()
         _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataplane.events.describe import check_blocks, describe
 from dataplane.liveness.entry import Entry, InstanceInfo
 from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
@@ -168,6 +169,8 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             self._check_blocks(kv, p)
             keys = chunk_keys(c.scope, p.token_ids, self.chunk_size, p.key)
             chunks = self._chunks(kv, p, len(keys))
+            check_blocks(p.blocks, self.chunk_size, len(keys))
+            describe(self.l1.events, keys, 0, p.token_ids, self.chunk_size, p.blocks, None)
 
             def fill(i: int, buf: torch.Tensor) -> None:
                 kv.gather(chunks[i], buf, self.splitter)

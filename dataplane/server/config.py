@@ -144,6 +144,21 @@ class Settings(BaseSettings):
     fs_write_queue_mb: int = Field(
         256, ge=1, le=1 << 20, description="Write-behind queue to the file tier (MiB); more is dropped."
     )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="ZMQ PUB endpoint of the KV events (vLLM's format, for KV-aware routers): "
+        "tcp://*:5557 binds, tcp://host:port connects (to a proxy). Off without it.",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None,
+        description="ZMQ ROUTER endpoint (bound) where a subscriber asks for the batches it "
+        "missed, e.g. tcp://*:5558; needs kv_events_endpoint.",
+    )
+    kv_events_topic: str = Field(
+        "",
+        max_length=256,
+        description="Topic of every event message (llm-d: kv@<pod>@<model>); needs kv_events_endpoint.",
+    )
     local_cpu: bool = Field(
         True,
         description="L1 keeps chunks as a hot cache; false = L1 only stages writes (needs remote_url "
@@ -239,6 +254,7 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"fs_path {str(self.fs_path)!r}: not a directory (create it, or mount the volume there)"
             )
+        _check_events(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic)
         if self.ipc_path is not None and {"host", "port"} & self.model_fields_set:
             raise ValueError("ipc_path and host/port: the data plane listens on one of them, not both")
         if self.admin_token_file is not None:
@@ -295,6 +311,18 @@ class Settings(BaseSettings):
             return f"ipc://{self.ipc_path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port}"
+
+
+def _check_events(endpoint: str | None, replay: str | None, topic: str) -> None:
+    for name, v in (("kv_events_endpoint", endpoint), ("kv_events_replay_endpoint", replay)):
+        if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"{name} {v!r}: must start with tcp://, ipc:// or inproc://")
+    if endpoint is None and (replay is not None or topic):
+        raise ValueError(
+            "kv_events_replay_endpoint and kv_events_topic need kv_events_endpoint (events are off)"
+        )
+    if replay is not None and replay == endpoint:
+        raise ValueError("kv_events_replay_endpoint: must differ from kv_events_endpoint")
 
 
 def fd_limit() -> int | None:

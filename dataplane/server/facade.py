@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from dataplane.events.publisher import EventsState
 from dataplane.health.base import CheckResult, Status
 from dataplane.health.monitor import MonitorState
 from dataplane.liveness.entry import ContextEntry, LivenessRow
@@ -28,6 +29,7 @@ __all__ = [
     "ComponentState",
     "ContextEntry",
     "DataPlaneView",
+    "EventsState",
     "FsStats",
     "L1Stats",
     "LivenessRow",
@@ -139,6 +141,10 @@ class DataPlaneView(Protocol):
 
     def fs_state(self) -> FsStats | None:
         """The file tier (None: no fs_path)."""
+        ...
+
+    def events_state(self) -> EventsState | None:
+        """The KV events (None: no kv_events_endpoint)."""
         ...
 
     def force_reap(self, instance_id: int) -> list[str]:

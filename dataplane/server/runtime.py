@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from prometheus_client import generate_latest
 
+from dataplane.events.publisher import EventsState, KVEventPublisher
 from dataplane.health.base import Components
 from dataplane.health.monitor import HealthMonitor
 from dataplane.liveness.entry import ContextEntry, LivenessRow
@@ -39,6 +40,7 @@ from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.server.config import L1Backing, Settings
 from dataplane.server.facade import ComponentState, LivenessStatus, MonitorState, RemoteState
 from dataplane.server.factory import new_server
+from dataplane.server.kv_events import build_events
 from dataplane.server.loop import Server
 from dataplane.storage.arena import Arena
 from dataplane.storage.fs_stats import FsStats
@@ -67,6 +69,7 @@ class DataPlane:
     remote: RemoteBackend | None = None
     clock: Callable[[], float] = time.monotonic
     fs: FileTier | None = None
+    events: KVEventPublisher | None = None
 
     def start(self) -> None:
         self.l1.arena.start()  # faults L1 in while the server already answers
@@ -75,6 +78,8 @@ class DataPlane:
             self.remote.start()
         if self.fs is not None:  # its index is rebuilt in the background: PINGs are answered at once
             self.fs.start()
+        if self.events is not None:
+            self.events.start()
         self.server.start()
         self.monitor.start()
 
@@ -90,6 +95,9 @@ class DataPlane:
         if self.fs is not None:  # likewise; a thread stuck on a dead mount is left behind
             self.fs.stop()
             self.fs.join()
+        if self.events is not None:  # (after the tiers: their last reports go out)
+            self.events.stop()
+            self.events.join()
         self.l1.close()  # last: the modules released every view of it
         return clean
 
@@ -195,6 +203,9 @@ class DataPlane:
     def fs_state(self) -> FsStats | None:
         return None if self.fs is None else self.fs.stats()
 
+    def events_state(self) -> EventsState | None:
+        return None if self.events is None else self.events.state()
+
     def render_metrics(self) -> bytes:
         return generate_latest(self.metrics.registry)
 
@@ -256,8 +267,23 @@ def build_dataplane(
     if init_failure or fs_failure:
         monitor.mark_init_failed(str(init_failure or fs_failure))
     l1.gate = monitor.is_healthy
+    events = build_events(settings, l1, remote, fs)
+    if events is not None:
+        monitor.components.on_unhealthy = events.sink.cleared
     return DataPlane(
-        settings, server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock, fs
+        settings,
+        server,
+        l1,
+        management,
+        transfer,
+        engine,
+        metrics,
+        splitter,
+        monitor,
+        remote,
+        clock,
+        fs,
+        events,
     )
 
 

@@ -9,16 +9,13 @@ between L1 and the remote tier; they survive restarts (`fs_layout` has the layou
   hit before any scan has seen it.
 - **Writes** are behind: `put` queues (bounded in bytes; more is dropped and counted, as for
   the remote tier) and the thread ``kvwarden-fs-writer`` (start/stop/join) writes each chunk
-  whole under a temporary name and renames it in place. Before a write it evicts, least
-  recently used first, until the new file fits under ``capacity_bytes``; the writer waits for
-  the first scan, so the cap holds across restarts. A file another server removed is simply
-  gone; one it replaced is the same chunk.
-- **Reads** (`get`, `held`) are disk calls on the I/O threads (`fs_io.DiskPool`), each with a
-  deadline: a read past it is a miss for the caller. A file that fails its check is counted,
-  removed and never served.
-- **Health**: `ping` / `probe` round-trip a probe file within the health timeout; failed disk
-  calls (not misses) trip the health check as failed remote reads do. ``bypassed`` (the
-  local_cpu fallback) turns every call into a miss or a drop.
+  whole under a temporary name and renames it in place, first evicting (LRU) until it fits
+  under ``capacity_bytes``; the writer waits for the first scan, so the cap holds across
+  restarts. A file another server removed is simply gone; one it replaced is the same chunk.
+- **Reads** (`get`, `held`) run on the I/O threads (`fs_io.DiskPool`) with a deadline (past it:
+  a miss). A file that fails its check is counted, removed and never served.
+- **Health**: `ping` / `probe` round-trip a probe file; failed disk calls trip the check as
+  failed remote reads do; ``bypassed`` (local_cpu fallback) makes every call a miss or a drop.
 """
 
 from __future__ import annotations
@@ -32,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from dataplane.events.sink import NO_EVENTS, EventSink
+from dataplane.events.vllm_format import MEDIUM_DISK
 from dataplane.storage import fs_files
 from dataplane.storage.fs_files import BadFile, failure_kind
 from dataplane.storage.fs_index import FileIndex
@@ -90,6 +89,7 @@ class FileTier:
         self._rebuilt_at: float | None = None  # when the first scan ended
         self._started_at = clock()
         self.bypassed = False
+        self.events: EventSink = NO_EVENTS  # KV events: told of each file written and removed
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,6 +192,7 @@ class FileTier:
         except BadFile as exc:
             self.counters.read(None, exc.kind)
             self.index.forget(key)
+            self.events.removed(key, MEDIUM_DISK)
             ino = exc.ino
             self.io.submit(lambda: fs_files.remove_if(path, ino))
             return None
@@ -273,6 +274,7 @@ class FileTier:
             return
         self.counters.add(puts=1, bytes_written=size)
         self.index.learn(w.scope, w.key, size)
+        self.events.stored(w.key, MEDIUM_DISK)
 
     def _evict(self, room: int) -> None:
         """Remove least recently used files until ``room`` more bytes fit under the cap."""
@@ -283,6 +285,7 @@ class FileTier:
                 self._failed("put", exc)
                 continue
             self.counters.add(evictions=1, evicted_gone=int(gone))
+            self.events.removed(key, MEDIUM_DISK)
 
     def _rescan(self) -> None:
         """Match the index to the directory (`FileIndex.merge`), then keep the cap."""
@@ -332,6 +335,9 @@ class FileTier:
             since = self._writing_since
         writer = self._clock() - since if since else 0.0
         return max(writer, self.io.stalled_for())
+
+    def withdraw_events(self) -> None:
+        self.events.removed_all(MEDIUM_DISK)
 
     def take_failed_gets(self) -> int:
         """Failed disk calls since the last call (the health check's per-round count)."""
@@ -385,10 +391,8 @@ class FileTier:
 
     def _take_all(self) -> list[_Write]:
         with self._lock:
-            out = list(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
-            return out
+            out, self._queue, self._queued_bytes = list(self._queue), collections.deque(), 0
+        return out
 
 
 def _done(w: _Write) -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dataplane.events.sink import NO_EVENTS, EventSink
+from dataplane.events.vllm_format import MEDIUM_CPU
 from dataplane.storage.arena import Arena, ArenaStats, Extents
 from dataplane.storage.inflight import InFlight
 from dataplane.storage.tenants import NO_TENANT, TenantBook, TenantStats
@@ -89,6 +91,9 @@ class L1Store:
         self._reserved_for: dict[int, bytes] = {}  # offset of a reserved buffer -> its tenant
         self.arena.yield_to = self._copying_with_room
         self.inflight = InFlight()  # chunks being written, not yet committed (lookups see them)
+        # KV events (`dataplane.events`): told of every chunk committed and dropped, under _lock
+        # (a report never waits), so their order is the order of the changes
+        self.events: EventSink = NO_EVENTS
 
     # ---------------------------------------------------------------- reads
     def prefix_hits(self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT) -> int:
@@ -196,6 +201,7 @@ class L1Store:
             if e is None:
                 e = self._entries[key] = _Entry(buf, off, tenant=tenant)
                 self._tenants.committed(tenant, key)
+                self.events.stored(key, MEDIUM_CPU)
             else:
                 self._give_back(buf)
                 self._tenants.add_bytes(tenant, -buf.numel())
@@ -317,6 +323,7 @@ class L1Store:
         self._free.free(e.offset, e.buf.numel())
         self._tenants.dropped(e.tenant, key, e.buf.numel(), evicted)
         self._evictions += evicted
+        self.events.removed(key, MEDIUM_CPU)
 
     def _evict_one(self) -> bool:
         for k, e in self._entries.items():  # oldest first

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import redis
 
+from dataplane.events.sink import NO_EVENTS, EventSink
+from dataplane.events.vllm_format import MEDIUM_EXTERNAL
 from dataplane.storage.redis_client import Lazy, failure_kind, make_client, ping_all, redact
 from dataplane.storage.remote_codec import RemoteValueError, check_layout, decode, encode_header
 
@@ -116,6 +118,7 @@ class RemoteBackend:
         self._inflight = 0  # writes popped and not yet done
         self._failed_gets = 0
         self.bypassed = False
+        self.events: EventSink = NO_EVENTS  # KV events: told of each chunk written
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -237,6 +240,9 @@ class RemoteBackend:
             return False
         return back == data
 
+    def withdraw_events(self) -> None:
+        self.events.removed_all(MEDIUM_EXTERNAL)
+
     def take_failed_gets(self) -> int:
         """Failed blocking reads since the last call (the health monitor's per-round count)."""
         with self._lock:
@@ -315,6 +321,7 @@ class RemoteBackend:
         with self._lock:
             self._stats.puts += 1
             self._stats.bytes_written += len(header) + w.payload.nbytes
+        self.events.stored(w.key, MEDIUM_EXTERNAL)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (polling, up to ``timeout_s``) until the queue is empty: tests and shutdown."""

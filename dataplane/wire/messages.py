@@ -5,9 +5,7 @@ annotation carries the check that validates it at the edge (``Annotated[int, u63
 record's type parameter is the reply that answers it (`dataplane.wire.replies`); its handling
 is declared in `dataplane.wire.table`, whose parsers and encoders are derived from these
 declarations: nothing outside `dataplane.wire` knows a field's position. Rules that span
-fields (a rank below the world size, layers of the kind ``memory`` names) live in a record's
-``_checked`` hook. docs/protocol.md's message tables are
-generated from them (scripts/gen_protocol_doc.py).
+fields live in a record's ``_checked`` hook. docs/protocol.md is generated from them.
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ from typing import Annotated, Any
 
 import numpy as np
 
+from dataplane.wire.blocks import MAX_BLOCK_SIZE, EngineBlocksField
+from dataplane.wire.blocks import EngineBlocks as EngineBlocks
 from dataplane.wire.checks import (
     INT64_MAX,
     array_of,
@@ -76,7 +76,6 @@ MAX_TOKENS_PER_REQUEST = 1 << 21
 MAX_LAYERS = 1024
 MAX_POOL_CHUNKS = 64  # chunk slots of one engine-driven pool
 MAX_RANKS = 1 << 20
-MAX_BLOCK_SIZE = 1 << 16
 MAX_SCOPE_RANKS = 64  # ranks one LOOKUP_SCOPE checks
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 
@@ -195,6 +194,7 @@ class Transfer(Message[RepT]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Store(Transfer[StoreCounts]):
     TYPE = MsgType.STORE
+    blocks: EngineBlocksField = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -293,6 +293,7 @@ class EngineTransfer(Message[RepT]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineStore(EngineTransfer[StoreCounts]):
     TYPE = MsgType.ENGINE_STORE
+    blocks: EngineBlocksField = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -306,6 +307,7 @@ class EngineReserve(EngineTransfer[Reserved]):
     (offsets in the L1 arena) for the worker to write, under a lease it then commits."""
 
     TYPE = MsgType.ENGINE_RESERVE
+    blocks: EngineBlocksField = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

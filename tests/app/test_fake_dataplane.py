@@ -20,6 +20,7 @@ from dataplane.server.facade import (
     ComponentState,
     ContextEntry,
     DataPlaneView,
+    EventsState,
     FsStats,
     L1Stats,
     LivenessRow,
@@ -178,6 +179,9 @@ class FakeDataPlane:
         return self.remote
 
     def fs_state(self) -> FsStats | None:
+        return None
+
+    def events_state(self) -> EventsState | None:
         return None
 
     def force_reap(self, instance_id: int) -> list[str]:

@@ -67,7 +67,8 @@ def transfer(
     m: EngineDrivenTransferModule, mtype: MsgType, instance_id: int, conn_fd: int = -1
 ) -> dict[str, Any]:
     tokens = ids_to_bytes(list(range(200, 200 + 2 * CHUNK)))
-    payload = PARSERS[mtype]([instance_id, SECRET, tokens, 0, 2, None])
+    blocks = [None] if mtype is MsgType.ENGINE_STORE else []  # (ENGINE_STORE ends with `blocks`)
+    payload = PARSERS[mtype]([instance_id, SECRET, tokens, 0, 2, None, *blocks])
     out: dict[str, Any] = m.handlers()[mtype].fn(RequestContext(2, mtype, conn_fd), payload)
     return out
 

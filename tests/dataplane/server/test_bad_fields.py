@@ -56,7 +56,7 @@ from tests.helpers import call, error_of, next_rid
         ("PING", [], ["PING: expected 2 payload fields", "got 0"]),
         ("PING", [1, SECRET, 3], ["PING: expected 2 payload fields", "got 3"]),
         ("HELLO", [1], ["HELLO: expected 0 payload fields"]),
-        ("STORE", [1, SECRET, b""], ["STORE: expected 5 payload fields", "got 3"]),
+        ("STORE", [1, SECRET, b""], ["STORE: expected 6 payload fields", "got 3"]),
         ("LOOKUP", [1, SECRET, b"", None, b""], ["LOOKUP: expected 4 payload fields", "got 5"]),
         ("REGISTER_KV_CACHE", [1, SECRET, "m"], ["REGISTER_KV_CACHE: expected 11 payload fields"]),
         ("RETRIEVE", "not a list", ["RETRIEVE: payload must be an array"]),

@@ -81,8 +81,8 @@ S = SECRET
         (
             "STORE",
             [IID, S, b""],
-            r"STORE: expected 5 payload fields \(instance_id, secret, token_ids, "
-            r"block_ids, key\), got 3",
+            r"STORE: expected 6 payload fields \(instance_id, secret, token_ids, "
+            r"block_ids, key, blocks\), got 3",
         ),
         ("STORE", payload_of(STORE, token_ids=[1, 2]), "STORE.token_ids: expected bytes"),
         ("STORE", payload_of(STORE, key=b"salt"), "STORE.key: payload must be an array, got bytes"),
@@ -104,6 +104,52 @@ S = SECRET
             "STORE",
             payload_of(STORE, key=[b"", b"", [[0, 1, b"a"]] * 65537]),
             "STORE.key.spans: 65537 spans exceeds the limit of 65536",
+        ),
+        ("STORE", payload_of(STORE, blocks=[16, [1, 2]]), r"STORE.blocks: expected 4 payload fields"),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[0, [1], None, None]),
+            r"STORE.blocks.block_size: 0 is out of range",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [1, -1], None, None]),
+            r"STORE.blocks.hashes\[1\]: -1 is not a u64",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [1 << 64], None, None]),
+            r"STORE.blocks.hashes\[0\]: .* is not a u64",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [1.5], None, None]),
+            r"STORE.blocks.hashes\[0\]: expected a u64 int",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [b"h" * 65], None, None]),
+            r"STORE.blocks.hashes\[0\]: expected",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [1], "", None]),
+            r"STORE.blocks.lora_name: expected nil or a string",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [1, 2], None, [None]]),
+            r"STORE.blocks.extra_keys: 1 entries for 2 hashes",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [1], None, [[{"a": 1}]]]),
+            r"STORE.blocks.extra_keys\[0\]\[0\]: expected a scalar",
+        ),
+        (
+            "STORE",
+            payload_of(STORE, blocks=[16, [1], None, [[[[1]]]]]),
+            r"STORE.blocks.extra_keys\[0\]\[0\]\[0\]: nested too deep",
         ),
         ("STORE", payload_of(STORE, block_ids="ab"), "STORE.block_ids: expected bytes"),
         ("STORE", payload_of(STORE, token_ids=b"\x00" * 6), "STORE.token_ids: 6 bytes is not a whole number"),

@@ -1,0 +1,335 @@
+"""KV events through the public contract: real `kvwarden serve` processes publishing on real
+ZMQ sockets, workers storing through `dataplane.client`, a subscriber and the replay socket over
+ZMQ, and every payload decoded by vLLM's own event classes (msgspec, in vLLM's environment)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import zmq
+
+from dataplane.events.describe import native_hash
+from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.wire.blocks import EngineBlocks
+from dataplane.wire.errors import RequestError
+from tests.e2e.test_fs_tier import chunk_files, fs_doc
+from tests.e2e.test_remote_tier import BLOCK_IDS, BS, CS, HD, HEADS, LAYERS, Worker, prompt
+from tests.e2e.vllm_support import VLLM_PYTHON
+from tests.helpers import ROOT, ServerProcess, free_port, subprocess_env, wait_until
+
+CHUNK_BYTES = LAYERS * 2 * CS * HEADS * HD * 2  # bf16
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SCOPE = scope_digest("m", 1, 0, "bfloat16", LAYERS, HEADS, HD)
+
+
+class Decoder:
+    """vLLM's decoder in vLLM's environment, one process for the module."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(VLLM_PYTHON), str(ROOT / "tests" / "e2e" / "kv_events_decode.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+        )
+        assert self.proc.stdout is not None
+        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+
+    def decode(self, payload: bytes) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(base64.b64encode(payload).decode() + "\n")
+        self.proc.stdin.flush()
+        out: dict[str, Any] = json.loads(self.proc.stdout.readline())
+        assert "error" not in out, out
+        return out
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Iterator[Decoder]:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` sets up vLLM's environment (make test does)")
+    d = Decoder()
+    yield d
+    d.close()
+
+
+class Events:
+    """A server publishing events, and what a subscriber and the replay socket see of them."""
+
+    def __init__(self, tmp: Path, *args: str, topic: str = "kv@pod-a@m") -> None:
+        self.pub_port, self.replay_port = free_port(), free_port()
+        self.topic = topic
+        self.srv = ServerProcess(
+            tmp,
+            "--kv-events-endpoint",
+            f"tcp://*:{self.pub_port}",
+            "--kv-events-replay-endpoint",
+            f"tcp://*:{self.replay_port}",
+            "--kv-events-topic",
+            topic,
+            *args,
+        )
+        self.srv.wait_ready()
+        self.ctx: zmq.Context[Any] = zmq.Context()
+
+    def subscriber(self, hwm: int = 1000) -> zmq.Socket[Any]:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(f"tcp://127.0.0.1:{self.pub_port}")
+        return sub
+
+    def replay(self, start: int = 0) -> list[tuple[int, bytes]]:
+        """Every buffered batch from ``start`` (sequence, payload), through the replay socket."""
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{self.replay_port}")
+        try:
+            s.send_multipart([b"", start.to_bytes(8, "big")])
+            out = []
+            while True:
+                assert s.poll(10_000), "no answer from the replay socket"
+                _, topic, seq, payload = s.recv_multipart()
+                if seq == END_SEQ:
+                    return out
+                assert topic == self.topic.encode()
+                out.append((int.from_bytes(seq, "big"), payload))
+        finally:
+            s.close(0)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"http://127.0.0.1:{self.srv.http_port}/metrics", timeout=10).text
+        return {
+            m[1]: float(m[2]) for m in re.finditer(r"^(kvwarden_kv_event[^ ]*) ([0-9.e+-]+)$", text, re.M)
+        }
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+        self.srv.stop()
+
+
+def events_of(dec: Decoder, batches: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
+    return [ev for _, payload in batches for ev in dec.decode(payload)["events"]]
+
+
+def stored(hashes: list[int], parent: int | None, tokens: np.ndarray, medium: str = "CPU") -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": [int(t) for t in tokens],
+        "block_size": CS,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "ownership": "kvwarden",
+    }
+
+
+def removed(hashes: list[int], medium: str = "CPU") -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "ownership": "kvwarden"}
+
+
+def native(tokens: np.ndarray) -> list[int]:
+    return [native_hash(k) for k in chunk_keys(SCOPE, tokens, CS)]
+
+
+def chunk_events(tokens: np.ndarray, medium: str = "CPU") -> list[dict[str, Any]]:
+    """The BlockStored events of every chunk of ``tokens``, without engine names."""
+    h = native(tokens)
+    return [
+        stored([h[i]], h[i - 1] if i else None, tokens[i * CS : (i + 1) * CS], medium) for i in range(len(h))
+    ]
+
+
+def test_stores_and_evictions_publish_exactly_these_events_in_order_without_gaps(
+    tmp_path: Path, decoder: Decoder
+) -> None:
+    ev = Events(tmp_path, "--l1-size-gb", repr(4 * CHUNK_BYTES / (1 << 30)))
+    w = None
+    try:
+        sub = ev.subscriber()
+        w = Worker(ev.srv)
+        a, b, c = prompt(1, 2 * CS), prompt(2, 2 * CS), prompt(3, 2 * CS)
+        w.fill(1)
+        for p in (a, b, c):  # L1 holds 4 chunks: c evicts a's two, oldest first
+            assert w.w.store_detail(p, BLOCK_IDS).stored == 2
+        want = [{"type": "AllBlocksCleared"}, *chunk_events(a), *chunk_events(b)]
+        ha = native(a)
+        cc = chunk_events(c)  # each of c's chunks evicts one of a's, oldest first, then lands
+        want += [removed([ha[0]]), cc[0], removed([ha[1]]), cc[1]]
+        wait_until(lambda: ev.metrics().get("kvwarden_kv_events_held_chunks") == 4, 10, what="events out")
+        history = ev.replay(0)
+        assert [s for s, _ in history] == list(range(len(history)))  # no gap, from 0
+        got = events_of(decoder, history)
+        assert got == want
+        # the live subscriber saw the same batches, each once, in order (it may have joined late)
+        live = []
+        while sub.poll(1000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == ev.topic.encode()
+            live.append((int.from_bytes(seq, "big"), payload))
+        assert live and live == history[len(history) - len(live) :]
+        m = ev.metrics()
+        assert m['kvwarden_kv_events_total{type="BlockStored"}'] == 6
+        assert m['kvwarden_kv_events_total{type="BlockRemoved"}'] == 2
+        assert m["kvwarden_kv_events_dropped_total"] == 0
+        # a replay from the middle returns the rest only
+        assert ev.replay(2) == history[2:]
+    finally:
+        if w is not None:
+            w.close()
+        ev.close()
+
+
+@pytest.mark.parametrize("mode", ["server_driven", "engine_driven"])
+def test_a_store_with_the_engines_names_publishes_them(tmp_path: Path, decoder: Decoder, mode: str) -> None:
+    ev = Events(tmp_path)
+    w = None
+    try:
+        w = Worker(ev.srv, mode)
+        tokens = prompt(4, 3 * CS + 5)  # three chunks, and 5 tokens no chunk holds
+        blocks = len(tokens) // BS
+        hashes = [(0xABC << 40) + i for i in range(blocks)]  # as vLLM's integer block hashes are
+        extra = [["lora-x"] if i % 2 else None for i in range(blocks)]
+        names = EngineBlocks(
+            BS, tuple(hashes), "lora-x", tuple(None if e is None else tuple(e) for e in extra)
+        )
+        w.fill(2)
+        assert w.w.store_detail(tokens, BLOCK_IDS, names=names).stored == 3
+        wait_until(lambda: ev.metrics().get("kvwarden_kv_events_held_chunks") == 3, 10, what="events out")
+        got = events_of(decoder, ev.replay(0))
+        per = CS // BS
+        want = [{"type": "AllBlocksCleared"}]
+        for c in range(3):
+            lo = c * per
+            want.append(
+                {
+                    **stored(
+                        hashes[lo : lo + per], hashes[lo - 1] if lo else None, tokens[c * CS : (c + 1) * CS]
+                    ),
+                    "block_size": BS,
+                    "lora_name": "lora-x",
+                    "extra_keys": extra[lo : lo + per],
+                }
+            )
+        assert got == want
+        # names that cannot name the chunks are refused, naming the field; the server lives on
+        with pytest.raises(RequestError, match=r"blocks\.block_size: 48 does not divide"):
+            w.w.store_detail(tokens, BLOCK_IDS, names=EngineBlocks(48, tuple(hashes)))
+        with pytest.raises(RequestError, match=r"blocks\.hashes: 5 hashes name fewer than the 48 blocks"):
+            w.w.store_detail(tokens, BLOCK_IDS, names=EngineBlocks(BS, tuple(hashes[:5])))
+        assert w.w.store_detail(prompt(5, CS), BLOCK_IDS).stored == 1
+    finally:
+        if w is not None:
+            w.close()
+        ev.close()
+
+
+def test_a_subscriber_that_stops_reading_does_not_hold_back_stores(tmp_path: Path, decoder: Decoder) -> None:
+    ev = Events(tmp_path, "--l1-size-gb", repr(8 * CHUNK_BYTES / (1 << 30)))
+    w = None
+    try:
+        stuck = ev.subscriber(hwm=1)  # never read: its pipe fills at once
+        w = Worker(ev.srv)
+        w.fill(3)
+        n = 300
+        t0 = time.monotonic()
+        for i in range(n):
+            assert w.w.store_detail(prompt(100 + i, CS), BLOCK_IDS).stored == 1
+        took = time.monotonic() - t0
+        m = wait_until(
+            lambda: (m := ev.metrics())['kvwarden_kv_events_total{type="BlockStored"}'] == n and m, 10
+        )
+        assert m['kvwarden_kv_events_total{type="BlockRemoved"}'] == n - 8
+        assert m["kvwarden_kv_events_dropped_total"] == 0 and m["kvwarden_kv_events_queued"] == 0
+        assert took < 60, took
+        # a late subscriber learns the last batches from the replay socket, decodable as ever
+        history = ev.replay(0)
+        assert [s for s, _ in history] == list(range(len(history)))
+        assert sum(e["type"] == "BlockStored" for e in events_of(decoder, history)) == n
+        assert stuck.poll(0)  # (it was sent what fit its pipe, and is still connected)
+    finally:
+        if w is not None:
+            w.close()
+        ev.close()
+
+
+def test_the_file_tier_publishes_disk_stores_and_evictions(tmp_path: Path, decoder: Decoder) -> None:
+    root = tmp_path / "fs"
+    root.mkdir()
+    header = 4096  # room for a file's header, per chunk
+    cap = 2 * (CHUNK_BYTES + header) / (1 << 30)
+    ev = Events(tmp_path, "--fs-path", str(root), "--fs-size-gb", repr(cap))
+    w = None
+    try:
+        w = Worker(ev.srv)
+        w.fill(4)
+        a, b = prompt(7, 2 * CS), prompt(8, CS)
+        assert w.w.store_detail(a, BLOCK_IDS).stored == 2
+        wait_until(lambda: fs_doc(ev.srv)["puts"] == 2 and fs_doc(ev.srv)["queue_depth"] == 0, 20)
+        assert w.w.store_detail(b, BLOCK_IDS).stored == 1  # its file evicts a's first
+        wait_until(lambda: fs_doc(ev.srv)["puts"] == 3 and fs_doc(ev.srv)["queue_depth"] == 0, 20)
+        assert len(chunk_files(root)) == 2
+        wait_until(lambda: ev.metrics().get('kvwarden_kv_events_total{type="BlockRemoved"}') == 1, 10)
+        got = [e for e in events_of(decoder, ev.replay(0)) if e.get("medium") == "DISK"]
+        ca, cb = chunk_events(a, "DISK"), chunk_events(b, "DISK")
+        assert got == [ca[0], ca[1], removed([native(a)[0]], "DISK"), cb[0]]
+    finally:
+        if w is not None:
+            w.close()
+        ev.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kv-events-replay-endpoint", "tcp://*:5999"], "need kv_events_endpoint (events are off)"),
+        (["--kv-events-topic", "kv@p@m"], "need kv_events_endpoint (events are off)"),
+        (["--kv-events-endpoint", "udp://x:1"], "must start with tcp://, ipc:// or inproc://"),
+    ],
+)
+def test_event_settings_that_would_do_nothing_are_refused(args: list[str], message: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+
+
+def test_an_endpoint_in_use_fails_the_start_naming_it(tmp_path: Path) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        srv = ServerProcess(tmp_path, "--kv-events-endpoint", f"tcp://*:{port}")
+        rc = srv.proc.wait(120)
+        assert rc == 1, srv.output()
+        assert f"kv_events_endpoint tcp://*:{port}: Address already in use" in srv.output()
+    finally:
+        ctx.destroy(0)
