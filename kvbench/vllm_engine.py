@@ -11,7 +11,8 @@ the Python of the vLLM environment (``.venv-vllm``); greedy sampling, so outputs
 token for token. ``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by
 default); ``KVWARDEN_ENGINE_LORA``, a JSON object, turns LoRA on with those engine options (such
 as ``{"max_lora_rank": 8, "max_loras": 2}``; ``{}``: vLLM's defaults); ``KVWARDEN_ENGINE_CONNECTOR_EXTRA``
-holds more ``kv_connector_extra_config`` keys, as JSON. Used by `kvbench.vllm` and the
+holds more ``kv_connector_extra_config`` keys, as JSON; ``KVWARDEN_ENGINE_KV_EVENTS`` the engine's own
+KV events (vLLM's ``KVEventsConfig`` fields, as JSON). Used by `kvbench.vllm` and the
 vLLM tests.
 """
 
@@ -40,6 +41,11 @@ def build(model: str, url: str | None, extra: dict[str, Any], lora: dict[str, An
     if lora is not None:
         kw.update(enable_lora=True, **lora)
     prefix = os.environ.get("KVWARDEN_ENGINE_PREFIX_CACHING") == "1"
+    events = os.environ.get("KVWARDEN_ENGINE_KV_EVENTS")
+    if events:  # the engine's own KV events (vLLM's KVEventsConfig, as JSON)
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**json.loads(events))
     return LLM(
         model=model,
         skip_tokenizer_init=True,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dataplane.wire.context import MAX_SALT_BYTES, KeyContext, Span
+from dataplane.wire.context import KeyContext, Span, salt_bytes
 
 
 class UninterpretableKey(ValueError):
@@ -39,10 +39,7 @@ def key_context(
     salt: str | bytes | None = None, adapter: bytes = b"", spans: Iterable[Span] = ()
 ) -> KeyContext | None:
     """The context of a request (None when it changes no key: tokens alone key its chunks)."""
-    raw = salt.encode() if isinstance(salt, str) else (salt or b"")
-    if len(raw) > MAX_SALT_BYTES:  # hashed, not cut: two long salts must stay two tenants
-        raw = b"salt-digest:" + hashlib.blake2b(raw, digest_size=32).digest()
-    ctx = KeyContext(raw, adapter, merge_spans(spans))
+    ctx = KeyContext(salt_bytes(salt), adapter, merge_spans(spans))
     return ctx if ctx else None
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +46,7 @@ from dataplane.client.keys import (
     key_context,
     mm_spans,
 )
+from dataplane.client.vllm_events import EventRelay, engine_names
 from dataplane.client.vllm_state import (
     UNCACHED,
     Plan,
@@ -53,6 +54,7 @@ from dataplane.client.vllm_state import (
     RequestKey,
     Scope,
     ScopeLookup,
+    Uncached,
     connector_settings,
 )
 from dataplane.client.vllm_wait import OwnSaves, Waits
@@ -62,6 +64,7 @@ from dataplane.wire.messages import KVFormat
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -190,6 +193,7 @@ class KVWardenConnector(KVConnectorBase_V1):
         self._saver: Saver | None = None
         self._planned: set[str] = set()  # requests this worker was asked to store
         self._load_errors: set[int] = set()
+        self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
         if role == KVConnectorRole.SCHEDULER:
             cfg = self._cfg
             lookup = ScopeLookup(
@@ -200,6 +204,9 @@ class KVWardenConnector(KVConnectorBase_V1):
             own = OwnSaves(self._scope.world_size)
             self._planner = Planner(lookup.find, self._block_size, waits, own)
             self._planner.chunk_size = lambda: lookup.chunk_size
+            if cfg["kvwarden.kv_events_endpoint"] is not None:
+                self._relay = EventRelay(cfg["kvwarden.kv_events_endpoint"], cfg["kvwarden.kv_events_topic"])
+                self._relay.start()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -320,6 +327,9 @@ class KVWardenConnector(KVConnectorBase_V1):
             self._adapter.close()
         if self._lookup is not None:
             self._lookup.close()
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay.join()
 
     # ---------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(
@@ -328,6 +338,8 @@ class KVWardenConnector(KVConnectorBase_V1):
         assert self._planner is not None
         p, rid = self._planner, request.request_id
         key = p.keys[rid] if rid in p.keys else request_key(request, self._block_size)
+        if rid not in p.names and not isinstance(key, Uncached):
+            p.names[rid] = engine_names(request, self._block_size)
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
         return p.matched(rid, prompt, num_computed_tokens, key), False
 
@@ -374,6 +386,9 @@ class KVWardenConnector(KVConnectorBase_V1):
             elif (idle := self._planner.waits.idle_s()) > 0:
                 time.sleep(idle)  # waiting for another engine's stores: do not spin (`Waits.idle_s`)
         return KVWardenConnectorMetadata(plan)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return () if self._relay is None else self._relay.take()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None

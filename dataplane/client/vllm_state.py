@@ -25,6 +25,7 @@ import zmq
 
 from dataplane.client.channel import Channel
 from dataplane.client.vllm_wait import Found, OwnSaves, Waits
+from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import KVWardenError, RequestError
 from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScope, LookupWaited
 
@@ -41,6 +42,8 @@ _KEYS = {
     "kvwarden.request_timeout_s": float,
     "kvwarden.heartbeat_interval_s": float,
     "kvwarden.lookup_wait_s": float,
+    "kvwarden.kv_events_endpoint": str,
+    "kvwarden.kv_events_topic": str,
 }
 _MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
 _DEFAULTS: dict[str, Any] = {
@@ -54,6 +57,10 @@ _DEFAULTS: dict[str, Any] = {
     # how long a request may wait for its prefix being stored (by this engine or another) to
     # land rather than recompute it; 0: never wait
     "kvwarden.lookup_wait_s": 1.0,
+    # the server's kv_events_endpoint (as this engine reaches it): its events join the engine's
+    # own (`dataplane.client.vllm_events.EventRelay`); none: not forwarded
+    "kvwarden.kv_events_endpoint": None,
+    "kvwarden.kv_events_topic": "",
 }
 
 
@@ -76,6 +83,15 @@ def connector_settings(extra: dict[str, Any] | None) -> dict[str, Any]:
             raise ValueError(f"kv_connector_extra_config[{key!r}]: must be {bound}, got {value!r}")
         if _KEYS[key] is float and not out[key] < float("inf"):
             raise ValueError(f"kv_connector_extra_config[{key!r}]: must be finite, got {value!r}")
+    ep = out["kvwarden.kv_events_endpoint"]
+    if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.kv_events_endpoint']: {ep!r} is not a ZMQ endpoint"
+        )
+    if ep is None and out["kvwarden.kv_events_topic"]:
+        raise ValueError(
+            "kv_connector_extra_config['kvwarden.kv_events_topic'] needs kvwarden.kv_events_endpoint"
+        )
     if out["kvwarden.transfer_mode"] not in MODES:
         raise ValueError(
             f"kv_connector_extra_config['kvwarden.transfer_mode']: {out['kvwarden.transfer_mode']!r}; "
@@ -202,6 +218,7 @@ class Save:
     blocks: np.ndarray
     key: KeyContext | None = None
     seq: int = 0  # reported back to the scheduler when the save is over (`OwnSaves`)
+    names: EngineBlocks | None = None  # vLLM's names of the blocks, for kvwarden's KV events
 
 
 class Uncached:
@@ -255,6 +272,7 @@ class Planner:
         self.own = own if own is not None else OwnSaves()
         self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
         self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
+        self.names: dict[str, EngineBlocks | None] = {}  # req id -> vLLM's names of its blocks
         self._reqs: dict[str, _Request] = {}
 
     def matched(
@@ -329,7 +347,7 @@ class Planner:
             n_blocks = -(-full // self.block_size)
             blocks = np.asarray(r.blocks[:n_blocks], dtype=np.int64)
             seq = self.own.add(r.tokens[:full], r.key)
-            out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key, seq))
+            out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key, seq, self.names.get(req_id)))
             r.saved, r.saving = full, True
 
     def finished(self, req_id: str) -> bool:
@@ -337,6 +355,7 @@ class Planner:
         the worker says the save is over)."""
         self._hits.pop(req_id, None)
         self.keys.pop(req_id, None)
+        self.names.pop(req_id, None)
         self.waits.forget(req_id)
         r = self._reqs.pop(req_id, None)
         return r is not None and r.saving

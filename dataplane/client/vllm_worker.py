@@ -181,7 +181,7 @@ class Saver:
         if self.adapter.registration is None:
             return  # not registered (yet): nothing to store into
         try:
-            r = self.adapter.store_detail(job.tokens, job.blocks, job.key)
+            r = self.adapter.store_detail(job.tokens, job.blocks, job.key, job.names)
         except (KVWardenError, ValueError) as exc:
             self.failed += 1
             logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)

@@ -9,6 +9,8 @@ chunk before it: a stream kvwarden's own clients can follow, which no engine's h
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +19,7 @@ from dataplane.events.sink import EventSink
 from dataplane.events.vllm_format import ChunkMeta
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.checks import ID_DTYPE
+from dataplane.wire.context import KeyContext
 from dataplane.wire.errors import RequestError
 
 
@@ -76,3 +79,28 @@ def describe(
             )
         sink.describe(key, meta)
         prev = key
+
+
+class AdapterNames:
+    """LoRA adapter name -> the key namespace its chunks are stored under, learnt from stores
+    that name both (the vLLM connector's do), so a router may ask by name (`POST /v1/lookup`).
+    At most ``MAX_ADAPTERS``, the oldest forgotten. ``_lock`` guards ``_names``."""
+
+    MAX_ADAPTERS = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: OrderedDict[str, bytes] = OrderedDict()
+
+    def learn(self, blocks: EngineBlocks | None, ctx: KeyContext | None) -> None:
+        if blocks is None or blocks.lora_name is None or ctx is None or not ctx.namespace:
+            return
+        with self._lock:
+            self._names[blocks.lora_name] = ctx.namespace
+            self._names.move_to_end(blocks.lora_name)
+            while len(self._names) > self.MAX_ADAPTERS:
+                self._names.popitem(last=False)
+
+    def namespace(self, name: str) -> bytes | None:
+        with self._lock:
+            return self._names.get(name)

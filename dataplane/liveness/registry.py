@@ -221,6 +221,13 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
             time.sleep(0)
         return out
 
+    def scopes_of(self, model_name: str) -> set[tuple[int, int, bytes]]:
+        """(world size, rank, chunk-key scope) of every instance registered for ``model_name``."""
+        return {
+            (e.info.world_size, e.info.worker_id, e.scope)
+            for e in self._scan(lambda e: e.info.model_name == model_name)
+        }
+
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         with self._lock:
             e = self._entries.get(instance_id)

@@ -101,6 +101,7 @@ class DirectTransferModule:
         describe(
             self.l1.events, wanted, p.first_chunk, p.token_ids, cs, p.blocks, before[-1] if before else None
         )
+        self.l1.adapters.learn(p.blocks, p.key)
         c.leases.room(self.l1)
         lease = Lease()
         _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write

@@ -14,12 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from dataplane.events.publisher import EventsState
 from dataplane.health.base import CheckResult, Status
 from dataplane.health.monitor import MonitorState
 from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
+from dataplane.server.router_lookup import TierHits
 from dataplane.storage.fs_stats import FsStats
 from dataplane.storage.l1 import L1Stats
 from dataplane.storage.tenants import TenantStats
@@ -39,6 +42,7 @@ __all__ = [
     "ServerInfo",
     "Status",
     "TenantStats",
+    "TierHits",
 ]
 
 
@@ -145,6 +149,13 @@ class DataPlaneView(Protocol):
 
     def events_state(self) -> EventsState | None:
         """The KV events (None: no kv_events_endpoint)."""
+        ...
+
+    def lookup_tiers(
+        self, model: str, token_ids: np.ndarray, salt: str | None = None, adapter: str | None = None
+    ) -> TierHits:
+        """A router's lookup (`dataplane.server.router_lookup`); blocking calls to the lower
+        tiers, each bounded by its deadline: never on the loop thread."""
         ...
 
     def force_reap(self, instance_id: int) -> list[str]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from prometheus_client import generate_latest
 
@@ -42,6 +43,7 @@ from dataplane.server.facade import ComponentState, LivenessStatus, MonitorState
 from dataplane.server.factory import new_server
 from dataplane.server.kv_events import build_events
 from dataplane.server.loop import Server
+from dataplane.server.router_lookup import TierHits, lookup_tiers
 from dataplane.storage.arena import Arena
 from dataplane.storage.fs_stats import FsStats
 from dataplane.storage.fs_tier import FileTier
@@ -202,6 +204,12 @@ class DataPlane:
 
     def fs_state(self) -> FsStats | None:
         return None if self.fs is None else self.fs.stats()
+
+    def lookup_tiers(
+        self, model: str, token_ids: np.ndarray, salt: str | None = None, adapter: str | None = None
+    ) -> TierHits:
+        cs = self.settings.chunk_size
+        return lookup_tiers(self.l1, self.registries, cs, model, token_ids, salt, adapter)
 
     def events_state(self) -> EventsState | None:
         return None if self.events is None else self.events.state()

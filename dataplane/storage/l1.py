@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dataplane.events.describe import AdapterNames
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_CPU
 from dataplane.storage.arena import Arena, ArenaStats, Extents
@@ -94,6 +95,7 @@ class L1Store:
         # KV events (`dataplane.events`): told of every chunk committed and dropped, under _lock
         # (a report never waits), so their order is the order of the changes
         self.events: EventSink = NO_EVENTS
+        self.adapters = AdapterNames()  # LoRA names -> key namespaces, for a router's lookups
 
     # ---------------------------------------------------------------- reads
     def prefix_hits(self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT) -> int:
@@ -107,6 +109,16 @@ class L1Store:
                     break
                 self._entries.move_to_end(k)
                 self._tenants.touched(e.tenant, k, hit=False)
+                n += 1
+        return n
+
+    def peek_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys are present, touching nothing (a router's question)."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k not in self._entries:
+                    break
                 n += 1
         return n
 

@@ -22,6 +22,7 @@ A request without a context (``None``), or with an empty one, keys its chunks on
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Annotated, Any
 
 from dataplane.wire.checks import blob, type_name, wire_type
@@ -94,6 +95,15 @@ class KeyContext(Record):
             return self
         spans = tuple((s - offset, e - offset, d) for s, e, d in self.spans if e > offset)
         return dataclasses.replace(self, spans=spans)
+
+
+def salt_bytes(salt: str | bytes | None) -> bytes:
+    """A tenant's salt as chunk keys fold it in (vLLM's ``cache_salt`` is a str): a salt longer
+    than `MAX_SALT_BYTES` is hashed, not cut, so two long salts stay two tenants."""
+    raw = salt.encode() if isinstance(salt, str) else (salt or b"")
+    if len(raw) > MAX_SALT_BYTES:
+        raw = b"salt-digest:" + hashlib.blake2b(raw, digest_size=32).digest()
+    return raw
 
 
 @wire_type("`KeyContext` or nil")

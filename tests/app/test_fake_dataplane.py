@@ -29,6 +29,7 @@ from dataplane.server.facade import (
     RemoteState,
     ServerInfo,
     TenantStats,
+    TierHits,
 )
 from tests.app.conftest import AUTH, TOKEN, AppFactory
 
@@ -183,6 +184,11 @@ class FakeDataPlane:
 
     def events_state(self) -> EventsState | None:
         return None
+
+    def lookup_tiers(
+        self, model: str, token_ids: Any, salt: str | None = None, adapter: str | None = None
+    ) -> TierHits:
+        return TierHits(len(token_ids), 256, 0, 0, 0, 0, False)
 
     def force_reap(self, instance_id: int) -> list[str]:
         self.force_reap_calls.append(instance_id)

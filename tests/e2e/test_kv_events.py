@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
+from dataplane.client.keys import key_context
 from dataplane.events.describe import native_hash
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.wire.blocks import EngineBlocks
@@ -333,3 +334,108 @@ def test_an_endpoint_in_use_fails_the_start_naming_it(tmp_path: Path) -> None:
         assert f"kv_events_endpoint tcp://*:{port}: Address already in use" in srv.output()
     finally:
         ctx.destroy(0)
+
+
+def lookup(srv: ServerProcess, *requests: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        f"http://127.0.0.1:{srv.http_port}/v1/lookup", json={"requests": list(requests)}, timeout=30
+    )
+
+
+def tiers(srv: ServerProcess, tokens: np.ndarray, **kw: Any) -> tuple[int, int, int, bool]:
+    r = lookup(srv, {"model": "m", "token_ids": [int(t) for t in tokens], **kw})
+    assert r.status_code == 200, r.text
+    (res,) = r.json()["results"]
+    assert res["tokens"] == len(tokens) and res["chunk_size"] == CS
+    return res["cpu_tokens"], res["disk_tokens"], res["total_tokens"], res["model_known"]
+
+
+def test_the_lookup_route_answers_each_tier_within_salt_and_adapter(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    root.mkdir()
+    srv = ServerProcess(
+        tmp_path,
+        "--l1-size-gb",
+        repr(4 * CHUNK_BYTES / (1 << 30)),
+        "--fs-path",
+        str(root),
+        "--fs-size-gb",
+        "1",
+    )
+    w = None
+    try:
+        srv.wait_ready()
+        w = Worker(srv)
+        w.fill(5)
+        a, b, c = prompt(21, 2 * CS + 7), prompt(22, 2 * CS), prompt(23, 2 * CS)
+        salted = key_context("tenant-a")
+        assert w.w.store_detail(a, BLOCK_IDS, salted).stored == 2
+        assert tiers(srv, a, salt="tenant-a")[0] == 2 * CS
+        assert tiers(srv, a) == (0, 0, 0, True)  # a salted prefix is found only with its salt
+        assert tiers(srv, a, salt="tenant-b")[2] == 0
+        r = lookup(srv, {"model": "no-such-model", "token_ids": [int(t) for t in a]})
+        assert r.json()["results"][0] == {
+            "tokens": len(a), "chunk_size": CS, "cpu_tokens": 0, "disk_tokens": 0,
+            "external_tokens": 0, "total_tokens": 0, "model_known": False,
+        }  # fmt: skip
+        # an adapter is asked for by the name its stores gave it
+        names = EngineBlocks(BS, tuple(range(len(b) // BS)), "lora-x")
+        lora = key_context(None, b"lora:x-namespace")
+        assert w.w.store_detail(b, BLOCK_IDS, lora, names).stored == 2
+        assert tiers(srv, b, adapter="lora-x")[2] == 2 * CS
+        assert tiers(srv, b)[2] == 0 and tiers(srv, b, adapter="lora-y")[2] == 0
+        wait_until(lambda: fs_doc(srv)["puts"] == 4 and fs_doc(srv)["queue_depth"] == 0, 20)
+        cpu, disk, total, _ = tiers(srv, a, salt="tenant-a")
+        assert (cpu, disk, total) == (2 * CS, 2 * CS, 2 * CS)
+        # asking touches nothing: a, asked about last, is still the oldest and c evicts it from L1
+        assert w.w.store_detail(c, BLOCK_IDS).stored == 2
+        assert tiers(srv, a, salt="tenant-a")[:3] == (0, 2 * CS, 2 * CS)  # on disk only now
+        assert tiers(srv, b, adapter="lora-x")[0] == 2 * CS
+    finally:
+        if w is not None:
+            w.close()
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "message"),
+    [
+        ({"requests": []}, 422, "at least 1 item"),
+        ({"requests": [{"model": "m", "token_ids": [1]}] * 65}, 422, "at most 64 items"),
+        (
+            {"requests": [{"model": "m", "token_ids": [-1]}]},
+            422,
+            "requests[0].token_ids: every id must lie in [0, 2^31)",
+        ),
+        ({"requests": [{"model": "m", "token_ids": [1], "block_hashes": [1]}]}, 422, "block_hashes"),
+        ({"requests": [{"model": "", "token_ids": [1]}]}, 422, "at least 1 character"),
+        ({"requests": [{"model": "m", "token_ids": [1] * (1 << 19)}] * 3}, 413, "over the limit of 1048576"),
+    ],
+)
+def test_the_lookup_route_refuses_bad_batches_naming_the_problem(
+    tmp_path: Path, body: dict[str, Any], code: int, message: str
+) -> None:
+    srv = lookup_server(tmp_path)
+    r = httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/lookup", json=body, timeout=60)
+    assert r.status_code == code, r.text
+    assert message in r.text
+    assert srv.proc.poll() is None
+
+
+_SERVER: dict[str, ServerProcess] = {}
+
+
+def lookup_server(tmp: Path) -> ServerProcess:
+    """One server for the bad-input cases (they change nothing)."""
+    srv = _SERVER.get("s")
+    if srv is None or srv.proc.poll() is not None:
+        srv = _SERVER["s"] = ServerProcess(tmp)
+        srv.wait_ready()
+    return srv
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_lookup_server() -> Iterator[None]:
+    yield
+    for srv in _SERVER.values():
+        srv.stop()

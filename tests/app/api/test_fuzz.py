@@ -119,6 +119,8 @@ def check_response(op: dict[str, Any], r: httpx.Response) -> None:
         params = {(p["in"], p["name"]) for p in op.get("parameters", [])}
         assert body.get("detail"), f"422 without errors: {body}"
         for error in body["detail"]:
+            if error["loc"][0] == "body" and "requestBody" in op:
+                continue  # (its body: a missing or malformed one)
             assert tuple(error["loc"][:2]) in params, f"422 names no parameter of the operation: {error}"
 
 
@@ -166,7 +168,7 @@ def test_generated_requests_never_fail_the_server(client: httpx.Client, make_wor
     workers = [make_worker(heartbeat_interval=0.5) for _ in range(2)]
     known = [w.id for w in workers]
     operations = [(path, method, op) for path, item in DOC["paths"].items() for method, op in item.items()]
-    assert len(operations) == 7
+    assert len(operations) == 8
     for path, method, op in operations:
         _check_operation(client, path, method, op, known)
     # hypothesis draws at random and may miss a 422 (the reap route validates its id only once
@@ -176,6 +178,7 @@ def test_generated_requests_never_fail_the_server(client: httpx.Client, make_wor
     assert {(path, method) for path, method, _ in with_422} == {
         ("/instances/{instance_id}", "get"),
         ("/instances/{instance_id}/reap", "post"),
+        ("/v1/lookup", "post"),  # (its body: none here)
     }
     for path, method, op in with_422:
         r = client.request(method.upper(), path.replace("{instance_id}", "not-an-id"), headers=AUTH)

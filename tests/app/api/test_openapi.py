@@ -21,6 +21,7 @@ OPERATIONS = {
     ("/instances/{instance_id}", "get"): "instances-read_instance",
     ("/instances/{instance_id}/reap", "post"): "instances-reap_instance",
     ("/metrics", "get"): "metrics-read_metrics",
+    ("/v1/lookup", "post"): "routing-lookup",
 }
 
 
