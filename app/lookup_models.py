@@ -46,7 +46,9 @@ class LookupResult(BaseModel):
     total_tokens: int = Field(
         description="what a RETRIEVE would bring: L1's prefix, continued by the file tier, then the remote"
     )
-    model_known: bool = Field(description="instances of the model are registered (else every count is 0)")
+    model_known: bool = Field(
+        description="instances of the model have registered since the server started (else every count is 0)"
+    )
 
 
 class LookupAnswer(BaseModel):

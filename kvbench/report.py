@@ -312,7 +312,36 @@ def fs_tables(rep: dict[str, Any]) -> list[Table]:
     ]
 
 
+def events_tables(rep: dict[str, Any]) -> list[Table]:
+    mib, s, b, lk = rep["chunk_bytes"] / (1 << 20), rep["store_ms"], rep["burst"], rep["lookup"]
+    first = rep["first_store"]
+    rows = [
+        ["STORE, events off (median ms)", f"{s['off']:.2f}", ""],
+        [
+            "STORE, events on, a subscriber reading (median ms; on / off)",
+            f"{s['on']:.2f}",
+            _x(rep["store_ratio"]),
+        ],
+        ["first STORE of a fresh server, off / on (ms)", f"{first['off_ms']:.1f} / {first['on_ms']:.1f}", ""],
+        [f"burst: {b['stores']:,} STOREs, STOREs/s", f"{b['stores_per_s']:,.0f}", ""],
+        ["burst: events published per s (BlockStored + BlockRemoved)", f"{b['events_per_s']:,.0f}", ""],
+        [
+            "burst: events dropped / subscriber's sequence gaps",
+            f"{b['dropped']:.0f} / {b['received_gaps']}",
+            "",
+        ],
+        [f"/v1/lookup: batch of {rep['params']['batch']} prompts (median ms)", f"{lk['batch_ms']:.1f}", ""],
+        ["/v1/lookup: prompts/s (one client)", f"{lk['prompts_per_s']:,.0f}", ""],
+    ]
+    return [
+        Table(
+            f"KV events and /v1/lookup, {mib:g} MiB chunks, fresh servers", ["figure", "value", "ratio"], rows
+        )
+    ]
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
+    "events": events_tables,
     "blend": blend_tables,
     "fs": fs_tables,
     "remote": remote_tables,

@@ -11,11 +11,11 @@ from typing import Any
 
 from kvbench.results import add_output_args
 
-ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend")
+ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend", "events")
 
 
 def modules() -> dict[str, ModuleType]:
-    from kvbench import blend, fs, ping, reaper, remote, sidecar, startup, trace, transfer, vllm
+    from kvbench import blend, events, fs, ping, reaper, remote, sidecar, startup, trace, transfer, vllm
 
     return {
         "startup": startup,
@@ -25,6 +25,7 @@ def modules() -> dict[str, ModuleType]:
         "http": sidecar,
         "remote": remote,
         "fs": fs,
+        "events": events,
         "blend": blend,
         "vllm": vllm,
         "trace": trace,

@@ -57,6 +57,7 @@ def verdicts(reports: dict[str, dict[str, Any]]) -> list[Verdict]:
         "remote": _remote,
         "blend": _blend,
         "fs": _fs,
+        "events": _events,
     }
     for name, check in checks.items():
         if name in reports:
@@ -162,6 +163,10 @@ def _blend(rep: dict[str, Any]) -> list[Verdict]:
         )
         for r in rep["rows"]
     ]
+
+
+def _events(rep: dict[str, Any]) -> list[Verdict]:
+    return [Verdict("STORE with KV events on / off (median)", rep["store_ratio"], 1.05, "x", False)]
 
 
 def _fs(rep: dict[str, Any]) -> list[Verdict]:

@@ -1,9 +1,9 @@
 """The KV-event publisher: thread ``kvwarden-kv-events`` turns the sink's reports into vLLM
 ``EventBatch`` es on a ZMQ PUB socket, and answers replay requests on a ROUTER socket.
 
-Both sockets belong to the thread (bound by ``start`` on the caller's, so a bad endpoint fails
-the start). A batch holds what the sink had queued when the thread woke, up to
-``MAX_BATCH_EVENTS``; sequence numbers start at 0 with each process, whose first batch is
+Both sockets belong to the thread (bound by ``bind`` on the caller's, so a bad endpoint fails
+the start). Every `PUBLISH_EVERY_S` the thread publishes what the sink has queued, in batches
+of at most ``MAX_BATCH_EVENTS``; sequence numbers start at 0 with each process, whose first batch is
 ``AllBlocksCleared`` (what an earlier process on this endpoint announced is void). The PUB
 socket drops what a subscriber past its high-water mark cannot take, so a slow or absent
 subscriber never slows the thread, let alone a STORE; it asks the replay socket for what it
@@ -30,7 +30,7 @@ from dataplane.events.sink import EventSink
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_EVENTS = 1024
-REPLAY_POLL_S = 0.05  # how often an idle thread looks for replay requests
+PUBLISH_EVERY_S = 0.005  # how often the thread collects the sink's reports and replay requests
 MAX_REPLAY_REQUESTS = 16  # served per wake: a flood of them never starves publishing
 
 
@@ -132,7 +132,6 @@ class KVEventPublisher:
 
     def stop(self) -> None:
         self._stop.set()
-        self.sink.wake.set()
 
     def join(self, timeout_s: float = 5.0) -> bool:
         if self._thread is None:
@@ -145,9 +144,7 @@ class KVEventPublisher:
         assert self._pub is not None
         try:
             self._send([self._ledger.cleared()])
-            while not self._stop.is_set():
-                self.sink.wake.wait(REPLAY_POLL_S)
-                self.sink.wake.clear()
+            while not self._stop.wait(PUBLISH_EVERY_S):
                 self._serve_replays()
                 while not self._stop.is_set():
                     events = self._drain()

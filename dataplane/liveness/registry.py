@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
@@ -39,6 +40,7 @@ from dataplane.wire.errors import NotRegistered
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+MAX_SCOPES = 4096  # (model, world size, rank, scope) remembered for a router's lookup
 _SLICE = 1024
 _ROW_SLICE = 2048  # liveness rows copied per hold of the lock: ~0.3 ms (and a ~55 us sleep after)
 
@@ -60,8 +62,11 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         self._clock = clock
         self.release_timeout_s = release_timeout_s
         self._quota = quota  # shared by the registries of one server
-        self._lock = threading.Lock()  # guards _entries and every entry's mutable fields
+        self._lock = threading.Lock()  # guards _entries, every entry's mutable fields and _scopes
         self._entries: dict[int, E] = {}
+        # model -> (world size, rank, chunk-key scope) of every instance ever registered for it (the
+        # chunks outlive their workers: a router's lookup asks for them); at most MAX_SCOPES
+        self._scopes: OrderedDict[tuple[str, int, int, bytes], None] = OrderedDict()
 
     # ------------------------------------------------------------------ insert
     def refresh_if(
@@ -100,6 +105,11 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
                     own(old, entry.secret)
                 self._entries[entry.instance_id] = entry
                 idle = old is not None and mark_removed(old)
+                i = entry.info
+                self._scopes[(i.model_name, i.world_size, i.worker_id, entry.scope)] = None
+                self._scopes.move_to_end((i.model_name, i.world_size, i.worker_id, entry.scope))
+                if len(self._scopes) > MAX_SCOPES:
+                    self._scopes.popitem(last=False)
         except BaseException:
             if admitted:
                 self._forget([entry.instance_id])
@@ -222,11 +232,10 @@ class LivenessRegistry(InstanceLivenessTarget, Generic[E]):
         return out
 
     def scopes_of(self, model_name: str) -> set[tuple[int, int, bytes]]:
-        """(world size, rank, chunk-key scope) of every instance registered for ``model_name``."""
-        return {
-            (e.info.world_size, e.info.worker_id, e.scope)
-            for e in self._scan(lambda e: e.info.model_name == model_name)
-        }
+        """(world size, rank, chunk-key scope) of the instances registered for ``model_name``
+        since start (those gone too: their chunks may still be held)."""
+        with self._lock:
+            return {(w, r, s) for m, w, r, s in self._scopes if m == model_name}
 
     def context_entry(self, instance_id: int) -> ContextEntry | None:
         with self._lock:

@@ -1,9 +1,9 @@
 """A router's lookup (`POST /v1/lookup`): how many prefix tokens of a prompt each tier holds, for
 a model named as its workers register it, under a tenant's salt and a LoRA adapter's name.
 
-The scopes asked about are those of the instances registered for the model now, grouped by
-world size; a prefix counts only as far as every rank registered in a group holds it, and the
-group holding most answers. Nothing is touched (no LRU refresh, no read-ahead): L1 is read under
+The scopes asked about are those of the instances registered for the model since start (the
+chunks outlive their workers), grouped by world size; a prefix counts only as far as every rank
+of a group holds it, and the group holding most answers. Nothing is touched (no LRU refresh, no read-ahead): L1 is read under
 its lock, the file tier through its index and a ``stat`` for what that lacks (on its I/O threads,
 within its deadline), the remote tier with one pipelined round trip. A salted prefix is found only
 under its salt; an adapter's only under the name its stores gave it. Called on the sidecar's
@@ -29,8 +29,8 @@ MAX_LOOKUP_TOKENS = 1 << 20  # of one prompt (the sidecar bounds a batch)
 class TierHits:
     """Prefix tokens held: in L1 (``cpu``), in the file tier (``disk``), in the remote tier
     (``external``), each from the first token, and ``total``, what a RETRIEVE would bring (L1's
-    prefix continued by the file tier, then the remote tier). ``known``: the model has
-    registered instances (else all 0)."""
+    prefix continued by the file tier, then the remote tier). ``known``: instances of the model
+    have registered since start (else all 0)."""
 
     tokens: int
     chunk_size: int

@@ -149,8 +149,19 @@ def check_fs(rep: dict[str, Any]) -> None:
         assert r[name]["rebuild_seconds"] >= 0 and r[name]["rebuilt_s"] > 0
 
 
+def check_events(rep: dict[str, Any]) -> None:
+    assert rep["chunk_bytes"] > 0 and rep["store_ratio"] > 0 and min(rep["store_ms"].values()) > 0
+    b = rep["burst"]
+    assert b["stores"] == rep["params"]["burst"] and b["events"] >= b["stores"] and b["events_per_s"] > 0
+    assert b["dropped"] == 0 and b["received_gaps"] == 0 and b["received_batches"] > 0
+    lk = rep["lookup"]
+    assert lk["batch_ms"] > 0 and lk["prompts_per_s"] > 0
+    assert lk["prompts_held"] == rep["params"]["batch"] // 2  # the half stored, found by the lookup
+
+
 CHECKS = {
     "blend": check_blend,
+    "events": check_events,
     "remote": check_remote,
     "transfer": check_transfer,
     "ping": check_ping,
