@@ -5,9 +5,9 @@ The scopes asked about are those of the instances registered for the model since
 chunks outlive their workers), grouped by world size; a prefix counts only as far as every rank
 of a group holds it, and the group holding most answers. Nothing is touched (no LRU refresh, no
 read-ahead): L1 is read under its lock, the file tier through its index and a ``stat`` for what
-that lacks (on its I/O threads, within its deadline), the remote tier in one pipelined round trip. A salted prefix is found only
-under its salt; an adapter's only under the name its stores gave it. Called on the sidecar's
-threads, never the loop's.
+that lacks (on its I/O threads, within its deadline), the remote tier in one pipelined round
+trip. A salted prefix is found only under its salt; an adapter's only under the name its stores
+gave it. Called on the sidecar's threads, never the loop's.
 """
 
 from __future__ import annotations
