@@ -28,6 +28,7 @@ from tests.e2e.test_fs_tier import chunk_files, fs_doc
 from tests.e2e.test_remote_tier import BLOCK_IDS, BS, CS, HD, HEADS, LAYERS, Worker, prompt
 from tests.e2e.vllm_support import VLLM_PYTHON
 from tests.helpers import ROOT, ServerProcess, free_port, subprocess_env, wait_until
+from tests.redis_server import RedisServer
 
 CHUNK_BYTES = LAYERS * 2 * CS * HEADS * HD * 2  # bf16
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -439,3 +440,46 @@ def _stop_lookup_server() -> Iterator[None]:
     yield
     for srv in _SERVER.values():
         srv.stop()
+
+
+@pytest.mark.parametrize("policy", ["local_cpu", "recompute"])
+def test_the_health_fallback_withdraws_what_it_stops_serving(
+    tmp_path: Path, decoder: Decoder, redis_server: RedisServer, policy: str
+) -> None:
+    """The remote tier's chunks are announced once written; Redis killed: under local_cpu the
+    bypass withdraws them (BlockRemoved EXTERNAL, L1's stay), under recompute the server turns
+    unhealthy and everything is void (AllBlocksCleared)."""
+    timing = [
+        "--health-ping-interval",
+        "0.3",
+        "--health-ping-timeout",
+        "0.3",
+        "--remote-timeout-seconds",
+        "0.3",
+    ]
+    ev = Events(tmp_path, "--remote-url", redis_server.url, "--fallback-policy", policy, *timing)
+    w = None
+    try:
+        w = Worker(ev.srv)
+        w.fill(6)
+        a = prompt(31, 2 * CS)
+        assert w.w.store_detail(a, BLOCK_IDS).stored == 2
+        wait_until(lambda: ev.metrics().get('kvwarden_kv_events_total{type="BlockStored"}') == 4, 10)
+        redis_server.kill()
+        kind = "BlockRemoved" if policy == "local_cpu" else "AllBlocksCleared"
+        want = 1 if policy == "local_cpu" else 2  # (the first batch of every process clears too)
+        wait_until(lambda: ev.metrics().get(f'kvwarden_kv_events_total{{type="{kind}"}}') == want, 20)
+        got = events_of(decoder, ev.replay(0))
+        h = native(a)
+        stored_ = [*chunk_events(a), *chunk_events(a, "EXTERNAL")]
+        assert sorted(map(json.dumps, got[1:5])) == sorted(map(json.dumps, stored_))  # (writes race L1)
+        if policy == "local_cpu":
+            assert got[5:] == [removed(h, "EXTERNAL")]  # one event for the whole tier; L1's stay
+            assert ev.metrics()["kvwarden_kv_events_held_chunks"] == 2
+        else:
+            assert got[5:] == [{"type": "AllBlocksCleared"}]
+            assert ev.metrics()["kvwarden_kv_events_held_chunks"] == 0
+    finally:
+        if w is not None:
+            w.close()
+        ev.close()
