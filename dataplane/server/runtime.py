@@ -271,28 +271,13 @@ def build_dataplane(
         lookup,
     ):
         server.add_module(module)
-    monitor = _monitor(settings, l1, remote, fs, _self_checks(server, management), clock)
+    events = build_events(settings, l1, remote, fs)
+    monitor = _monitor(settings, l1, remote, fs, _self_checks(server, management), clock, events)
     if init_failure or fs_failure:
         monitor.mark_init_failed(str(init_failure or fs_failure))
     l1.gate = monitor.is_healthy
-    events = build_events(settings, l1, remote, fs)
-    if events is not None:
-        monitor.components.on_unhealthy = events.sink.cleared
-    return DataPlane(
-        settings,
-        server,
-        l1,
-        management,
-        transfer,
-        engine,
-        metrics,
-        splitter,
-        monitor,
-        remote,
-        clock,
-        fs,
-        events,
-    )
+    parts = (server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock, fs, events)
+    return DataPlane(settings, *parts)
 
 
 def _l1(settings: Settings, remote: RemoteBackend | None, fs: FileTier | None) -> TieredStore:
@@ -377,6 +362,7 @@ def _monitor(
     fs: FileTier | None,
     self_checks: dict[str, Callable[[], str | None]],
     clock: Callable[[], float],
+    events: KVEventPublisher | None = None,
 ) -> HealthMonitor:
     components = Components(
         remote_backends={} if remote is None else {remote.name: remote},
@@ -387,6 +373,7 @@ def _monitor(
         get_blocking_failed_threshold=settings.get_blocking_failed_threshold,
         waiting_time_for_recovery=settings.waiting_time_for_recovery,
         clock=clock,
+        on_unhealthy=None if events is None else events.sink.cleared,  # (nothing is served then)
     )
     monitor = HealthMonitor(components, settings.health_ping_interval)
     if remote is not None:  # a burst of failed reads: a round at once, not at the interval's end

@@ -21,6 +21,7 @@ between L1 and the remote tier; they survive restarts (`fs_layout` has the layou
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -193,8 +194,7 @@ class FileTier:
             self.counters.read(None, exc.kind)
             self.index.forget(key)
             self.events.removed(key, MEDIUM_DISK)
-            ino = exc.ino
-            self.io.submit(lambda: fs_files.remove_if(path, ino))
+            self.io.submit(functools.partial(fs_files.remove_if, path, exc.ino))
             return None
         except (OSError, DiskTimeout) as exc:
             self._failed("get", exc)
