@@ -12,12 +12,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from dataplane.events.sink import EventSink
 from dataplane.events.vllm_format import ChunkMeta
-from dataplane.wire.blocks import EngineBlocks
+from dataplane.wire.blocks import BlockHash, EngineBlocks
 from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.context import KeyContext
 from dataplane.wire.errors import RequestError
@@ -81,26 +82,71 @@ def describe(
         prev = key
 
 
-class AdapterNames:
-    """LoRA adapter name -> the key namespace its chunks are stored under, learnt from stores
-    that name both (the vLLM connector's do), so a router may ask by name (`POST /v1/lookup`).
-    At most ``MAX_ADAPTERS``, the oldest forgotten. ``_lock`` guards ``_names``."""
+class NameBook:
+    """What the engine's names of stored blocks tell a router's lookup (`POST /v1/lookup`),
+    learnt from the stores that carry them (the vLLM connector's):
+
+    - a LoRA adapter's name -> the key namespace its chunks are stored under;
+    - (model, the engine's hash of a chunk's last block) -> (scope, chunk key): a block hash
+      names its whole prefix (vLLM chains them, the salt and adapter folded in), so a prompt's
+      hashes find its chunks.
+
+    At most ``MAX_ADAPTERS`` and ``MAX_HASHES`` entries, the oldest forgotten (a forgotten hash
+    is a miss for a lookup by hashes, never a wrong answer). ``_lock`` guards both maps."""
 
     MAX_ADAPTERS = 4096
+    MAX_HASHES = 1 << 18
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._names: OrderedDict[str, bytes] = OrderedDict()
+        self._adapters: OrderedDict[str, bytes] = OrderedDict()
+        self._hashes: OrderedDict[tuple[str, BlockHash], tuple[bytes, bytes]] = OrderedDict()
 
-    def learn(self, blocks: EngineBlocks | None, ctx: KeyContext | None) -> None:
-        if blocks is None or blocks.lora_name is None or ctx is None or not ctx.namespace:
+    def learn(
+        self,
+        model: str,
+        scope: bytes,
+        blocks: EngineBlocks | None,
+        ctx: KeyContext | None,
+        keys: Sequence[bytes],
+        first: int,
+        chunk_size: int,
+    ) -> None:
+        """``keys``: those of chunks ``first ..``; ``blocks`` checked already (`check_blocks`)."""
+        if blocks is None:
             return
+        per = chunk_size // blocks.block_size
         with self._lock:
-            self._names[blocks.lora_name] = ctx.namespace
-            self._names.move_to_end(blocks.lora_name)
-            while len(self._names) > self.MAX_ADAPTERS:
-                self._names.popitem(last=False)
+            if blocks.lora_name is not None and ctx is not None and ctx.namespace:
+                _put(self._adapters, blocks.lora_name, ctx.namespace, self.MAX_ADAPTERS)
+            for i, key in enumerate(keys):
+                _put(
+                    self._hashes,
+                    (model, blocks.hashes[(first + i + 1) * per - 1]),
+                    (scope, key),
+                    self.MAX_HASHES,
+                )
 
     def namespace(self, name: str) -> bytes | None:
         with self._lock:
-            return self._names.get(name)
+            return self._adapters.get(name)
+
+    def chunks(self, model: str, hashes: Sequence[BlockHash], per: int) -> tuple[bytes, list[bytes]]:
+        """(scope, the keys of the leading chunks ``hashes`` name, ``per`` blocks a chunk), up to
+        the first chunk not known (or of another scope)."""
+        scope, keys = b"", list[bytes]()
+        with self._lock:
+            for c in range(len(hashes) // per):
+                found = self._hashes.get((model, hashes[(c + 1) * per - 1]))
+                if found is None or (keys and found[0] != scope):
+                    break
+                scope = found[0]
+                keys.append(found[1])
+        return scope, keys
+
+
+def _put(d: OrderedDict[Any, Any], k: Any, v: Any, cap: int) -> None:
+    d[k] = v
+    d.move_to_end(k)
+    while len(d) > cap:
+        d.popitem(last=False)

@@ -257,7 +257,8 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             check_blocks(p.blocks, self.chunk_size, end)
             prev = keys[first - 1] if first else None
             describe(self.l1.events, keys[first:end], first, p.token_ids, self.chunk_size, p.blocks, prev)
-            self.l1.adapters.learn(p.blocks, p.key)
+            names = self.l1.names
+            names.learn(c.info.model_name, c.scope, p.blocks, p.key, keys[first:end], first, self.chunk_size)
             return self.write_chunks(
                 p.instance_id,
                 keys[p.first_chunk : p.first_chunk + p.n_chunks],

@@ -101,7 +101,7 @@ class DirectTransferModule:
         describe(
             self.l1.events, wanted, p.first_chunk, p.token_ids, cs, p.blocks, before[-1] if before else None
         )
-        self.l1.adapters.learn(p.blocks, p.key)
+        self.l1.names.learn(c.info.model_name, c.scope, p.blocks, p.key, wanted, p.first_chunk, cs)
         c.leases.room(self.l1)
         lease = Lease()
         _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write

@@ -171,7 +171,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             chunks = self._chunks(kv, p, len(keys))
             check_blocks(p.blocks, self.chunk_size, len(keys))
             describe(self.l1.events, keys, 0, p.token_ids, self.chunk_size, p.blocks, None)
-            self.l1.adapters.learn(p.blocks, p.key)
+            self.l1.names.learn(c.info.model_name, c.scope, p.blocks, p.key, keys, 0, self.chunk_size)
 
             def fill(i: int, buf: torch.Tensor) -> None:
                 kv.gather(chunks[i], buf, self.splitter)

@@ -11,6 +11,7 @@ The health types are the health monitor's own (`dataplane.health`), re-exported 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -149,6 +150,10 @@ class DataPlaneView(Protocol):
 
     def events_state(self) -> EventsState | None:
         """The KV events (None: no kv_events_endpoint)."""
+        ...
+
+    def lookup_hashes(self, model: str, hashes: Sequence[int], block_size: int) -> TierHits:
+        """A router's lookup by the engine's block hashes (`dataplane.server.router_lookup`)."""
         ...
 
     def lookup_tiers(

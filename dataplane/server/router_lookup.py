@@ -56,7 +56,7 @@ def lookup_tiers(
     none = TierHits(len(token_ids), chunk_size, 0, 0, 0, 0, bool(scopes))
     namespace = b""
     if adapter is not None:
-        found = l1.adapters.namespace(adapter)
+        found = l1.names.namespace(adapter)
         if found is None:
             return none  # nothing was ever stored under that adapter's name
         namespace = found
@@ -74,6 +74,23 @@ def lookup_tiers(
         best = max(best, (cpu, disk, ext, total), key=lambda c: (c[3], c))
     cpu, disk, external, total = (n * chunk_size for n in best)
     return TierHits(len(token_ids), chunk_size, cpu, disk, external, total, True)
+
+
+def lookup_hashes(
+    l1: TieredStore, chunk_size: int, model: str, hashes: Sequence[int], block_size: int
+) -> TierHits:
+    """As `lookup_tiers`, for a prompt named by the engine's block hashes (``block_size`` tokens
+    each, from the first): its chunks are those stores named so (`NameBook`); the salt and the
+    adapter are in the hashes."""
+    tokens = len(hashes) * block_size
+    none = TierHits(tokens, chunk_size, 0, 0, 0, 0, False)
+    if chunk_size % block_size or not l1.gate():
+        return none
+    scope, keys = l1.names.chunks(model, hashes, chunk_size // block_size)
+    if not keys:
+        return none
+    cpu, disk, external, total = (n * chunk_size for n in _counts(l1, scope, keys))
+    return TierHits(tokens, chunk_size, cpu, disk, external, total, True)
 
 
 def _counts(l1: TieredStore, scope: bytes, keys: list[bytes]) -> tuple[int, int, int, int]:

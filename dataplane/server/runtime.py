@@ -43,7 +43,7 @@ from dataplane.server.facade import ComponentState, LivenessStatus, MonitorState
 from dataplane.server.factory import new_server
 from dataplane.server.kv_events import build_events
 from dataplane.server.loop import Server
-from dataplane.server.router_lookup import TierHits, lookup_tiers
+from dataplane.server.router_lookup import TierHits, lookup_hashes, lookup_tiers
 from dataplane.storage.arena import Arena
 from dataplane.storage.fs_stats import FsStats
 from dataplane.storage.fs_tier import FileTier
@@ -210,6 +210,9 @@ class DataPlane:
     ) -> TierHits:
         cs = self.settings.chunk_size
         return lookup_tiers(self.l1, self.registries, cs, model, token_ids, salt, adapter)
+
+    def lookup_hashes(self, model: str, hashes: Sequence[int], block_size: int) -> TierHits:
+        return lookup_hashes(self.l1, self.settings.chunk_size, model, hashes, block_size)
 
     def events_state(self) -> EventsState | None:
         return None if self.events is None else self.events.state()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.events.describe import AdapterNames
+from dataplane.events.describe import NameBook
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_CPU
 from dataplane.storage.arena import Arena, ArenaStats, Extents
@@ -95,7 +95,7 @@ class L1Store:
         # KV events (`dataplane.events`): told of every chunk committed and dropped, under _lock
         # (a report never waits), so their order is the order of the changes
         self.events: EventSink = NO_EVENTS
-        self.adapters = AdapterNames()  # LoRA names -> key namespaces, for a router's lookups
+        self.names = NameBook()  # what the engine's names of blocks tell a router's lookup
 
     # ---------------------------------------------------------------- reads
     def prefix_hits(self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT) -> int:

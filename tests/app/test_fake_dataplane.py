@@ -185,6 +185,9 @@ class FakeDataPlane:
     def events_state(self) -> EventsState | None:
         return None
 
+    def lookup_hashes(self, model: str, hashes: Any, block_size: int) -> TierHits:
+        return TierHits(len(hashes) * block_size, 256, 0, 0, 0, 0, False)
+
     def lookup_tiers(
         self, model: str, token_ids: Any, salt: str | None = None, adapter: str | None = None
     ) -> TierHits:

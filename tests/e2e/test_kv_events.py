@@ -351,6 +351,13 @@ def tiers(srv: ServerProcess, tokens: np.ndarray, **kw: Any) -> tuple[int, int, 
     return res["cpu_tokens"], res["disk_tokens"], res["total_tokens"], res["model_known"]
 
 
+def by_hashes(srv: ServerProcess, hashes: list[Any], model: str = "m") -> tuple[int, int]:
+    r = lookup(srv, {"model": model, "block_hashes": hashes, "block_size": BS})
+    assert r.status_code == 200, r.text
+    (res,) = r.json()["results"]
+    return res["tokens"], res["total_tokens"]
+
+
 def test_the_lookup_route_answers_each_tier_within_salt_and_adapter(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     root.mkdir()
@@ -385,6 +392,11 @@ def test_the_lookup_route_answers_each_tier_within_salt_and_adapter(tmp_path: Pa
         assert w.w.store_detail(b, BLOCK_IDS, lora, names).stored == 2
         assert tiers(srv, b, adapter="lora-x")[2] == 2 * CS
         assert tiers(srv, b)[2] == 0 and tiers(srv, b, adapter="lora-y")[2] == 0
+        # or by the engine's block hashes (they hold the salt and the adapter)
+        assert by_hashes(srv, list(names.hashes)) == (2 * CS, 2 * CS)
+        assert by_hashes(srv, list(names.hashes[:20])) == (20 * BS, CS)  # one whole chunk named
+        assert by_hashes(srv, [*names.hashes[:31], 999]) == (2 * CS, CS)  # diverges in chunk 1
+        assert by_hashes(srv, list(names.hashes), model="other") == (2 * CS, 0)
         wait_until(lambda: fs_doc(srv)["puts"] == 4 and fs_doc(srv)["queue_depth"] == 0, 20)
         cpu, disk, total, _ = tiers(srv, a, salt="tenant-a")
         assert (cpu, disk, total) == (2 * CS, 2 * CS, 2 * CS)
@@ -408,7 +420,16 @@ def test_the_lookup_route_answers_each_tier_within_salt_and_adapter(tmp_path: Pa
             422,
             "requests[0].token_ids: every id must lie in [0, 2^31)",
         ),
-        ({"requests": [{"model": "m", "token_ids": [1], "block_hashes": [1]}]}, 422, "block_hashes"),
+        ({"requests": [{"model": "m", "token_ids": [1], "block_hashes": [1]}]}, 422, "one of them"),
+        ({"requests": [{"model": "m", "block_hashes": [1]}]}, 422, "block_size goes with block_hashes"),
+        ({"requests": [{"model": "m", "token_ids": [1], "block_size": 16}]}, 422, "block_size goes with"),
+        (
+            {"requests": [{"model": "m", "block_hashes": [1], "block_size": 16, "salt": "t"}]},
+            422,
+            "salt and adapter go with token_ids",
+        ),
+        ({"requests": [{"model": "m", "block_hashes": [-1], "block_size": 16}]}, 422, "must be a u64"),
+        ({"requests": [{"model": "m", "token_ids": [1], "extra": 1}]}, 422, "extra"),
         ({"requests": [{"model": "", "token_ids": [1]}]}, 422, "at least 1 character"),
         ({"requests": [{"model": "m", "token_ids": [1] * (1 << 19)}] * 3}, 413, "over the limit of 1048576"),
     ],

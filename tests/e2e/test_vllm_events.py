@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import zmq
 
@@ -98,6 +99,11 @@ def test_kvwarden_events_name_the_engines_blocks_and_join_its_stream(
         assert ours_hashes == engine_hashes[: n_chunks * per]  # the same names for the same blocks
         assert [e["parent_block_hash"] for e in ours] == [None, *(ours_hashes[per - 1 :: per][:-1])]
         assert [t for e in ours for t in e["token_ids"]] == PROMPT[: n_chunks * CHUNK]
+        # a router that has the engine's hashes asks by them
+        ask = {"model": str(reference.models.model), "block_hashes": engine_hashes, "block_size": block_size}
+        r = httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/lookup", json={"requests": [ask]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["results"][0]["total_tokens"] == n_chunks * CHUNK
 
         # kvwarden's events join the engine's own stream on its next steps
         deadline = time.monotonic() + 60

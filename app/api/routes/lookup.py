@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, status
 from app.api.deps import DataPlaneDep
 from app.lookup_models import MAX_LOOKUP_TOKENS, TOKEN_ID_LIMIT, LookupAnswer, LookupBatch, LookupResult
 from app.models import Detail
+from dataplane.server.facade import TierHits
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 
@@ -19,11 +20,12 @@ router = APIRouter(prefix="/v1", tags=["routing"])
     summary="Prefix tokens each tier holds, for a batch of prompts",
     description="For KV-aware routers: how many prefix tokens of each prompt L1, the file tier and "
     "the remote tier hold for the model (under the salt and the adapter given), touching nothing. "
-    f"At most {MAX_LOOKUP_TOKENS} tokens a batch.",
+    "A prompt is named by its token ids, or by the engine's block hashes (vLLM's integer hashes, "
+    f"from its KV events) and block size. At most {MAX_LOOKUP_TOKENS} tokens (or hashes) a batch.",
     responses={413: {"model": Detail, "description": "the batch holds too many tokens"}},
 )
 def lookup(dp: DataPlaneDep, batch: LookupBatch) -> LookupAnswer:
-    total = sum(len(r.token_ids) for r in batch.requests)
+    total = sum(len(r.token_ids or r.block_hashes or ()) for r in batch.requests)
     if total > MAX_LOOKUP_TOKENS:
         raise HTTPException(
             status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
@@ -31,22 +33,26 @@ def lookup(dp: DataPlaneDep, batch: LookupBatch) -> LookupAnswer:
         )
     results = []
     for i, r in enumerate(batch.requests):
+        if r.block_hashes is not None and r.block_size is not None:
+            results.append(_result(dp.lookup_hashes(r.model, r.block_hashes, r.block_size)))
+            continue
         ids = np.asarray(r.token_ids, dtype=np.int64)
         if ids.min() < 0 or ids.max() >= TOKEN_ID_LIMIT:
             raise HTTPException(
                 status.HTTP_422_UNPROCESSABLE_ENTITY,
                 f"requests[{i}].token_ids: every id must lie in [0, 2^31)",
             )
-        h = dp.lookup_tiers(r.model, ids.astype(np.int32), r.salt, r.adapter)  # (bounded, off the loop)
-        results.append(
-            LookupResult(
-                tokens=h.tokens,
-                chunk_size=h.chunk_size,
-                cpu_tokens=h.cpu,
-                disk_tokens=h.disk,
-                external_tokens=h.external,
-                total_tokens=h.total,
-                model_known=h.known,
-            )
-        )
+        results.append(_result(dp.lookup_tiers(r.model, ids.astype(np.int32), r.salt, r.adapter)))
     return LookupAnswer(results=results)
+
+
+def _result(h: TierHits) -> LookupResult:
+    return LookupResult(
+        tokens=h.tokens,
+        chunk_size=h.chunk_size,
+        cpu_tokens=h.cpu,
+        disk_tokens=h.disk,
+        external_tokens=h.external,
+        total_tokens=h.total,
+        model_known=h.known,
+    )
