@@ -3,30 +3,24 @@ prompts (docs: interfaces.md, README "Routing")."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOOKUP_REQUESTS = 64
 MAX_LOOKUP_TOKENS = 1 << 20  # in one batch, all its prompts together
 TOKEN_ID_LIMIT = 1 << 31
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+BlockHashInt = Annotated[int, Field(ge=0)]  # (one past 2^64 names nothing held: a miss)
 
 
-class LookupItem(BaseModel):
-    """A prompt named by its token ids (with its salt and adapter), or by the engine's block
-    hashes (which hold them: vLLM's integer hashes, as its KV events give them) and block size."""
+class TokensItem(BaseModel):
+    """A prompt named by its token ids, with its tenant's salt and LoRA adapter."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=256, description="the model name its workers register")
-    token_ids: list[int] | None = Field(None, min_length=1, description="the prompt's token ids")
-    block_hashes: list[int] | None = Field(
-        None,
-        min_length=1,
-        max_length=1 << 17,
-        description="the engine's hash of each full block of the prompt, from the first (not with token_ids)",
-    )
-    block_size: int | None = Field(
-        None, ge=1, le=1 << 16, description="the engine's tokens per block; with block_hashes only"
-    )
+    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_LOOKUP_TOKENS, description="the prompt")
     salt: str | None = Field(
         None,
         min_length=1,
@@ -40,23 +34,24 @@ class LookupItem(BaseModel):
         description="the LoRA adapter's name, as the engine's events give it",
     )
 
-    @model_validator(mode="after")
-    def _one_name(self) -> LookupItem:
-        if (self.token_ids is None) == (self.block_hashes is None):
-            raise ValueError("give token_ids or block_hashes, one of them")
-        if (self.block_hashes is None) != (self.block_size is None):
-            raise ValueError("block_size goes with block_hashes, and only with them")
-        if self.block_hashes is not None and (self.salt is not None or self.adapter is not None):
-            raise ValueError("salt and adapter go with token_ids: block hashes hold them already")
-        if self.block_hashes is not None and not all(0 <= h < 1 << 64 for h in self.block_hashes):
-            raise ValueError("block_hashes: every hash must be a u64")
-        return self
+
+class HashesItem(BaseModel):
+    """A prompt named by the engine's block hashes (vLLM's integer hashes, as its KV events give
+    them), which hold its salt and adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256, description="the model name its workers register")
+    block_hashes: list[BlockHashInt] = Field(
+        min_length=1, max_length=1 << 17, description="the engine's hash of each full block, from the first"
+    )
+    block_size: int = Field(ge=1, le=1 << 16, description="the engine's tokens per block")
 
 
 class LookupBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    requests: list[LookupItem] = Field(min_length=1, max_length=MAX_LOOKUP_REQUESTS)
+    requests: list[TokensItem | HashesItem] = Field(min_length=1, max_length=MAX_LOOKUP_REQUESTS)
 
 
 class LookupResult(BaseModel):

@@ -163,6 +163,7 @@ def test_schemathesis_over_the_openapi_document(
         "GET /livez",
         "GET /metrics",
         "GET /status",
+        "POST /v1/lookup",
     }
     with httpx.Client(base_url=base_url, timeout=30.0) as client:
         before = _tracked(client)

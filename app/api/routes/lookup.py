@@ -6,7 +6,14 @@ import numpy as np
 from fastapi import APIRouter, HTTPException, status
 
 from app.api.deps import DataPlaneDep
-from app.lookup_models import MAX_LOOKUP_TOKENS, TOKEN_ID_LIMIT, LookupAnswer, LookupBatch, LookupResult
+from app.lookup_models import (
+    MAX_LOOKUP_TOKENS,
+    HashesItem,
+    LookupAnswer,
+    LookupBatch,
+    LookupResult,
+    TokensItem,
+)
 from app.models import Detail
 from dataplane.server.facade import TierHits
 
@@ -25,24 +32,19 @@ router = APIRouter(prefix="/v1", tags=["routing"])
     responses={413: {"model": Detail, "description": "the batch holds too many tokens"}},
 )
 def lookup(dp: DataPlaneDep, batch: LookupBatch) -> LookupAnswer:
-    total = sum(len(r.token_ids or r.block_hashes or ()) for r in batch.requests)
+    total = sum(len(r.token_ids if isinstance(r, TokensItem) else r.block_hashes) for r in batch.requests)
     if total > MAX_LOOKUP_TOKENS:
         raise HTTPException(
             status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
             f"the batch holds {total} tokens, over the limit of {MAX_LOOKUP_TOKENS}",
         )
     results = []
-    for i, r in enumerate(batch.requests):
-        if r.block_hashes is not None and r.block_size is not None:
+    for r in batch.requests:  # (every id checked by the model: within [0, 2^31))
+        if isinstance(r, HashesItem):
             results.append(_result(dp.lookup_hashes(r.model, r.block_hashes, r.block_size)))
-            continue
-        ids = np.asarray(r.token_ids, dtype=np.int64)
-        if ids.min() < 0 or ids.max() >= TOKEN_ID_LIMIT:
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_ENTITY,
-                f"requests[{i}].token_ids: every id must lie in [0, 2^31)",
-            )
-        results.append(_result(dp.lookup_tiers(r.model, ids.astype(np.int32), r.salt, r.adapter)))
+        else:
+            ids = np.asarray(r.token_ids, dtype=np.int32)
+            results.append(_result(dp.lookup_tiers(r.model, ids, r.salt, r.adapter)))
     return LookupAnswer(results=results)
 
 
