@@ -267,20 +267,26 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
         st.one_of(st.binary(max_size=8), st.integers(-(2**63), 2**63 - 1), st.lists(st.none(), max_size=4)),
     ),
     # the engine's names of the blocks (KV events): none, a plausible one, or of the wrong shape
+    # (every int one msgpack can carry)
     "blocks": st.one_of(
         st.none(),
         st.tuples(
             st.sampled_from([1, BLOCK, 3, 1 << 17]),
-            st.lists(st.one_of(st.integers(-1, 2**64), st.binary(max_size=70)), max_size=80),
+            st.lists(st.one_of(st.integers(-1, 2**64 - 1), st.binary(max_size=70)), max_size=80),
             st.one_of(st.none(), st.text(max_size=300)),
             st.one_of(
                 st.none(),
                 st.lists(
-                    st.one_of(st.none(), st.lists(st.one_of(st.text(max_size=8), st.integers()), max_size=4))
+                    st.one_of(
+                        st.none(),
+                        st.lists(
+                            st.one_of(st.text(max_size=8), st.integers(-(2**63), 2**64 - 1)), max_size=4
+                        ),
+                    )
                 ),
             ),
         ).map(list),
-        st.one_of(st.binary(max_size=8), st.integers(), st.lists(st.none(), max_size=4)),
+        st.one_of(st.binary(max_size=8), st.integers(-(2**63), 2**64 - 1), st.lists(st.none(), max_size=4)),
     ),
 }
 
