@@ -70,7 +70,6 @@ class EventRelay:
         self._lock = threading.Lock()
         self._events: list[KVCacheEvent] = []
         self.dropped = 0
-        self.batches = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,7 +113,6 @@ class EventRelay:
                     logger.warning("kvwarden: an event batch could not be decoded: %s", exc)
                     continue
                 with self._lock:
-                    self.batches += 1
                     room = self.max_events - len(self._events)
                     self._events.extend(batch.events[: max(room, 0)])
                     lost = max(0, len(batch.events) - max(room, 0))

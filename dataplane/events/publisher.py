@@ -58,7 +58,6 @@ class EventCounts:
     removed: int = 0
     cleared: int = 0
     replays: int = 0
-    bad_replays: int = 0
 
 
 def binds(endpoint: str) -> bool:
@@ -76,8 +75,6 @@ class KVEventPublisher:
         buffer_batches: int = 10_000,
         hwm: int = 100_000,
         clock: Callable[[], float] = time.time,
-        on_publish: Callable[[EventCounts], None] | None = None,
-        ctx: zmq.Context[Any] | None = None,
     ) -> None:
         self.sink = sink
         self.endpoint = endpoint
@@ -85,8 +82,7 @@ class KVEventPublisher:
         self.topic = topic.encode()
         self.hwm = hwm
         self.clock = clock
-        self.on_publish = on_publish
-        self._ctx = ctx or zmq.Context.instance()
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._ledger = Ledger()
         self._seq = 0
@@ -205,8 +201,6 @@ class KVEventPublisher:
                 c.removed += 1
             else:
                 c.cleared += 1
-        if self.on_publish is not None:
-            self.on_publish(c)
 
     def _serve_replays(self) -> None:
         sock = self._replay
@@ -218,7 +212,6 @@ class KVEventPublisher:
             except zmq.Again:
                 return
             if len(frames) != 3 or len(frames[2]) != 8:
-                self.counts.bad_replays += 1
                 logger.warning("kv events: a replay request of %d frames ignored", len(frames))
                 continue
             client, _, start = frames

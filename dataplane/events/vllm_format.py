@@ -24,7 +24,6 @@ BlockHash = int | bytes  # vLLM's ExternalBlockHash
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
 MEDIUM_EXTERNAL = "EXTERNAL"
-MEDIA = (MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
 OWNERSHIP = "kvwarden"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

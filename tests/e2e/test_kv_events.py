@@ -103,21 +103,7 @@ class Events:
 
     def replay(self, start: int = 0) -> list[tuple[int, bytes]]:
         """Every buffered batch from ``start`` (sequence, payload), through the replay socket."""
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{self.replay_port}")
-        try:
-            s.send_multipart([b"", start.to_bytes(8, "big")])
-            out = []
-            while True:
-                assert s.poll(10_000), "no answer from the replay socket"
-                _, topic, seq, payload = s.recv_multipart()
-                if seq == END_SEQ:
-                    return out
-                assert topic == self.topic.encode()
-                out.append((int.from_bytes(seq, "big"), payload))
-        finally:
-            s.close(0)
+        return replay_batches(self.replay_port, self.topic.encode(), start)
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"http://127.0.0.1:{self.srv.http_port}/metrics", timeout=10).text
@@ -128,6 +114,27 @@ class Events:
     def close(self) -> None:
         self.ctx.destroy(0)
         self.srv.stop()
+
+
+def replay_batches(port: int, topic: bytes = b"", start: int = 0) -> list[tuple[int, bytes]]:
+    """Every batch a publisher still holds from ``start`` (sequence, payload), through its
+    replay socket: vLLM's and kvwarden's answer alike."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        s.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert s.poll(10_000), "no answer from the replay socket"
+            _, t, seq, payload = s.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            assert t == topic
+            out.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        ctx.destroy(0)
 
 
 def events_of(dec: Decoder, batches: list[tuple[int, bytes]]) -> list[dict[str, Any]]:

@@ -11,35 +11,18 @@ from typing import Any
 
 import httpx
 import pytest
-import zmq
 
 from kvbench.vllm import EngineProcess
-from tests.e2e.test_kv_events import END_SEQ, Decoder, decoder  # noqa: F401  (the fixture)
+from tests.e2e.test_kv_events import Decoder, decoder, replay_batches  # noqa: F401  (the fixture)
 from tests.e2e.vllm_support import CHUNK, FRESH, PROMPT, VLLM_PYTHON, Reference
 from tests.helpers import ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
 
-def replay(port: int, topic: bytes = b"") -> list[bytes]:
-    """Every batch a publisher still holds, through its replay socket (vLLM's and kvwarden's
-    answer alike)."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        s.send_multipart([b"", (0).to_bytes(8, "big")])
-        out = []
-        while True:
-            assert s.poll(10_000), "no answer from the replay socket"
-            _, t, seq, payload = s.recv_multipart()
-            if seq == END_SEQ:
-                return out
-            assert t == topic
-            out.append(payload)
-    finally:
-        ctx.destroy(0)
+def replay(port: int) -> list[bytes]:
+    """Every batch a publisher still holds (vLLM's and kvwarden's replay sockets answer alike)."""
+    return [payload for _, payload in replay_batches(port)]
 
 
 def stored(dec: Decoder, batches: list[bytes]) -> list[dict[str, Any]]:
