@@ -58,7 +58,7 @@ from dataplane.client.vllm_state import (
     connector_settings,
 )
 from dataplane.client.vllm_wait import OwnSaves, Waits
-from dataplane.client.vllm_worker import Registrar, Saver, load
+from dataplane.client.vllm_worker import BlockCopier, Registrar, Saver, load
 from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.messages import KVFormat
 
@@ -191,6 +191,7 @@ class KVWardenConnector(KVConnectorBase_V1):
         self._adapter: WorkerAdapter | None = None
         self._registrar: Registrar | None = None
         self._saver: Saver | None = None
+        self._copier: BlockCopier | None = None  # a prefix still being saved, copied block to block
         self._planned: set[str] = set()  # requests this worker was asked to store
         self._load_errors: set[int] = set()
         self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
@@ -236,6 +237,7 @@ class KVWardenConnector(KVConnectorBase_V1):
             adapter.close()
             raise ValueError(f"kvwarden: registration refused: {registrar.error}") from registrar.error
         self._adapter, self._registrar = adapter, registrar
+        self._copier = BlockCopier(caches, 0 if kv_format == KVFormat.VLLM_CPU else 1)
         self._saver = Saver(adapter)
         self._saver.start()
 
@@ -277,7 +279,7 @@ class KVWardenConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVWardenConnectorMetadata)
         for job in meta.plan.loads:
-            self._load_errors |= load(self._adapter, job, self._block_size)
+            self._load_errors |= load(self._adapter, job, self._block_size, self._copier)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole before the forward pass
@@ -379,7 +381,7 @@ class KVWardenConnector(KVConnectorBase_V1):
             )
             for i, req_id in enumerate(c.req_ids)
         ]
-        plan = self._planner.plan(new, cached, bool(so.preempted_req_ids))
+        plan = self._planner.plan(new, cached, bool(so.preempted_req_ids), so.preempted_req_ids)
         if so.total_num_scheduled_tokens == 0 and len(self._planner.waits):
             if len(self._planner.own):
                 plan.flush_saves = True  # the worker finishes this engine's saves (`Plan`)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from dataplane.client.channel import Channel
-from dataplane.client.vllm_wait import Found, OwnSaves, Waits
+from dataplane.client.vllm_wait import Found, OwnSaves, Source, Waits
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import KVWardenError, RequestError
 from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScope, LookupWaited
@@ -207,6 +207,9 @@ class Load:
     tokens: np.ndarray
     blocks: np.ndarray
     key: KeyContext | None = None  # the request's salt, adapter, ... (`dataplane.client.keys`)
+    # blocks of this engine that hold the same KV (a save of the same prefix still on its way):
+    # the worker copies them block to block instead of asking the server
+    source: np.ndarray | None = None
 
 
 @dataclass
@@ -248,6 +251,8 @@ class _Request:
     saved: int = 0  # prompt tokens kvwarden holds or has been asked to store
     load: int = 0  # tokens to load before the first forward pass
     saving: bool = False  # a Save was planned: its blocks wait for the worker's word
+    source: Source | None = None  # where the load may copy from (`OwnSaves.source`)
+    seqs: list[int] = field(default_factory=list)  # its saves (`OwnSaves`)
 
 
 class Planner:
@@ -271,6 +276,7 @@ class Planner:
         self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
         self.own = own if own is not None else OwnSaves()
         self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
+        self._sources: dict[str, Source] = {}  # req id -> the own save its hit copies from
         self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
         self.names: dict[str, EngineBlocks | None] = {}  # req id -> vLLM's names of its blocks
         self._reqs: dict[str, _Request] = {}
@@ -287,33 +293,53 @@ class Planner:
         if hit is None:
             if self.waits.too_soon(req_id):
                 return None
-            tokens = np.asarray(prompt, dtype=np.int64)
-            found = self.lookup(tokens[: len(tokens) - 1], key)
-            cs = self.chunk_size()
-            limit = 0 if cs is None else (len(tokens) - 1) // cs * cs
-            own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
-            decided = self.waits.decide(req_id, found, own, limit)
+            decided = self._decide(req_id, np.asarray(prompt, dtype=np.int64), key)
             if decided is None:
                 return None
             hit = self._hits[req_id] = decided
         return max(0, hit - computed)
 
+    def _decide(self, req_id: str, tokens: np.ndarray, key: KeyContext | None) -> int | None:
+        """The hit, or None: wait. A prefix this engine is saving is copied from the saved
+        request's blocks at once, without asking the server when it covers all that could be
+        loaded, else when it covers at least what the server holds."""
+
+        def limit() -> int:  # (the chunk size is learnt from the server's first answer)
+            cs = self.chunk_size()
+            return 0 if cs is None else (len(tokens) - 1) // cs * cs
+
+        src, cs = (self.own.source(tokens, key), self.chunk_size()) if len(self.own) else (None, None)
+        local = 0 if src is None or cs is None else min(src.tokens // cs * cs, limit())
+        found = Found(local) if local and local == limit() else self.lookup(tokens[: len(tokens) - 1], key)
+        if src is not None and local and local >= found.hit:
+            self._sources[req_id] = src
+            return self.waits.decide(req_id, Found(local), 0, limit())  # (ends a wait, if any)
+        cs = self.chunk_size()
+        own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
+        return self.waits.decide(req_id, found, own, limit())
+
     def allocated(self, req_id: str, prompt: Sequence[int] | None, external: int) -> None:
         """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found."""
         hit = self._hits.get(req_id, 0)
         key = self.keys.get(req_id)
+        src = self._sources.pop(req_id, None)
         if external > 0 and prompt and hit and not isinstance(key, Uncached):
-            self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key, load=hit)
+            self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key, load=hit, source=src)
 
     def plan(
         self,
         new: list[tuple[str, Sequence[int] | None, list[int], int, int]],
         cached: list[tuple[str, list[int] | None, bool, int, int]],
         preempted: bool,
+        preempted_ids: Iterable[str] = (),
     ) -> Plan:
         """``new``: (req id, prompt, block ids, computed, scheduled); ``cached``: (req id, new
-        block ids, resumed, computed, scheduled)."""
+        block ids, resumed, computed, scheduled); ``preempted_ids``: requests whose blocks went
+        back to vLLM this step (never copied from again)."""
         out = Plan(preempted=preempted)
+        for req_id in preempted_ids:
+            if (gone := self._reqs.get(req_id)) is not None:
+                self.own.no_source(gone.seqs)
         for req_id, prompt, blocks, computed, scheduled in new:
             r = self._reqs.get(req_id)
             if r is None:
@@ -324,8 +350,12 @@ class Planner:
             r.blocks = list(blocks)
             if r.load:
                 blocks_ = np.asarray(r.blocks, dtype=np.int64)
-                out.loads.append(Load(req_id, r.tokens[: r.load], blocks_, r.key))
-                r.saved, r.load = r.load, 0
+                src = r.source
+                if src is not None and (preempted or not self.own.holds(src.seq)):
+                    src = None  # its blocks may have gone back: the server's copy, if it landed
+                copy = None if src is None else src.blocks[: -(-r.load // self.block_size)]
+                out.loads.append(Load(req_id, r.tokens[: r.load], blocks_, r.key, copy))
+                r.saved, r.load, r.source = r.load, 0, None
             self._save(out, req_id, r, computed + scheduled)
         for req_id, new_blocks, resumed, computed, scheduled in cached:
             r = self._reqs.get(req_id)
@@ -346,7 +376,8 @@ class Planner:
         if full > r.saved:
             n_blocks = -(-full // self.block_size)
             blocks = np.asarray(r.blocks[:n_blocks], dtype=np.int64)
-            seq = self.own.add(r.tokens[:full], r.key)
+            seq = self.own.add(r.tokens[:full], r.key, blocks)
+            r.seqs.append(seq)
             out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key, seq, self.names.get(req_id)))
             r.saved, r.saving = full, True
 
@@ -354,6 +385,7 @@ class Planner:
         """The request is done: True when a save was planned for it (its blocks are freed once
         the worker says the save is over)."""
         self._hits.pop(req_id, None)
+        self._sources.pop(req_id, None)
         self.keys.pop(req_id, None)
         self.names.pop(req_id, None)
         self.waits.forget(req_id)

@@ -44,10 +44,27 @@ class _Own:
     key: KeyContext | None
     reports: int  # worker reports still to come (one per rank)
     planned_at: float
+    blocks: np.ndarray | None  # the saved request's blocks, while they may be copied from
+
+
+@dataclass(frozen=True)
+class Source:
+    """A save still on its way whose blocks hold the KV of ``tokens`` tokens of a prompt: a
+    request of this engine with that prefix copies them (its worker, block to block) instead of
+    waiting for the save to land and loading it back."""
+
+    tokens: int
+    seq: int
+    blocks: np.ndarray
 
 
 class OwnSaves:
-    """The saves this engine's scheduler planned that its workers have not reported over."""
+    """The saves this engine's scheduler planned that its workers have not reported over.
+
+    A save's blocks stay the saved request's until its workers report the save over (vLLM
+    frees a finished request's blocks only then: ``Planner.finished``), and a report comes
+    after the step in which it was made: while the save counts here, a load planned in this
+    step may copy from its blocks, unless the request was preempted (``no_source``)."""
 
     def __init__(self, ranks: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.ranks = ranks
@@ -55,12 +72,35 @@ class OwnSaves:
         self._saves: dict[int, _Own] = {}
         self._seq = itertools.count(1)
 
-    def add(self, tokens: np.ndarray, key: KeyContext | None) -> int:
-        """A save of ``tokens`` (a prompt's first full chunks) was planned: its sequence number,
-        which the worker reports when it is over."""
+    def add(self, tokens: np.ndarray, key: KeyContext | None, blocks: np.ndarray | None = None) -> int:
+        """A save of ``tokens`` (a prompt's first full chunks, from ``blocks``) was planned: its
+        sequence number, which the worker reports when it is over."""
         seq = next(self._seq)
-        self._saves[seq] = _Own(tokens, key, self.ranks, self._clock())
+        self._saves[seq] = _Own(tokens, key, self.ranks, self._clock(), blocks)
         return seq
+
+    def no_source(self, seqs: Iterable[int]) -> None:
+        """These saves' blocks go back to vLLM (their request was preempted): never copied."""
+        for seq in seqs:
+            if (own := self._saves.get(seq)) is not None:
+                own.blocks = None
+
+    def source(self, tokens: np.ndarray, key: KeyContext | None) -> Source | None:
+        """The save still on its way, blocks at hand, that covers the longest prefix of
+        ``tokens`` (None: none covers any)."""
+        best: Source | None = None
+        for seq, own in self._live():
+            if own.blocks is None or own.key != key:
+                continue
+            n = _common(own.tokens, tokens)
+            if n and (best is None or n > best.tokens):
+                best = Source(n, seq, own.blocks)
+        return best
+
+    def holds(self, seq: int) -> bool:
+        """The save is still on its way and its blocks may be copied from."""
+        own = self._saves.get(seq)
+        return own is not None and own.blocks is not None and own.planned_at >= self._clock() - OWN_SAVE_MAX_S
 
     def done(self, seqs: Iterable[int]) -> None:
         """Worker reports: each sequence number once per rank whose save is over."""
@@ -74,19 +114,16 @@ class OwnSaves:
     def reach(self, tokens: np.ndarray, key: KeyContext | None) -> int:
         """The longest prefix of ``tokens`` that a save still on its way covers (0: none)."""
         best = 0
-        stale = self._clock() - OWN_SAVE_MAX_S
-        for seq, own in list(self._saves.items()):
-            if own.planned_at < stale:
-                del self._saves[seq]  # never reported: its worker is gone
-                continue
-            if own.key != key:
-                continue
-            n = min(len(own.tokens), len(tokens))
-            if n <= best:
-                continue
-            differ = np.flatnonzero(own.tokens[:n] != tokens[:n])
-            best = max(best, int(differ[0]) if len(differ) else n)
+        for _, own in self._live():
+            if own.key == key and min(len(own.tokens), len(tokens)) > best:
+                best = max(best, _common(own.tokens, tokens))
         return best
+
+    def _live(self) -> list[tuple[int, _Own]]:
+        stale = self._clock() - OWN_SAVE_MAX_S
+        for seq in [s for s, own in self._saves.items() if own.planned_at < stale]:
+            del self._saves[seq]  # never reported: its worker is gone
+        return list(self._saves.items())
 
     def __len__(self) -> int:
         return len(self._saves)
@@ -97,6 +134,13 @@ class _Wait:
     start: float
     want: int  # tokens waited for
     next_ask: float
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 class Waits:

@@ -189,10 +189,48 @@ class Saver:
         self.stored_chunks += r.stored
 
 
-def load(adapter: WorkerAdapter | None, job: Load, block_size: int) -> set[int]:
-    """Retrieve ``job``'s prefix into its blocks; the blocks it could not fill (empty when all
-    came; all of them with no adapter or an unregistered one). A miss is not an error: the
-    scheduler recomputes those blocks."""
+class BlockCopier:
+    """Copies whole blocks of the worker's KV caches onto other blocks of the same caches: a
+    prefix this engine is still saving, into the blocks of a request with that prefix. Runs of
+    consecutive blocks move as one slice (one pass over the bytes); many runs, or a GPU, as
+    one indexed copy per layer."""
+
+    MAX_RUNS = 64
+
+    def __init__(self, caches: Sequence[torch.Tensor], block_dim: int) -> None:
+        self.caches = list(caches)
+        self.block_dim = block_dim
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray) -> None:
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks for {len(dst)} blocks")
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64)
+        ends = np.concatenate([breaks, [len(src)]]).astype(np.int64)
+        dim = self.block_dim
+        if len(starts) > self.MAX_RUNS or self.caches[0].device.type != "cpu":
+            device = self.caches[0].device
+            s, d = torch.from_numpy(src).to(device), torch.from_numpy(dst).to(device)
+            for t in self.caches:
+                t.index_copy_(dim, d, t.index_select(dim, s))
+            return
+        for t in self.caches:
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+                n = b - a
+                t.narrow(dim, int(dst[a]), n).copy_(t.narrow(dim, int(src[a]), n))
+
+
+def load(
+    adapter: WorkerAdapter | None, job: Load, block_size: int, copy: BlockCopier | None = None
+) -> set[int]:
+    """Write ``job``'s prefix into its blocks: copied from this worker's own blocks when the job
+    names them (``job.source``), else retrieved. Returns the blocks it could not fill (empty
+    when all came; all of them with no adapter or an unregistered one). A miss is not an error:
+    the scheduler recomputes those blocks."""
+    if job.source is not None and copy is not None:
+        copy(job.source, job.blocks[: len(job.source)])
+        return set()
     want = len(job.tokens)
     got = 0
     if adapter is not None and adapter.registration is not None:

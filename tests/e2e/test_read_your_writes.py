@@ -4,7 +4,8 @@ The model is built here (no download) with 32 KiB of KV a token (8 layers, 8 KV 
 128: `kvbench.vllm_model.PREFILL`), the prompts are 2,900 tokens, one output token each, vLLM's
 own prefix caching off on kvwarden's engines: the repeat of a request sent the moment the first
 answered would race the connector's store of it, and must hit (2,816 tokens: every full chunk but
-the last token's). Outputs are compared token for token with an engine that has vLLM's own
+the last token's); on the same engine it is copied from the first one's blocks, which vLLM holds
+until that store is over. Outputs are compared token for token with an engine that has vLLM's own
 prefix caching on and serves each prompt twice: its first pass is the miss (a full prefill), its
 second the prefix-cache hit on the same 2,816 tokens.
 
@@ -146,6 +147,8 @@ def test_a_repeat_sent_the_moment_the_first_answered_hits_every_time(world: Worl
         again = w.a.generate(p, 1)  # the first one's store is still running
         assert again["cached"] >= HIT, (again, w.a.tail())
         assert again["tokens"] == ref.hit
+        # copied from the first one's blocks, still held for its store: it never waited either
+        assert _metric(w.srv, "kvwarden_lookup_waits_total") == waits
     assert _metric(w.srv, 'kvwarden_lookup_waits_total{outcome="gave_up"}') == 0
 
 

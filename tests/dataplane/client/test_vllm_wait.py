@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataplane.client.vllm_state import Planner
+from dataplane.client.vllm_state import Planner, Save
 from dataplane.client.vllm_wait import REASK_S, Found, OwnSaves, Waits
 from dataplane.wire.messages import KeyContext
 from tests.helpers import FakeClock
@@ -85,23 +85,74 @@ def test_a_bound_of_zero_never_waits_and_an_outage_is_not_waited_on() -> None:
     assert p.matched("a", PROMPT, 0) == 0 and reports == []
 
 
-def test_the_engines_own_planned_save_is_waited_for_before_the_server_hears_of_it() -> None:
-    server = Server()  # the worker has not even sent its store yet
-    p, clock, reports = planner(server)
+def _first_saved(p: Planner) -> Save:
+    """Request "first" computed and finished (max_tokens=1), its save planned and not over."""
     assert p.matched("first", PROMPT, 0) == 0
     plan = p.plan([("first", PROMPT, list(range(13)), 0, len(PROMPT))], [], False)
     (save,) = plan.saves
     assert save.seq and len(save.tokens) == 3 * CS
-    assert p.finished("first") is True  # max_tokens=1: done, its save still running
+    assert p.finished("first") is True  # its blocks are held until the worker's word
+    return save
+
+
+def test_the_engines_own_save_in_flight_is_copied_from_its_blocks_at_once() -> None:
+    server = Server()  # the worker has not even sent its store yet
+    p, _, reports = planner(server)
+    save = _first_saved(p)
+    asked = server.asked
     again = [*PROMPT[:-2], 7, 7]  # the same prefix, another tail
-    assert p.matched("repeat", again, 0) is None
-    clock.advance(0.02)
+    assert p.matched("repeat", again, 0) == 3 * CS and reports == []  # never held back
+    assert server.asked == asked  # it covers all that could load: the server is not asked
+    p.allocated("repeat", again, 3 * CS)
+    (job,) = p.plan([("repeat", again, list(range(20, 33)), 0, 5)], [], False).loads
+    assert list(job.tokens) == PROMPT[: 3 * CS]
+    assert job.source is not None and list(job.source) == list(save.blocks[:12])  # 3 chunks, 12 blocks
+    other = list(range(1000, 1000 + 3 * CS + 1))  # another prefix: the server's answer
+    assert p.matched("other", other, 0) == 0 and p.own.source(np.asarray(other), None) is None
+    salted = p.own.source(np.asarray(PROMPT), KeyContext(b"tenant"))
+    assert salted is None  # another key context's KV is not the same KV
+
+
+def test_a_save_over_or_preempted_before_the_load_is_planned_is_not_copied_from() -> None:
+    server = Server()
+    p, _, _ = planner(server)
+    save = _first_saved(p)
+    assert p.matched("repeat", PROMPT, 0) == 3 * CS
+    p.allocated("repeat", PROMPT, 3 * CS)
+    p.own.done([save.seq])  # the save is over: vLLM may have freed its blocks
+    (job,) = p.plan([("repeat", PROMPT, list(range(20, 33)), 0, 5)], [], False).loads
+    assert job.source is None  # loaded from the server (a miss there is recomputed)
+    # the saved request is preempted: its blocks go back to vLLM at once
+    p2, clock, _ = planner(Server())
+    assert p2.matched("first", PROMPT, 0) == 0
+    p2.plan([("first", PROMPT, list(range(13)), 0, len(PROMPT))], [], False)
+    p2.plan([], [], True, ["first"])
+    assert p2.own.source(np.asarray(PROMPT), None) is None
+    assert p2.matched("repeat", PROMPT, 0) is None  # its save still counts: waited for
+    clock.advance(REASK_S)
+    assert p2.matched("repeat", PROMPT, 0) is None
+
+
+def test_a_preemption_in_the_step_of_the_load_drops_its_source() -> None:
+    p, _, _ = planner(Server())
+    _first_saved(p)
+    assert p.matched("repeat", PROMPT, 0) == 3 * CS
+    p.allocated("repeat", PROMPT, 3 * CS)
+    (job,) = p.plan([("repeat", PROMPT, list(range(20, 33)), 0, 5)], [], True, ["someone"]).loads
+    assert job.source is None
+
+
+def test_a_longer_hit_on_the_server_wins_over_a_shorter_own_save() -> None:
+    server = Server()
+    p, _, _ = planner(server)
+    p.matched("first", PROMPT, 0)
+    short = PROMPT[: CS + 1]
+    p.plan([("first", short, list(range(5)), 0, len(short))], [], False)  # one chunk saved
     server.held = 3 * CS
-    p.own.done([save.seq])  # the worker's report: the save is over
-    assert p.matched("repeat", again, 0) == 3 * CS and reports == [(0.02, "hit")]
-    server.held = 0
-    other = list(range(1000, 1000 + 3 * CS + 1))  # another prefix is never waited for
-    assert p.matched("other", other, 0) == 0 and len(reports) == 1
+    assert p.matched("repeat", PROMPT, 0) == 3 * CS
+    p.allocated("repeat", PROMPT, 3 * CS)
+    (job,) = p.plan([("repeat", PROMPT, list(range(20, 33)), 0, 5)], [], False).loads
+    assert job.source is None
 
 
 def test_own_saves_count_per_key_context_and_rank_and_finished_waits_report_nothing() -> None:
@@ -135,3 +186,10 @@ def test_an_engine_with_only_waiting_requests_sleeps_until_the_next_ask() -> Non
     assert p.waits.idle_s() == pytest.approx(REASK_S / 2)
     clock.advance(REASK_S)
     assert p.waits.idle_s() == 0.0
+
+
+def test_a_scheduler_that_learns_the_chunk_size_from_its_first_lookup_waits_on_it() -> None:
+    server = Server(pending=3 * CS)
+    p, _, _ = planner(server)
+    p.chunk_size = lambda: CS if server.asked else None  # the server's first answer says it
+    assert p.matched("a", PROMPT, 0) is None and len(p.waits) == 1
