@@ -10,7 +10,8 @@ after another, each prompt new to every cache:
 - **kvwarden miss**: an engine with kvwarden (its own prefix caching off), a new prompt
   (a LOOKUP that finds nothing, then its chunks stored off the step), on a server just started;
 - **kvwarden repeat**: the same engine, the same prompt again the moment the miss answered,
-  while its store may still be running (the request waits for it to land, then loads it);
+  while its store may still be running (the engine copies the prefix from the first request's
+  blocks, which vLLM holds until that store is over);
 - **kvwarden hit**: another engine process, the prompts the previous one stored.
 Every engine keeps the same cores from its worker (``--reserved-cpus``; vLLM otherwise reserves
 one more core for an engine with any KV connector, which on a 2-core machine gives that engine's
