@@ -49,15 +49,6 @@ COMMIT_EVERY_BYTES = 32 << 20
 LOOKAHEAD = 1 << 30  # mapped ahead of the highest offset the server has handed out
 _SLICE = 32 << 20  # per step (stop waits for one step at most)
 
-_pacing = threading.local()  # per thread: the pace of the stores it makes (`pace_this_thread`)
-
-
-def pace_this_thread(pace: Callable[[], None] | None) -> None:
-    """``pace()`` runs before each chunk that a one-copy store made on this thread copies, and
-    may wait: the vLLM connector's saver lets a step that copies from the engine's own blocks go
-    first (`dataplane.client.vllm_worker.Saver.hold`). None: no pace."""
-    _pacing.fn = pace
-
 
 class ArenaToucher:
     """Maps the server's arena into this process ahead of use (thread ``kvwarden-arena-map``).
@@ -167,15 +158,12 @@ class ArenaCopier:
         n_full = len(tokens) // cs
         chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
         total = StoreCounts(n_full, 0, 0, 0, 0)
-        pace: Callable[[], None] | None = getattr(_pacing, "fn", None)
         for first in range(0, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
             upto = tokens[: (first + k) * cs]
             r = send(EngineReserve(self.instance_id, self.secret, upto, first, k, ctx, names))
 
             def write(c: int, buf: torch.Tensor) -> None:
-                if pace is not None:
-                    pace()
                 local.gather(chunks[c], buf, splitter)
 
             stored = self._write_reserved(send, r, first, write)

@@ -6,10 +6,11 @@
         "kv_connector_extra_config": {"kvwarden.url": "tcp://127.0.0.1:5555"}}'
 
 Scheduler side (the engine core): one LOOKUP_SCOPE per new request decides how many whole chunks
-of its prompt to load (never its last token); each step's plan says which requests load and
-which store new full chunks. A prefix this engine is still saving is copied from the saved
-request's blocks at once; one another worker is storing is waited for ("not decided yet", asked
-again on later steps, up to ``kvwarden.lookup_wait_s``) and loaded once it lands. Worker side:
+of its prompt to load (never its last token), and each step's plan says which requests load and
+which store new full chunks of their prompt. A request whose prefix is being stored (by this
+engine's own saves, which the workers report over in each step's worker metadata, or by any
+worker the server sees writing) is answered "not decided yet" and asked again on later steps,
+up to ``kvwarden.lookup_wait_s``, so it loads what lands instead of recomputing it. Worker side:
 loads run before the forward pass (``start_load_kv``); stores go to a thread after it
 (``wait_for_save``), and a finished request keeps its blocks until its stores are over
 (``request_finished`` / ``get_finished``). A load that comes back short names its blocks
@@ -99,8 +100,8 @@ def scope_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scope:
 
 FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
 
-# the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) folded
-# into request_key; a request whose block keys carry any other kind is never cached
+# the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that
+# request_key folds in; a request whose block keys carry any other kind is never cached
 KNOWN_EXTRA_KEYS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
 _said: set[str] = set()  # the reasons already logged (once each)
 
@@ -277,8 +278,6 @@ class KVWardenConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVWardenConnectorMetadata)
-        if self._saver is not None:
-            self._saver.hold(meta.plan.loads)  # copies from the engine's own blocks go first
         for job in meta.plan.loads:
             self._load_errors |= load(self._adapter, job, self._block_size, self._copier)
 
@@ -293,12 +292,10 @@ class KVWardenConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVWardenConnectorMetadata)
-        if self._saver is None:
-            return
-        self._saver.release()
-        self._planned |= {s.req_id for s in meta.plan.saves}
-        self._saver.submit(meta.plan.saves)
-        if meta.plan.flush_saves:
+        if meta.plan.saves and self._saver is not None:
+            self._planned |= {s.req_id for s in meta.plan.saves}
+            self._saver.submit(meta.plan.saves)
+        if meta.plan.flush_saves and self._saver is not None:
             self._saver.drain(FLUSH_S)  # a step with nothing to compute: requests wait for these
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

@@ -13,13 +13,10 @@ import numpy as np
 import torch
 
 from dataplane.client.adapter import WorkerAdapter
-from dataplane.client.one_copy import pace_this_thread
 from dataplane.client.vllm_state import Load, Save
 from dataplane.wire.errors import KVWardenError, RequestError
 
 logger = logging.getLogger(__name__)
-
-MAX_HOLD_S = 0.5  # a held store waits at most this long before each chunk (`Saver.hold`)
 
 
 class Registrar:
@@ -103,12 +100,7 @@ class Saver:
     A request whose chunks are being stored keeps its blocks (the scheduler holds them) until
     ``finished`` reports it. Every save over, stored or failed, is reported by its sequence
     number (``take_done``), so the scheduler stops counting it as on its way. ``_cond``
-    guards ``_queue``, ``_pending``, ``_asked``, ``_done``, ``_busy`` and ``_stopped``.
-
-    While a step copies a prefix from the engine's own blocks (``hold``, until ``release``) a
-    store in progress waits before each chunk, at most ``MAX_HOLD_S`` each: the step has the
-    worker's core to itself, and the store (whose blocks that step only reads) goes on after it.
-    A step that loads from the server never holds: those loads wait for a store's transfer."""
+    guards ``_queue``, ``_pending``, ``_asked``, ``_done``, ``_busy`` and ``_stopped``."""
 
     def __init__(self, adapter: WorkerAdapter) -> None:
         self.adapter = adapter
@@ -119,8 +111,6 @@ class Saver:
         self._done: list[int] = []  # sequence numbers of saves over, not yet reported
         self._busy = False
         self._stopped = False
-        self._free = threading.Event()  # clear while a step holds the stores (`hold`)
-        self._free.set()
         self._thread: threading.Thread | None = None
         self.stored_chunks = 0
         self.failed = 0
@@ -145,19 +135,6 @@ class Saver:
             self._asked -= done
             return done
 
-    def hold(self, loads: Sequence[Load]) -> None:
-        """A step with ``loads`` begins: hold the stores when every load copies from the
-        engine's own blocks (``Load.source``)."""
-        if loads and all(job.source is not None for job in loads):
-            self._free.clear()
-
-    def release(self) -> None:
-        """The step's forward pass is over: stores go on."""
-        self._free.set()
-
-    def _pace(self) -> None:
-        self._free.wait(MAX_HOLD_S)
-
     def take_done(self) -> list[int]:
         """The saves over since the last call (their sequence numbers)."""
         with self._cond:
@@ -173,7 +150,6 @@ class Saver:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        self._free.set()
 
     def join(self, timeout_s: float = 30.0) -> bool:
         if self._thread is None:
@@ -182,7 +158,6 @@ class Saver:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        pace_this_thread(self._pace)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._stopped)

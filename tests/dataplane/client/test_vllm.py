@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import WorkerAdapter, vllm_worker
+from dataplane.client import WorkerAdapter
 from dataplane.client.vllm_state import (
     UNCACHED,
     Load,
@@ -28,7 +28,7 @@ from dataplane.client.vllm_worker import Registrar, Saver, load
 from dataplane.memory.blockkv import BlockKV
 from dataplane.wire.errors import InvalidLayout
 from dataplane.wire.messages import KeyContext, KVFormat
-from tests.helpers import FakeClock, ServerProcess, wait_until
+from tests.helpers import FakeClock, ServerProcess
 
 CS = 32  # the server's chunk size in these tests
 BS = 16  # vLLM's block size here: two blocks a chunk
@@ -295,33 +295,6 @@ def test_saver_stores_off_the_step_and_frees_only_what_it_was_asked_to(server: S
         finally:
             saver.stop()
             assert saver.join()
-
-
-def test_a_step_copying_from_its_own_blocks_holds_the_stores_until_its_forward_pass_ends(
-    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(vllm_worker, "MAX_HOLD_S", 60.0)  # (bounded in service: 0.5 s a chunk)
-    look = ScopeLookup(server.endpoint, scope(), 5.0)
-    with worker(server) as w:
-        w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
-        saver = Saver(w)
-        saver.start()
-        try:
-            tokens = np.arange(2 * CS)
-            saver.hold([Load("b", tokens[:CS], np.arange(8, 10))])  # a server load: no hold
-            saver.submit([Save("a", tokens, np.arange(4))])
-            assert saver.drain(30.0) and w.lookup(tokens) == 2 * CS
-            other = np.arange(100, 100 + 2 * CS)
-            saver.hold([Load("c", other[:CS], np.arange(8, 10), source=np.arange(4, 6))])
-            saver.submit([Save("d", other, np.arange(4, 8))])
-            wait_until(lambda: look.find(other).pending > 0, 30, 0.01, what="the store's reserve")
-            assert look.find(other).hit == 0  # reserved, its copies held back
-            saver.release()  # the step's forward pass is over
-            assert saver.drain(30.0) and w.lookup(other) == 2 * CS
-        finally:
-            saver.stop()
-            assert saver.join()
-            look.close()
 
 
 def test_a_load_that_comes_back_short_names_the_blocks_to_recompute(server: ServerProcess) -> None:
