@@ -6,11 +6,11 @@
         "kv_connector_extra_config": {"kvwarden.url": "tcp://127.0.0.1:5555"}}'
 
 Scheduler side (the engine core): one LOOKUP_SCOPE per new request decides how many whole chunks
-of its prompt to load (never its last token), and each step's plan says which requests load and
-which store new full chunks of their prompt. A request whose prefix is being stored (by this
-engine's own saves, which the workers report over in each step's worker metadata, or by any
-worker the server sees writing) is answered "not decided yet" and asked again on later steps,
-up to ``kvwarden.lookup_wait_s``, so it loads what lands instead of recomputing it. Worker side:
+of its prompt to load (never its last token); each step's plan says which requests load and
+which store new full chunks. A prefix this engine is still saving is copied from the saved
+request's blocks at once (`dataplane.client.vllm_wait.OwnSaves.source`); one being stored by
+another worker, or by a save that cannot be copied from, is waited for ("not decided yet",
+asked again on later steps, up to ``kvwarden.lookup_wait_s``) and loaded once it lands. Worker side:
 loads run before the forward pass (``start_load_kv``); stores go to a thread after it
 (``wait_for_save``), and a finished request keeps its blocks until its stores are over
 (``request_finished`` / ``get_finished``). A load that comes back short names its blocks
