@@ -252,7 +252,6 @@ class _Request:
     load: int = 0  # tokens to load before the first forward pass
     saving: bool = False  # a Save was planned: its blocks wait for the worker's word
     source: Source | None = None  # where the load may copy from (`OwnSaves.source`)
-    seqs: list[int] = field(default_factory=list)  # its saves (`OwnSaves`)
 
 
 class Planner:
@@ -308,15 +307,19 @@ class Planner:
             cs = self.chunk_size()
             return 0 if cs is None else (len(tokens) - 1) // cs * cs
 
-        src, cs = (self.own.source(tokens, key), self.chunk_size()) if len(self.own) else (None, None)
-        local = 0 if src is None or cs is None else min(src.tokens // cs * cs, limit())
-        found = Found(local) if local and local == limit() else self.lookup(tokens[: len(tokens) - 1], key)
+        cs, most = self.chunk_size(), limit()
+        src = self.own.source(tokens, key) if most and len(self.own) else None
+        local = 0 if src is None or cs is None else min(src.tokens // cs * cs, most)
+        if local and local == most:
+            found = Found(local)  # it covers all that could load: the server is not asked
+        else:
+            found = self.lookup(tokens[: len(tokens) - 1], key)
+            cs, most = self.chunk_size(), limit()
         if src is not None and local and local >= found.hit:
             self._sources[req_id] = src
-            return self.waits.decide(req_id, Found(local), 0, limit())  # (ends a wait, if any)
-        cs = self.chunk_size()
+            return self.waits.decide(req_id, Found(local), 0, most)  # (ends a wait, if any)
         own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
-        return self.waits.decide(req_id, found, own, limit())
+        return self.waits.decide(req_id, found, own, most)
 
     def allocated(self, req_id: str, prompt: Sequence[int] | None, external: int) -> None:
         """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found."""
@@ -337,9 +340,7 @@ class Planner:
         block ids, resumed, computed, scheduled); ``preempted_ids``: requests whose blocks went
         back to vLLM this step (never copied from again)."""
         out = Plan(preempted=preempted)
-        for req_id in preempted_ids:
-            if (gone := self._reqs.get(req_id)) is not None:
-                self.own.no_source(gone.seqs)
+        self.own.no_source(preempted_ids)
         for req_id, prompt, blocks, computed, scheduled in new:
             r = self._reqs.get(req_id)
             if r is None:
@@ -376,8 +377,7 @@ class Planner:
         if full > r.saved:
             n_blocks = -(-full // self.block_size)
             blocks = np.asarray(r.blocks[:n_blocks], dtype=np.int64)
-            seq = self.own.add(r.tokens[:full], r.key, blocks)
-            r.seqs.append(seq)
+            seq = self.own.add(r.tokens[:full], r.key, req_id, blocks)
             out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key, seq, self.names.get(req_id)))
             r.saved, r.saving = full, True
 

@@ -44,6 +44,7 @@ class _Own:
     key: KeyContext | None
     reports: int  # worker reports still to come (one per rank)
     planned_at: float
+    req_id: str
     blocks: np.ndarray | None  # the saved request's blocks, while they may be copied from
 
 
@@ -72,17 +73,20 @@ class OwnSaves:
         self._saves: dict[int, _Own] = {}
         self._seq = itertools.count(1)
 
-    def add(self, tokens: np.ndarray, key: KeyContext | None, blocks: np.ndarray | None = None) -> int:
-        """A save of ``tokens`` (a prompt's first full chunks, from ``blocks``) was planned: its
-        sequence number, which the worker reports when it is over."""
+    def add(
+        self, tokens: np.ndarray, key: KeyContext | None, req_id: str = "", blocks: np.ndarray | None = None
+    ) -> int:
+        """Request ``req_id``'s save of ``tokens`` (a prompt's first full chunks, from
+        ``blocks``) was planned: its sequence number, which the worker reports when it is over."""
         seq = next(self._seq)
-        self._saves[seq] = _Own(tokens, key, self.ranks, self._clock(), blocks)
+        self._saves[seq] = _Own(tokens, key, self.ranks, self._clock(), req_id, blocks)
         return seq
 
-    def no_source(self, seqs: Iterable[int]) -> None:
-        """These saves' blocks go back to vLLM (their request was preempted): never copied."""
-        for seq in seqs:
-            if (own := self._saves.get(seq)) is not None:
+    def no_source(self, req_ids: Iterable[str]) -> None:
+        """These requests' blocks go back to vLLM (they were preempted): never copied from."""
+        gone = set(req_ids)
+        for own in self._saves.values():
+            if own.req_id in gone:
                 own.blocks = None
 
     def source(self, tokens: np.ndarray, key: KeyContext | None) -> Source | None:

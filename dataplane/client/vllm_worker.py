@@ -14,6 +14,7 @@ import torch
 
 from dataplane.client.adapter import WorkerAdapter
 from dataplane.client.vllm_state import Load, Save
+from dataplane.memory.copies import _MAX_RUNS, slot_runs
 from dataplane.wire.errors import KVWardenError, RequestError
 
 logger = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class BlockCopier:
     consecutive blocks move as one slice (one pass over the bytes); many runs, or a GPU, as
     one indexed copy per layer."""
 
-    MAX_RUNS = 64
+    MAX_RUNS = _MAX_RUNS
 
     def __init__(self, caches: Sequence[torch.Tensor], block_dim: int) -> None:
         self.caches = list(caches)
@@ -205,20 +206,17 @@ class BlockCopier:
         src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source blocks for {len(dst)} blocks")
-        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-        starts = np.concatenate([[0], breaks]).astype(np.int64)
-        ends = np.concatenate([breaks, [len(src)]]).astype(np.int64)
+        runs = slot_runs(src, dst)
         dim = self.block_dim
-        if len(starts) > self.MAX_RUNS or self.caches[0].device.type != "cpu":
+        if len(runs) > self.MAX_RUNS or self.caches[0].device.type != "cpu":
             device = self.caches[0].device
             s, d = torch.from_numpy(src).to(device), torch.from_numpy(dst).to(device)
             for t in self.caches:
                 t.index_copy_(dim, d, t.index_select(dim, s))
             return
         for t in self.caches:
-            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-                n = b - a
-                t.narrow(dim, int(dst[a]), n).copy_(t.narrow(dim, int(src[a]), n))
+            for to, start, n in runs:
+                t.narrow(dim, to, n).copy_(t.narrow(dim, start, n))
 
 
 def load(

@@ -93,14 +93,19 @@ class ChunkMap:
         return self._slots[i * cs : (i + 1) * cs]
 
 
-def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """(dst_start, src_start, length) runs of consecutive source slots."""
+def slot_runs(slots: np.ndarray, dst: np.ndarray | None = None) -> list[tuple[int, int, int]]:
+    """(dst_start, src_start, length) runs over which the source ``slots`` and their
+    destinations (``dst``; by default 0, 1, 2, ...) both advance by one."""
     if len(slots) == 0:
         return []
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    step = np.diff(slots) != 1
+    if dst is not None:
+        step |= np.diff(dst) != 1
+    breaks = np.flatnonzero(step) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(slots)]))
-    return [(int(s), int(slots[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    first = starts if dst is None else dst[starts]
+    return [(int(d), int(slots[s]), int(e - s)) for d, s, e in zip(first, starts, ends, strict=True)]
 
 
 def whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
