@@ -152,6 +152,10 @@ class FsPublic(BaseModel):
     bad_files: int = Field(description="files refused and removed: truncated, damaged, foreign")
     get_failures: int = Field(description="reads and lookups that failed: timeouts, I/O errors")
     read_ahead: int = Field(description="chunks read into L1 because a LOOKUP found them on disk")
+    read_in_place: int = Field(
+        description="chunks read from the page cache straight into a worker's blocks (no staging in L1)"
+    )
+    promoted: int = Field(description="chunks read in place, then brought into L1 behind the RETRIEVE")
     puts: int = Field(description="chunk files written")
     put_failures: int = Field(description="writes that failed: no space, read-only, vanished, I/O errors")
     evictions: int = Field(description="files removed to keep the cap")

@@ -159,6 +159,7 @@ FS_PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
             (f"rate(kvwarden_fs_hits_total[{RI}])", "hits {{instance}}"),
             (f"rate(kvwarden_fs_misses_total[{RI}])", "misses {{instance}}"),
             (f"rate(kvwarden_fs_read_ahead_total[{RI}])", "read-ahead {{instance}}"),
+            (f"rate(kvwarden_fs_read_in_place_total[{RI}])", "read in place {{instance}}"),
         ],
     ),
     (

@@ -89,6 +89,12 @@ def _counters(s: FsStats) -> tuple[tuple[str, str, float], ...]:
         ("kvwarden_fs_misses", "File-tier reads that found nothing usable (bad files included).", s.misses),
         ("kvwarden_fs_read_bytes", "Chunk bytes read from the file tier.", s.bytes_read),
         ("kvwarden_fs_read_ahead", "Chunks read into L1 because a LOOKUP found them on disk.", s.read_ahead),
+        (
+            "kvwarden_fs_read_in_place",
+            "Chunks read from the page cache straight into a worker's blocks.",
+            s.read_in_place,
+        ),
+        ("kvwarden_fs_promoted", "Chunks read in place, then brought into L1 behind it.", s.promoted),
         ("kvwarden_fs_writes", "Chunk files written.", s.puts),
         ("kvwarden_fs_written_bytes", "Bytes written to the file tier (headers included).", s.bytes_written),
         ("kvwarden_fs_evictions", "Chunk files removed to keep the cap (LRU).", s.evictions),

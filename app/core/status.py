@@ -117,6 +117,8 @@ def fs_view(dp: DataPlaneView) -> dict[str, Any] | None:
         "bad_files": sum(s.bad_files.values()),
         "get_failures": sum(s.get_failures.values()),
         "read_ahead": s.read_ahead,
+        "read_in_place": s.read_in_place,
+        "promoted": s.promoted,
         "puts": s.puts,
         "put_failures": sum(s.put_failures.values()),
         "evictions": s.evictions,

@@ -65,6 +65,8 @@ class MappedKV:
     stacked: torch.Tensor | None
     segments: list[Segment] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # per layer, K then V: the worker's memory as flat bytes (built on first use: `chunk_views`)
+    _planes: list[memoryview] | None = field(default=None, repr=False)
 
     @property
     def token_row(self) -> int:
@@ -72,6 +74,25 @@ class MappedKV:
 
     def chunk_nbytes(self, n_tokens: int) -> int:
         return self.num_layers * 2 * n_tokens * self.token_row * _itemsize(self.dtype)
+
+    def chunk_views(self, where: Placement, max_views: int = 4096) -> list[memoryview] | None:
+        """Where the chunk at ``where`` lives, as writable byte views of the worker's memory in
+        the chunk's order (layer, K then V, token): a chunk file read in place lands there.
+        None on a GPU, or when the chunk lies in more than ``max_views`` pieces."""
+        if self.device.type != "cpu":
+            return None
+        row = self.token_row * _itemsize(self.dtype)
+        if isinstance(where, Blocks):
+            runs, unit = slot_runs(where.ids), self.block_size * row
+        else:
+            runs, unit = slot_runs(where), row
+        if 2 * self.num_layers * len(runs) > max_views:
+            return None
+        if self._planes is None:
+            layers = self.layers if self.stacked is None else list(self.stacked)
+            planes = (layer[k].view(torch.uint8).numpy() for layer in layers for k in (0, 1))
+            self._planes = [p.data.cast("B") for p in planes]
+        return [p[src * unit : (src + n) * unit] for p in self._planes for _, src, n in runs]
 
     def _views(self, buf: torch.Tensor, n_tokens: int) -> torch.Tensor:
         return buf.view(self.dtype).view(self.num_layers, 2, n_tokens, self.token_row)
@@ -156,6 +177,7 @@ class MappedKV:
 
     def release(self) -> bool:
         """Drop every view and unmap; True when every mapping closed now."""
+        self._planes = None  # (views of the segments: dropped before they close)
         self.layers = []
         self.stacked = None
         closed = True

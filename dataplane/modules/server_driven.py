@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer
 from dataplane.wire.replies import Registered, Retrieved, StoreCounts
 
 logger = logging.getLogger(__name__)
+_Views = list[memoryview] | None  # where a chunk read in place goes (None: not in place)
 
 
 @dataclass(eq=False)
@@ -162,6 +164,25 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 
+    def _into(self, kv: MappedKV, p: Retrieve, n_chunks: int) -> Callable[[int, int], _Views]:
+        """Where chunk i of a RETRIEVE goes, as byte views of the worker's blocks, for a chunk
+        file read in place (None: not here: a GPU, a chunk of another size, too few blocks)."""
+        want = kv.chunk_nbytes(self.chunk_size)
+        chunks: list[ChunkMap] = []
+
+        def into(i: int, nbytes: int) -> _Views:
+            if nbytes != want:
+                return None
+            if not chunks:
+                try:
+                    cs = self.chunk_size
+                    chunks.append(ChunkMap(p.block_ids, kv.block_size, kv.num_blocks, n_chunks, cs))
+                except ValueError:
+                    return None
+            return kv.chunk_views(chunks[0][i])
+
+        return into
+
     def _store(self, rctx: RequestContext, p: Store) -> StoreCounts:
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             kv = c.kv
@@ -205,12 +226,13 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
-            bufs = self.l1.acquire_prefix(keys, tenant_of(p.key), c.scope)
-            held = keys[: len(bufs)]
+            bufs = self.l1.acquire_into(keys, self._into(kv, p, len(keys)), tenant_of(p.key), c.scope)
+            held = [k for k, b in zip(keys, bufs, strict=False) if b is not None]
             try:
                 chunks = self._chunks(kv, p, len(bufs))
                 for i, buf in enumerate(bufs):
-                    kv.scatter(chunks[i], buf, self.splitter)
+                    if buf is not None:  # (None: read in place from a chunk file)
+                        kv.scatter(chunks[i], buf, self.splitter)
             finally:
                 self.l1.release(held)
             nbytes = kv.chunk_nbytes(cs) * len(bufs)

@@ -15,6 +15,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from dataplane.storage.fs_layout import tmp_path
 from dataplane.storage.remote_codec import MAX_HEADER, Header, RemoteValueError, check_hash, check_header
@@ -48,16 +49,21 @@ def failure_kind(exc: BaseException) -> str:
     return "error"
 
 
-def read_chunk(
-    path: str,
-    key: bytes,
-    nbytes: int | None,
-    alloc: Callable[[int], memoryview | None],
-) -> tuple[memoryview, float, int] | None:
-    """The payload of ``path`` read into ``alloc(size)``'s buffer after every check, the
-    file's modification time and its size; None when the file is not there (FileNotFoundError is a miss) or
-    ``alloc`` has no room. BadFile when it fails a check (the buffer was written: the caller
-    gives it back), OSError when the disk fails."""
+@dataclass(frozen=True)
+class Opened:
+    """A chunk file open for reading, its header checked (`open_chunk`); the caller closes ``fd``."""
+
+    fd: int
+    head: bytes  # the first bytes of the file: the header, and the value hash in it
+    header: Header
+    ino: int
+    mtime: float
+    size: int
+
+
+def open_chunk(path: str, key: bytes, nbytes: int | None) -> Opened | None:
+    """``path`` opened and its header checked against ``key`` (and ``nbytes``, when given); None
+    when the file is not there. BadFile when it fails a check, OSError when the disk fails."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
@@ -75,17 +81,37 @@ def read_chunk(
             h = check_header(key, head, st.st_size, "uint8", None if nbytes is None else (nbytes,))
         except RemoteValueError as exc:
             raise BadFile(exc.kind, str(exc), st.st_ino) from None
-        dest = alloc(h.nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Opened(fd, head, h, st.st_ino, st.st_mtime, st.st_size)
+
+
+def read_chunk(
+    path: str,
+    key: bytes,
+    nbytes: int | None,
+    alloc: Callable[[int], memoryview | None],
+) -> tuple[memoryview, float, int] | None:
+    """The payload of ``path`` read into ``alloc(size)``'s buffer after every check, the
+    file's modification time and its size; None when the file is not there (FileNotFoundError is a miss) or
+    ``alloc`` has no room. BadFile when it fails a check (the buffer was written: the caller
+    gives it back), OSError when the disk fails."""
+    f = open_chunk(path, key, nbytes)
+    if f is None:
+        return None
+    try:
+        dest = alloc(f.header.nbytes)
         if dest is None:
             return None
         try:
-            _read_exact(fd, dest, h)
-            check_hash(head, h, dest)
+            _read_exact(f.fd, dest, f.header)
+            check_hash(f.head, f.header, dest)
         except RemoteValueError as exc:
-            raise BadFile(exc.kind, str(exc), st.st_ino) from None
-        return dest, st.st_mtime, st.st_size
+            raise BadFile(exc.kind, str(exc), f.ino) from None
+        return dest, f.mtime, f.size
     finally:
-        os.close(fd)
+        os.close(f.fd)
 
 
 def _read_exact(fd: int, dest: memoryview, h: Header) -> None:

@@ -35,6 +35,8 @@ class FsStats:
     evictions: int
     evicted_gone: int  # evictions of files another server had removed already
     read_ahead: int  # chunks read into L1 ahead of a RETRIEVE, because a LOOKUP found them
+    read_in_place: int  # chunks read from the page cache straight into a worker's blocks
+    promoted: int  # chunks read in place, then brought into L1 behind the RETRIEVE
     get_failures: dict[str, int]  # by kind (fs_files.FAILURE_KINDS)
     put_failures: dict[str, int]
     bad_files: dict[str, int]  # by kind (remote_codec.VALUE_ERROR_KINDS)
@@ -57,6 +59,7 @@ class FsCounters:
         self._lock = threading.Lock()  # leaf: guards every field below
         self.gets = self.hits = self.misses = self.bytes_read = 0
         self.puts = self.bytes_written = self.evictions = self.evicted_gone = self.read_ahead = 0
+        self.read_in_place = self.promoted = 0
         self.swept = self.scan_errors = 0
         self.get_failures = dict.fromkeys(FAILURE_KINDS, 0)
         self.put_failures = dict.fromkeys(FAILURE_KINDS, 0)
@@ -127,6 +130,8 @@ class FsCounters:
                 evictions=self.evictions,
                 evicted_gone=self.evicted_gone,
                 read_ahead=self.read_ahead,
+                read_in_place=self.read_in_place,
+                promoted=self.promoted,
                 swept=self.swept,
                 scan_errors=self.scan_errors,
                 get_failures=dict(self.get_failures),

@@ -12,8 +12,9 @@ between L1 and the remote tier; they survive restarts (`fs_layout` has the layou
   whole under a temporary name and renames it in place, first evicting (LRU) until it fits
   under ``capacity_bytes``; the writer waits for the first scan, so the cap holds across
   restarts. A file another server removed is simply gone; one it replaced is the same chunk.
-- **Reads** (`get`, `held`) run on the I/O threads (`fs_io.DiskPool`) with a deadline (past it:
-  a miss). A file that fails its check is counted, removed and never served.
+- **Reads** (`fs_reads`: `get`, `get_into`, `held`) run on the I/O threads (`fs_io.DiskPool`)
+  with a deadline (past it: a miss), but for the copy of a read in place, which never waits on
+  the disk (`fs_direct`). A file that fails its check is counted, removed and never served.
 - **Health**: `ping` / `probe` round-trip a probe file; failed disk calls trip the check as
   failed remote reads do; ``bypassed`` (local_cpu fallback) makes every call a miss or a drop.
 """
@@ -21,22 +22,20 @@ between L1 and the remote tier; they survive restarts (`fs_layout` has the layou
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_DISK
-from dataplane.storage import fs_files
-from dataplane.storage.fs_files import BadFile, failure_kind
+from dataplane.storage import fs_direct, fs_files
 from dataplane.storage.fs_index import FileIndex
 from dataplane.storage.fs_io import DiskPool, DiskTimeout
 from dataplane.storage.fs_layout import ScanCounts, chunk_path, scan
+from dataplane.storage.fs_reads import FileReads
 from dataplane.storage.fs_stats import FsCounters, FsStats
 from dataplane.storage.remote import OK, OTHER_ERROR, TIMEOUT
 from dataplane.storage.remote_codec import encode_header
@@ -44,9 +43,7 @@ from dataplane.storage.remote_codec import encode_header
 logger = logging.getLogger(__name__)
 
 RESCAN_S = 300.0  # how often the index is checked against the directory
-TOUCH_AFTER_S = 60.0  # a hit refreshes the file's time when it is older than this
 _DTYPE = "uint8"
-T = TypeVar("T")
 
 
 @dataclass
@@ -57,7 +54,7 @@ class _Write:
     done: Callable[[], None] | None
 
 
-class FileTier:
+class FileTier(FileReads):
     name = "fs"
 
     def __init__(
@@ -90,6 +87,7 @@ class FileTier:
         self._rebuilt_at: float | None = None  # when the first scan ended
         self._started_at = clock()
         self.bypassed = False
+        self.in_place = fs_direct.supported()  # reads in place (`FileReads.get_into`) are tried
         self.events: EventSink = NO_EVENTS  # KV events: told of each file written and removed
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -119,93 +117,6 @@ class FileTier:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.io.is_alive()
-
-    # ----------------------------------------------------------------- reads
-    def held(self, scope: bytes, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are on disk: the index, then one ``stat`` each
-        for those it does not know (on the I/O threads, within the deadline; 0 more on failure)."""
-        if self.bypassed or not keys:
-            return 0
-        n = self.index.prefix(keys)
-        if n == len(keys):
-            return n
-        rest = keys[n:]
-        try:
-            return n + self._timed("exists", lambda: self._stat_prefix(scope, rest))
-        except (OSError, DiskTimeout) as exc:
-            self._failed("get", exc)
-            return n
-
-    def _stat_prefix(self, scope: bytes, keys: Sequence[bytes]) -> int:
-        n = 0
-        for k in keys:
-            size = fs_files.exists(chunk_path(self.root, scope, k))
-            if size is None:
-                break
-            self.index.learn(scope, k, size)
-            n += 1
-        return n
-
-    def get(
-        self,
-        scope: bytes,
-        key: bytes,
-        nbytes: int | None,
-        alloc: Callable[[int], memoryview | None],
-        give_back: Callable[[memoryview], None],
-        wait: bool = True,
-    ) -> memoryview | None:
-        """The chunk of ``key`` read into ``alloc(size)``'s buffer, checked; None: not there,
-        damaged, no room, failed or past the deadline (counted). A buffer the caller will not
-        get goes to ``give_back``. ``wait=False``: read on this thread (an I/O thread)."""
-        if self.bypassed:
-            return None
-        path = chunk_path(self.root, scope, key)
-
-        def read() -> tuple[memoryview | None, int]:
-            got: list[memoryview] = []
-
-            def take(n: int) -> memoryview | None:
-                buf = alloc(n)
-                if buf is not None:
-                    got.append(buf)
-                return buf
-
-            try:
-                r = fs_files.read_chunk(path, key, nbytes, take)
-            except BaseException:
-                for b in got:
-                    give_back(b)
-                raise
-            if r is None:
-                return None, 0
-            buf, mtime, size = r
-            if time.time() - mtime > TOUCH_AFTER_S:
-                fs_files.touch(path)
-            return buf, size
-
-        def late(r: tuple[memoryview | None, int]) -> None:
-            if r[0] is not None:
-                give_back(r[0])
-
-        try:
-            buf, size = self._timed("get", read, on_late=late) if wait else self._timed_here("get", read)
-        except BadFile as exc:
-            self.counters.read(None, exc.kind)
-            self.index.forget(key)
-            self.events.removed(key, MEDIUM_DISK)
-            self.io.submit(functools.partial(fs_files.remove_if, path, exc.ino))
-            return None
-        except (OSError, DiskTimeout) as exc:
-            self._failed("get", exc)
-            return None
-        if buf is None:
-            self.counters.read(None)
-            self.index.forget(key)  # (not there: gone, or never was)
-            return None
-        self.counters.read(buf.nbytes)
-        self.index.learn(scope, key, size)
-        return buf
 
     # ---------------------------------------------------------------- writes
     def put(
@@ -370,24 +281,6 @@ class FileTier:
             queue_bytes=qbytes,
             stalled_seconds=stalled,
         )
-
-    # --------------------------------------------------------------- helpers
-    def _timed(self, op: str, fn: Callable[[], T], on_late: Callable[[T], None] | None = None) -> T:
-        t0 = time.perf_counter()
-        try:
-            return self.io.call(fn, on_late=on_late)
-        finally:
-            self.counters.took(op, time.perf_counter() - t0)
-
-    def _timed_here(self, op: str, fn: Callable[[], T]) -> T:
-        t0 = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self.counters.took(op, time.perf_counter() - t0)
-
-    def _failed(self, op: str, exc: BaseException) -> None:
-        self.counters.failed(op, "timeout" if isinstance(exc, DiskTimeout) else failure_kind(exc))
 
     def _take_all(self) -> list[_Write]:
         with self._lock:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +138,18 @@ class L1Store:
                 self._tenants.touched(e.tenant, k, hit=True)
                 out.append(e.buf)
         return out
+
+    def acquire_into(
+        self,
+        keys: list[bytes],
+        into: Callable[[int, int], Sequence[memoryview] | None],
+        tenant: bytes = NO_TENANT,
+        scope: bytes = b"",
+    ) -> list[torch.Tensor | None]:
+        """`acquire_prefix` for a caller that could take chunks in place (``into(i, size)``: where
+        chunk i would go); None for a chunk placed so (`TieredStore` reads chunk files in place;
+        L1 alone has none)."""
+        return list(self.acquire_prefix(keys, tenant, scope))
 
     def release(self, keys: list[bytes]) -> None:
         with self._lock:

@@ -178,11 +178,20 @@ def check_key(key: bytes, header: Header) -> None:
 def check_hash(head: bytes | memoryview, header: Header, payload: bytes | memoryview) -> None:
     """RemoteValueError ("checksum") unless the value hash in ``head`` covers the header before
     it and ``payload``."""
-    mv = memoryview(head).cast("B")
-    hash_at = header.start - _HASH.size
-    h = xxhash.xxh3_64(mv[:hash_at])
+    h = value_hasher(head, header)
     h.update(payload)
-    if h.intdigest() != _HASH.unpack_from(mv, hash_at)[0]:
+    check_digest(head, header, h.intdigest())
+
+
+def value_hasher(head: bytes | memoryview, header: Header) -> xxhash.xxh3_64:
+    """The value hash with the header before it already in: update it with the payload, in
+    order and in as many pieces as it comes, then `check_digest`."""
+    return xxhash.xxh3_64(memoryview(head).cast("B")[: header.start - _HASH.size])
+
+
+def check_digest(head: bytes | memoryview, header: Header, digest: int) -> None:
+    """RemoteValueError ("checksum") unless ``digest`` is the value hash ``head`` holds."""
+    if digest != _HASH.unpack_from(memoryview(head).cast("B"), header.start - _HASH.size)[0]:
         raise RemoteValueError("checksum", "the value's hash differs from its header's")
 
 

@@ -33,7 +33,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -118,12 +118,69 @@ class TieredStore(L1Store):
         if (self.remote is None and self.fs is None) or len(bufs) == len(keys):
             return bufs
         nbytes = bufs[0].numel() if bufs else None
-        rest = keys[len(bufs) :]
+        return bufs + self._lower_prefix(keys[len(bufs) :], tenant, scope, nbytes)
+
+    def acquire_into(
+        self,
+        keys: list[bytes],
+        into: Callable[[int, int], Sequence[memoryview] | None],
+        tenant: bytes = NO_TENANT,
+        scope: bytes = b"",
+    ) -> list[torch.Tensor | None]:
+        """`acquire_prefix` for a caller that takes chunks in place: ``into(i, size)`` is where
+        chunk i goes (the worker's blocks, as bytes in the value's order), or None. A chunk that
+        L1 lacks and whose file the page cache holds whole is read straight there
+        (`FileTier.get_into`): None in its place (nothing pinned: release only the buffers'
+        keys), and an I/O thread brings it into L1 behind the reply, from memory (counted
+        ``promoted``). The rest as `acquire_prefix`."""
+        if self.fs is None:
+            return list(self.acquire_prefix(keys, tenant, scope))
+        if not self._open("RETRIEVE", "answered with misses"):
+            return []
+        got: list[torch.Tensor | None] = list(super().acquire_prefix(keys))
+        size: list[int] = [got[0].numel()] if got and got[0] is not None else []  # a chunk's bytes
+        placed: list[bytes] = []
+        i = len(got)
+        while i < len(keys) and keys[i] not in self._ahead:  # (a read brings it: wait for that)
+
+            def where(n: int, i: int = i) -> Sequence[memoryview] | None:
+                size[:] = [n]
+                return into(i, n)
+
+            r = self.fs.get_into(scope, keys[i], size[0] if size else None, where)
+            if r is False:  # not in memory whole (or no views): read the staged way, below
+                break
+            if r is None:  # not on disk after all (or damaged): the remote tier may have it
+                buf = (
+                    self._promote(keys[i], size[0] if size else None, tenant)
+                    if self.remote is not None
+                    else None
+                )
+                if buf is None:
+                    i = len(keys)  # the prefix ends here
+                    break
+                size[:] = [buf.numel()]
+                got.append(buf)
+            else:
+                got.append(None)
+                placed.append(keys[i])
+            i += 1
+        nbytes = size[0] if size else None
+        self._read_ahead(scope, placed, tenant, nbytes, counter="promoted")
+        if i < len(keys):
+            got += self._lower_prefix(keys[i:], tenant, scope, nbytes)
+        return got
+
+    def _lower_prefix(
+        self, rest: list[bytes], tenant: bytes, scope: bytes, nbytes: int | None
+    ) -> list[torch.Tensor]:
+        """What the lower tiers hold of ``rest`` (a prefix L1 lacks), in L1 and pinned."""
         started: dict[bytes, threading.Event] = {}
         if self.fs is not None and len(rest) > 1:  # read them side by side, used in order below
             on_disk = self.fs.held(scope, rest)
             if on_disk > 1:
-                started = self._read_ahead(scope, rest[:on_disk], tenant, nbytes, lookup=False)
+                started = self._read_ahead(scope, rest[:on_disk], tenant, nbytes, counter=None)
+        bufs: list[torch.Tensor] = []
         for key in rest:
             buf = self._lower(scope, key, nbytes, tenant, started.get(key))
             if buf is None:
@@ -170,10 +227,13 @@ class TieredStore(L1Store):
             return self._promote(key, nbytes, tenant)
         return None
 
-    def _from_fs(self, scope: bytes, key: bytes, nbytes: int | None, tenant: bytes, wait: bool) -> bool:
+    def _from_fs(
+        self, scope: bytes, key: bytes, nbytes: int | None, tenant: bytes, wait: bool, hit: bool = True
+    ) -> bool:
         """Read ``key``'s file into L1 (committed, not pinned): waiting at most the tier's
-        deadline, or on this thread (``wait=False``: an I/O thread's read-ahead). Whether L1
-        holds the chunk now."""
+        deadline, or on this thread (``wait=False``: an I/O thread's read-ahead; ``hit=False``:
+        the promotion of a chunk read in place, its hit counted then). Whether L1 holds the
+        chunk now."""
         assert self.fs is not None
         held: list[torch.Tensor] = []
 
@@ -187,19 +247,25 @@ class TieredStore(L1Store):
         def give_back(_: memoryview) -> None:
             self.abort(held.pop())
 
-        got = self.fs.get(scope, key, nbytes, alloc, give_back, wait=wait)
+        got = self.fs.get(scope, key, nbytes, alloc, give_back, wait=wait, hit=hit)
         if got is None:
             return False
         super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
         return True
 
     def _read_ahead(
-        self, scope: bytes, keys: list[bytes], tenant: bytes, nbytes: int | None, lookup: bool = True
+        self,
+        scope: bytes,
+        keys: list[bytes],
+        tenant: bytes,
+        nbytes: int | None,
+        counter: str | None = "read_ahead",
     ) -> dict[bytes, threading.Event]:
         """Start reading ``keys`` (found on disk by a LOOKUP, or wanted by a RETRIEVE) into L1,
         each on an I/O thread of its own as they come free; a RETRIEVE that wants one meanwhile
-        waits for it (`_lower`). Those a LOOKUP started are counted as read ahead. Returns the
-        reads it started (a key another read is bringing already is not read again)."""
+        waits for it (`_lower`). Each chunk brought counts to the file tier's ``counter`` (a
+        LOOKUP's: read_ahead; after a read in place: promoted). Returns the reads it started (a
+        key another read is bringing already is not read again)."""
         assert self.fs is not None
         fs = self.fs
         with self._ahead_lock:
@@ -214,10 +280,10 @@ class TieredStore(L1Store):
 
         def run(k: bytes, ev: threading.Event) -> None:
             try:
-                if not super(TieredStore, self).prefix_hits([k]) and self._from_fs(
-                    scope, k, nbytes, tenant, wait=False
-                ):
-                    fs.counters.add(read_ahead=int(lookup))
+                here = super(TieredStore, self).prefix_hits([k])
+                hit = counter != "promoted"
+                if not here and self._from_fs(scope, k, nbytes, tenant, False, hit) and counter:
+                    fs.counters.add(**{counter: 1})
             finally:
                 done(k, ev)
 

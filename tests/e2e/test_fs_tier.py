@@ -146,6 +146,44 @@ def test_a_lookup_reads_what_it_found_on_disk_into_l1_before_the_retrieve(tmp_pa
         b.stop()
 
 
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="reads in place need Linux's RWF_NOWAIT")
+def test_a_retrieve_reads_warm_files_in_place_and_cold_ones_through_l1(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    root.mkdir()
+    a = serve(tmp_path / "a", root)
+    b = serve(tmp_path / "b", root)  # another server on the same directory: its L1 is cold
+    wa = wb = None
+    try:
+        wa, wb = Worker(a), Worker(b)
+        tokens = prompt(3, 4 * CS)
+        want = wa.fill(3)
+        assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 4
+        written(a, 4)
+        files = {f.name: f for f in chunk_files(root)}
+        by_chunk = [files[n] for n in sorted(files, key=lambda n: files[n].stat().st_mtime_ns)]
+        for f in by_chunk:
+            f.read_bytes()  # warm (the order written: the prompt's)
+        with open(by_chunk[2], "rb") as fh:  # but for the third
+            os.fsync(fh.fileno())
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 4 * CS and wb.same(want, 4 * CS)
+        doc = fs_doc(b)
+        assert doc["hits"] == 4 and doc["read_in_place"] == 2 and doc["bad_files"] == 0, doc
+        wait_until(lambda: fs_doc(b)["promoted"] == 2, 10, what="the chunks read in place to reach L1")
+        assert status(b)["storage"]["l1"]["chunks"] == 4
+        wb.blank()
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 4 * CS and wb.same(want, 4 * CS)  # from L1 now
+        assert fs_doc(b)["hits"] == 4
+        text = httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
+        assert "kvwarden_fs_read_in_place_total 2.0" in text and "kvwarden_fs_promoted_total 2.0" in text
+    finally:
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        a.stop()
+        b.stop()
+
+
 def test_damaged_truncated_and_foreign_files_are_counted_removed_and_never_served(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     root.mkdir()

@@ -140,3 +140,28 @@ def test_whole_blocks_move_the_same_bytes_as_their_slots(
     assert all(
         torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(dst_a, dst_b, strict=True)
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.sampled_from(["separate", "stacked", "gapped"]),
+    blocks=st.lists(st.integers(0, NB - 1), min_size=1, max_size=NB, unique=True),
+    cut=st.integers(0, BS - 1),
+)
+def test_chunk_views_are_the_workers_memory_in_the_chunks_order(
+    layout: str, blocks: list[int], cut: int
+) -> None:
+    src = caches(layout)
+    kv: MappedKV = map_local_tensors(src)
+    n = len(blocks) * BS - cut
+    slots = token_slots(np.array(blocks), BS, NB, n)
+    where = Blocks(np.array(blocks, dtype=np.int64), BS) if cut == 0 else slots
+    buf = torch.empty(kv.chunk_nbytes(n), dtype=torch.uint8)
+    kv.gather(slots, buf)
+    views = kv.chunk_views(where)
+    assert views is not None and b"".join(bytes(v) for v in views) == buf.numpy().tobytes()  # read order
+    for v in views:  # writable, into the caches themselves
+        v[:] = b"\x00" * v.nbytes
+    assert all(not t.view(torch.int16).view(2, NB * BS, H * D)[:, torch.from_numpy(slots)].any() for t in src)
+    runs = len(np.flatnonzero(np.diff(slots) != 1)) + 1
+    assert kv.chunk_views(slots, max_views=2 * L * runs - 1) is None  # too many pieces: not in place

@@ -1,8 +1,10 @@
 """The tiered store over a real file tier: writes behind with pins, staging-only L1, read-ahead
-on LOOKUP, reads into L1, and no byte of L1 lost when a read fails or ends past its deadline."""
+on LOOKUP, reads into L1 (or in place, warm), and no byte of L1 lost when a read fails or ends
+past its deadline."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dataplane.storage import fs_direct
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.tiered import TieredStore
@@ -114,3 +117,59 @@ def test_a_retrieve_reads_the_chunks_l1_lacks_side_by_side_and_serves_them_in_or
     s = fs.stats()
     assert s.hits == 6 and s.read_ahead == 0  # (read ahead counts a LOOKUP's reads only)
     cold.release([key(i) for i in range(10, 16)])
+
+
+def _drop_from_page_cache(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+@pytest.mark.skipif(not fs_direct.supported(), reason="RWF_NOWAIT is Linux's")
+def test_a_warm_file_is_read_in_place_then_promoted_a_cold_one_staged_in_l1(
+    fs: FileTier, tmp_path: Path
+) -> None:
+    t = TieredStore(1 << 20, fs=fs)
+    want = [store(t, i) for i in (20, 21, 22)]
+    assert fs.flush(10)
+    keys = [key(i) for i in (20, 21, 22, 98)]
+    for k in keys[:3]:
+        Path(chunk_path(str(tmp_path), SCOPE, k)).read_bytes()  # warm
+    _drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, keys[1]))  # but for the second
+    cold = TieredStore(1 << 20, fs=fs)
+    dest = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in keys]
+    asked: list[tuple[int, int]] = []
+
+    def into(i: int, n: int) -> list[memoryview]:
+        asked.append((i, n))
+        half = n // 2  # (two pieces: views need not be one run)
+        return [dest[i][:half].numpy().data.cast("B"), dest[i][half:].numpy().data.cast("B")]
+
+    got = cold.acquire_into(keys, into, scope=SCOPE)
+    assert len(got) == 3 and got[0] is None and got[1] is not None and got[2] is not None
+    assert asked == [(0, CHUNK), (1, CHUNK)]  # the second was not in memory: staged from there on
+    assert torch.equal(dest[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    s = fs.stats()
+    assert s.read_in_place == 1 and s.hits == 3
+    cold.release(keys[1:3])
+    wait_until(lambda: fs.stats().promoted == 1, 5, what="the chunk read in place to reach L1")
+    assert cold.prefix_hits(keys, SCOPE) == 3 and cold.stats().chunks == 3
+    (buf,) = cold.acquire_prefix(keys[:1], scope=SCOPE)
+    assert torch.equal(buf, want[0])
+    cold.release(keys[:1])
+
+
+@pytest.mark.skipif(not fs_direct.supported(), reason="RWF_NOWAIT is Linux's")
+def test_a_damaged_warm_file_is_never_reported_read_in_place(fs: FileTier, tmp_path: Path) -> None:
+    t = TieredStore(1 << 20, fs=fs)
+    store(t, 23)
+    assert fs.flush(10)
+    path = chunk_path(str(tmp_path), SCOPE, key(23))
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xee")
+    cold = TieredStore(1 << 20, fs=fs)
+    dest = torch.zeros(CHUNK, dtype=torch.uint8)
+    got = cold.acquire_into([key(23)], lambda i, n: [dest.numpy().data.cast("B")], scope=SCOPE)
+    assert got == [] and fs.stats().bad_files == {"checksum": 1} and fs.stats().read_in_place == 0
+    wait_until(lambda: not os.path.exists(path), 5, what="the damaged file removed")

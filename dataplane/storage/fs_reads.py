@@ -1,0 +1,216 @@
+"""The file tier's reads (`FileTier` is a `FileReads`): what a LOOKUP and a RETRIEVE ask of it.
+
+- `held`: how far the files continue a prefix (the index, then a ``stat`` for what it lacks).
+- `get`: a chunk read into a staging buffer (L1's), on the I/O threads under the deadline.
+- `get_into`: a chunk read in place, from the page cache straight into the caller's views (the
+  worker's blocks; `fs_direct`), when the page cache holds the whole file; else the caller
+  falls back to `get`. Its open and header check run on the I/O threads under the deadline;
+  the copy itself never waits on the disk.
+
+A file that fails its check is counted, removed and never served.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from dataplane.events.sink import EventSink
+from dataplane.events.vllm_format import MEDIUM_DISK
+from dataplane.storage import fs_direct, fs_files
+from dataplane.storage.fs_files import BadFile, Opened, failure_kind
+from dataplane.storage.fs_index import FileIndex
+from dataplane.storage.fs_io import DiskPool, DiskTimeout
+from dataplane.storage.fs_layout import chunk_path
+from dataplane.storage.fs_stats import FsCounters
+
+logger = logging.getLogger(__name__)
+
+TOUCH_AFTER_S = 60.0  # a hit refreshes the file's time when it is older than this
+T = TypeVar("T")
+
+
+class FileReads:
+    root: str
+    bypassed: bool
+    index: FileIndex
+    counters: FsCounters
+    events: EventSink
+    io: DiskPool
+    in_place: bool  # reads in place are tried (off once the file system refuses them)
+
+    # ----------------------------------------------------------------- reads
+    def held(self, scope: bytes, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are on disk: the index, then one ``stat`` each
+        for those it does not know (on the I/O threads, within the deadline; 0 more on failure)."""
+        if self.bypassed or not keys:
+            return 0
+        n = self.index.prefix(keys)
+        if n == len(keys):
+            return n
+        rest = keys[n:]
+        try:
+            return n + self._timed("exists", lambda: self._stat_prefix(scope, rest))
+        except (OSError, DiskTimeout) as exc:
+            self._failed("get", exc)
+            return n
+
+    def _stat_prefix(self, scope: bytes, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            size = fs_files.exists(chunk_path(self.root, scope, k))
+            if size is None:
+                break
+            self.index.learn(scope, k, size)
+            n += 1
+        return n
+
+    def get(
+        self,
+        scope: bytes,
+        key: bytes,
+        nbytes: int | None,
+        alloc: Callable[[int], memoryview | None],
+        give_back: Callable[[memoryview], None],
+        wait: bool = True,
+        hit: bool = True,
+    ) -> memoryview | None:
+        """The chunk of ``key`` read into ``alloc(size)``'s buffer, checked; None: not there,
+        damaged, no room, failed or past the deadline (counted). A buffer the caller will not
+        get goes to ``give_back``. ``wait=False``: read on this thread (an I/O thread).
+        ``hit=False``: a read found is not counted (a chunk read in place, brought into L1)."""
+        if self.bypassed:
+            return None
+        path = chunk_path(self.root, scope, key)
+
+        def read() -> tuple[memoryview | None, int]:
+            got: list[memoryview] = []
+
+            def take(n: int) -> memoryview | None:
+                buf = alloc(n)
+                if buf is not None:
+                    got.append(buf)
+                return buf
+
+            try:
+                r = fs_files.read_chunk(path, key, nbytes, take)
+            except BaseException:
+                for b in got:
+                    give_back(b)
+                raise
+            if r is None:
+                return None, 0
+            buf, mtime, size = r
+            if time.time() - mtime > TOUCH_AFTER_S:
+                fs_files.touch(path)
+            return buf, size
+
+        def late(r: tuple[memoryview | None, int]) -> None:
+            if r[0] is not None:
+                give_back(r[0])
+
+        try:
+            buf, size = self._timed("get", read, on_late=late) if wait else self._timed_here("get", read)
+        except BadFile as exc:
+            self._bad(path, key, exc)
+            return None
+        except (OSError, DiskTimeout) as exc:
+            self._failed("get", exc)
+            return None
+        if buf is None:
+            self.counters.read(None)
+            self.index.forget(key)  # (not there: gone, or never was)
+            return None
+        if hit:
+            self.counters.read(buf.nbytes)
+        self.index.learn(scope, key, size)
+        return buf
+
+    def get_into(
+        self,
+        scope: bytes,
+        key: bytes,
+        nbytes: int | None,
+        views_for: Callable[[int], Sequence[memoryview] | None],
+    ) -> bool | None:
+        """The chunk of ``key`` read in place into ``views_for(size)`` and checked: True. False:
+        not read in place (not all in the page cache, no views, not supported): the caller reads
+        it with `get`. None: a miss (not there, damaged, failed, past the deadline; counted)."""
+        if self.bypassed:
+            return None
+        if not self.in_place:
+            return False
+        path = chunk_path(self.root, scope, key)
+        try:
+            f = self._timed("get", lambda: fs_files.open_chunk(path, key, nbytes), on_late=_close)
+        except BadFile as exc:
+            self._bad(path, key, exc)
+            return None
+        except (OSError, DiskTimeout) as exc:
+            self._failed("get", exc)
+            return None
+        if f is None:
+            self.counters.read(None)
+            self.index.forget(key)
+            return None
+        try:
+            views = views_for(f.header.nbytes)
+            if views is None:
+                return False
+            if not fs_direct.read_resident(f, views):
+                return False
+        except fs_direct.Unsupported:
+            self.in_place = False
+            return False
+        except ValueError as exc:  # (views that do not fit the file: read it the staged way)
+            logger.warning("fs tier: a read in place refused: %s", exc)
+            return False
+        except BadFile as exc:
+            self._bad(path, key, exc)
+            return None
+        except OSError as exc:
+            self._failed("get", exc)
+            return None
+        finally:
+            os.close(f.fd)
+        self.counters.read(f.header.nbytes)
+        self.counters.add(read_in_place=1)
+        self.index.learn(scope, key, f.size)
+        if time.time() - f.mtime > TOUCH_AFTER_S:
+            self.io.submit(functools.partial(fs_files.touch, path))
+        return True
+
+    def _bad(self, path: str, key: bytes, exc: BadFile) -> None:
+        """A file that failed its check: counted, forgotten, removed (if still the same file)."""
+        self.counters.read(None, exc.kind)
+        self.index.forget(key)
+        self.events.removed(key, MEDIUM_DISK)
+        self.io.submit(functools.partial(fs_files.remove_if, path, exc.ino))
+
+    # --------------------------------------------------------------- helpers
+    def _timed(self, op: str, fn: Callable[[], T], on_late: Callable[[T], None] | None = None) -> T:
+        t0 = time.perf_counter()
+        try:
+            return self.io.call(fn, on_late=on_late)
+        finally:
+            self.counters.took(op, time.perf_counter() - t0)
+
+    def _timed_here(self, op: str, fn: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.counters.took(op, time.perf_counter() - t0)
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.counters.failed(op, "timeout" if isinstance(exc, DiskTimeout) else failure_kind(exc))
+
+
+def _close(f: Opened | None) -> None:
+    """A file opened for a read abandoned past its deadline: closed when the open returns."""
+    if f is not None:
+        os.close(f.fd)

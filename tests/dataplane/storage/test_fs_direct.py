@@ -1,0 +1,119 @@
+"""Chunk files read in place (`fs_direct`): from the page cache straight into scattered views,
+checked whole; a file not all in memory is refused (the staged read takes it), a damaged or
+cut one is never reported read. Real files on the disk under pytest's temporary directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dataplane.storage import fs_direct, fs_files
+from dataplane.storage.fs_files import BadFile, Opened
+from dataplane.storage.remote_codec import encode_header
+
+KEY = b"k" * 16
+N = 3 * fs_direct.PIECE + 12_345  # pieces, and a tail
+
+pytestmark = pytest.mark.skipif(not fs_direct.supported(), reason="RWF_NOWAIT is Linux's")
+
+
+def write(path: Path, payload: bytes, key: bytes = KEY) -> None:
+    fs_files.write_chunk(
+        str(path), str(path.parent), (encode_header(key, "uint8", (len(payload),), payload), payload)
+    )
+
+
+@pytest.fixture
+def payload() -> bytes:
+    return np.random.default_rng(3).integers(0, 256, N, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def opened(tmp_path: Path, payload: bytes) -> Iterator[tuple[Path, Opened]]:
+    path = tmp_path / "chunk"
+    write(path, payload)
+    path.read_bytes()  # in the page cache
+    f = fs_files.open_chunk(str(path), KEY, N)
+    assert f is not None
+    yield path, f
+    os.close(f.fd)
+
+
+def scattered(n: int, pieces: int) -> tuple[bytearray, list[memoryview]]:
+    """A buffer twice ``n`` long and ``pieces`` views of it that add up to ``n`` bytes, apart
+    (the even pieces in its first half, the odd ones in its second)."""
+    mem = bytearray(2 * n)
+    cut = np.linspace(0, n, pieces + 1).astype(int)
+    views = []
+    for j in range(pieces):
+        at = n + cut[j] if j % 2 else cut[j]
+        views.append(memoryview(mem)[at : at + cut[j + 1] - cut[j]])
+    return mem, views
+
+
+def test_a_file_in_the_page_cache_lands_in_scattered_views_checked(
+    opened: tuple[Path, Opened], payload: bytes
+) -> None:
+    _, f = opened
+    _, views = scattered(N, 37)
+    assert fs_direct.read_resident(f, views)
+    assert b"".join(bytes(v) for v in views) == payload
+
+
+def test_a_file_out_of_the_page_cache_is_refused_not_waited_for(
+    opened: tuple[Path, Opened], payload: bytes
+) -> None:
+    path, f = opened
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    _, views = scattered(N, 5)
+    assert not fs_direct.read_resident(f, views)  # (the staged read, under its deadline, takes it)
+    path.read_bytes()
+    assert fs_direct.read_resident(f, views) and b"".join(bytes(v) for v in views) == payload
+
+
+def test_a_damaged_byte_anywhere_is_a_bad_file(tmp_path: Path, payload: bytes) -> None:
+    path = tmp_path / "chunk"
+    write(path, payload)
+    with open(path, "r+b") as fh:
+        fh.seek(-7, os.SEEK_END)
+        b = fh.read(1)
+        fh.seek(-7, os.SEEK_END)
+        fh.write(bytes([b[0] ^ 1]))
+    f = fs_files.open_chunk(str(path), KEY, N)
+    assert f is not None
+    try:
+        with pytest.raises(BadFile) as exc:
+            fs_direct.read_resident(f, scattered(N, 3)[1])
+        assert exc.value.kind == "checksum" and exc.value.ino == os.stat(path).st_ino
+    finally:
+        os.close(f.fd)
+
+
+def test_a_file_cut_after_its_header_was_read_is_a_bad_file(opened: tuple[Path, Opened]) -> None:
+    path, f = opened
+    os.truncate(path, f.header.start + fs_direct.PIECE)  # (another writer's damage, mid-read)
+    with pytest.raises(BadFile) as exc:
+        fs_direct.read_resident(f, scattered(N, 4)[1])
+    assert exc.value.kind == "truncated"
+
+
+def test_views_that_do_not_add_up_to_the_payload_are_an_error(opened: tuple[Path, Opened]) -> None:
+    _, f = opened
+    with pytest.raises(ValueError, match=f"destination of {N - 1} bytes for a payload of {N}"):
+        fs_direct.read_resident(f, scattered(N - 1, 3)[1])
+
+
+def test_pieces_cut_long_views_and_keep_the_order() -> None:
+    mem = bytearray(5 * fs_direct.PIECE // 2)
+    views = [memoryview(mem)[: fs_direct.PIECE // 4], memoryview(mem)[fs_direct.PIECE // 4 :]]
+    groups = fs_direct._pieces(views)
+    sizes = [sum(v.nbytes for v in g) for g in groups]
+    assert sizes[:-1] == [fs_direct.PIECE + fs_direct.PIECE // 4, fs_direct.PIECE] and sum(sizes) == len(mem)
+    flat = [v for g in groups for v in g]
+    assert b"".join(bytes(v) for v in flat) == bytes(mem)
