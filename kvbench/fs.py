@@ -289,17 +289,14 @@ def _reads(
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)
-                if name.endswith(
-                    "_retrieve"
-                ):  # what it read in place reaches L1 behind it: not beside the next
+                if name.endswith("_retrieve"):  # (what it read in place reaches L1: not beside the next)
                     _poll(b, lambda f: f["promoted"] >= f["read_in_place"], "promoted")
             if i == 0 and not all(torch.equal(x, y) for x, y in zip(stored, cache, strict=True)):
                 raise RuntimeError("bench fs: a RETRIEVE from disk gave back other bytes than were stored")
         f = b.json("/status")["storage"]["fs"]
     finally:
         w.close()
-    keep = ("files", "hits", "misses", "read_ahead", "read_in_place", "promoted", "bad_files", "get_failures")
-    return why, {k: f[k] for k in keep}
+    return why, {k: f[k] for k in ("files", "hits", "misses", "read_ahead", "read_in_place", "promoted")}
 
 
 def _restart(ns: argparse.Namespace, root: Path) -> dict[str, Any]:
