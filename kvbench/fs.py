@@ -42,9 +42,9 @@ import torch
 import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.storage.fs_files import file_header
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
-from dataplane.storage.remote_codec import encode_header
 from dataplane.wire.messages import Ping
 from dataplane.wire.protocol import decode_reply, encode_message
 from kvbench import report
@@ -343,7 +343,7 @@ def _fill(d: str, n: int, n_probes: int) -> list[np.ndarray]:
             made.add(folder)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, encode_header(key, "uint8", (len(payload),), payload) + payload)
+            os.write(fd, file_header(key, memoryview(payload)) + payload)
         finally:
             os.close(fd)
         if i % step == 0 and len(probes) < n_probes:

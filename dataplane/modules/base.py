@@ -8,7 +8,7 @@ management module's connection events) to the loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dataplane.wire.messages import MsgType
@@ -21,6 +21,9 @@ class RequestContext:
     type: MsgType
     conn_fd: int  # the TCP/IPC connection the request came over (-1 unknown)
     inline: bool = False  # answered on the loop thread (`Handler.inline`): it must never wait
+    # run once the reply is on its way (its frame queued to be sent): work the request started
+    # that its answer need not wait for. Each must be quick and never wait (it may queue work).
+    after: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Deferred(Exception):

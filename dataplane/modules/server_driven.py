@@ -226,7 +226,8 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             kv = c.kv
             assert kv is not None
             self._check_blocks(kv, p)
-            bufs = self.l1.acquire_into(keys, self._into(kv, p, len(keys)), tenant_of(p.key), c.scope)
+            into = self._into(kv, p, len(keys))
+            bufs = self.l1.acquire_into(keys, into, tenant_of(p.key), c.scope, rctx.after.append)
             held = [k for k, b in zip(keys, bufs, strict=False) if b is not None]
             try:
                 chunks = self._chunks(kv, p, len(bufs))

@@ -113,17 +113,20 @@ class Dispatcher:
         key = handler.order_key(req.payload) if handler.order_key is not None else None
         if spec.kind is HandlerKind.LOOP:
             send(envelope, self.call(handler, rctx, req.payload))
+            _after(rctx)
             return
         if self._inline(handler, req.payload, key):
             inline = RequestContext(req.request_id, req.type, fd, inline=True)
             with contextlib.suppress(Deferred):  # it would wait after all: on to the pool
                 send(envelope, self.call(handler, inline, req.payload))
+                _after(inline)
                 return
         self.inflight += 1
 
         def task() -> None:
             self.done.put((envelope, self.call(handler, rctx, req.payload)))
             self._wake()
+            _after(rctx)
 
         if key is not None:
             self._transfer.submit(key, task)
@@ -163,3 +166,12 @@ class Dispatcher:
         m.duration.labels(type=rctx.type.value).observe(time.perf_counter() - t0)
         m.requests.labels(type=rctx.type.value, outcome=outcome).inc()
         return data
+
+
+def _after(rctx: RequestContext) -> None:
+    """What the handler left to run once its reply is on its way (`RequestContext.after`)."""
+    for fn in rctx.after:
+        try:
+            fn()
+        except Exception:  # its failure is not the request's: the reply is gone
+            logger.exception("server: work after a %s reply failed", rctx.type)

@@ -17,8 +17,15 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dataplane.storage.fs_layout import tmp_path
-from dataplane.storage.remote_codec import MAX_HEADER, Header, RemoteValueError, check_hash, check_header
+from dataplane.storage.fs_layout import PAYLOAD_AT, tmp_path
+from dataplane.storage.remote_codec import (
+    MAX_HEADER,
+    Header,
+    RemoteValueError,
+    check_hash,
+    check_header,
+    encode_header,
+)
 
 # what a failed disk call was, for the counters (`failure_kind`)
 FAILURE_KINDS = ("timeout", "no_space", "read_only", "vanished", "io", "error")
@@ -47,6 +54,13 @@ def failure_kind(exc: BaseException) -> str:
     if exc.errno == errno.EIO:
         return "io"
     return "error"
+
+
+def file_header(key: bytes, payload: memoryview) -> bytes:
+    """What a chunk file holds before ``payload``: its checked header, then zeros up to
+    `PAYLOAD_AT`."""
+    head = encode_header(key, "uint8", (payload.nbytes,), payload)
+    return head + bytes(PAYLOAD_AT - len(head))
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,8 @@ def open_chunk(path: str, key: bytes, nbytes: int | None) -> Opened | None:
             raise BadFile("format", "not a regular file", st.st_ino)
         head = os.pread(fd, MAX_HEADER, 0)
         try:
-            h = check_header(key, head, st.st_size, "uint8", None if nbytes is None else (nbytes,))
+            shape = None if nbytes is None else (nbytes,)
+            h = check_header(key, head, st.st_size, "uint8", shape, payload_at=PAYLOAD_AT)
         except RemoteValueError as exc:
             raise BadFile(exc.kind, str(exc), st.st_ino) from None
     except BaseException:

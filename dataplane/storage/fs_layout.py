@@ -1,9 +1,11 @@
 """Where the file tier keeps a chunk, and how a directory is scanned after a restart.
 
-    <fs_path>/kvwarden-v1/<scope>/<k0k1>/<k2k3>/<key>.kv
+    <fs_path>/kvwarden-v2/<scope>/<k0k1>/<k2k3>/<key>.kv
 
-- ``kvwarden-v1``: the file format (`remote_codec`'s header, then the bytes); a later format
-  gets a directory of its own, so servers of two versions can share a mount.
+- ``kvwarden-v2``: the file format: `remote_codec`'s header, zeros up to `PAYLOAD_AT` (4 KiB),
+  then the bytes: a payload on a page boundary copies out of the page cache at full speed (one
+  36 bytes in copied at half of it) and can be read with ``O_DIRECT``. A later format gets a
+  directory of its own, so servers of two versions can share a mount.
 - ``<scope>``: one directory per model configuration, the hex of the chunk scope
   (`dataplane.storage.keys.scope_digest`: model, world size, rank, dtype, layers, heads, head
   dim, format, block size: everything that makes a chunk's bytes valid). A model retired is
@@ -29,7 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-FORMAT_DIR = "kvwarden-v1"
+FORMAT_DIR = "kvwarden-v2"
+PAYLOAD_AT = 4096  # where a file's payload starts (a page)
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0  # a temporary file this old is abandoned, whoever wrote it

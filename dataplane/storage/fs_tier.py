@@ -38,12 +38,10 @@ from dataplane.storage.fs_layout import ScanCounts, chunk_path, scan
 from dataplane.storage.fs_reads import FileReads
 from dataplane.storage.fs_stats import FsCounters, FsStats
 from dataplane.storage.remote import OK, OTHER_ERROR, TIMEOUT
-from dataplane.storage.remote_codec import encode_header
 
 logger = logging.getLogger(__name__)
 
 RESCAN_S = 300.0  # how often the index is checked against the directory
-_DTYPE = "uint8"
 
 
 @dataclass
@@ -87,6 +85,7 @@ class FileTier(FileReads):
         self._rebuilt_at: float | None = None  # when the first scan ended
         self._started_at = clock()
         self.bypassed = False
+        self.hasher = fs_direct.PieceHasher()  # checks reads in place behind them
         self.in_place = fs_direct.supported()  # reads in place (`FileReads.get_into`) are tried
         self.events: EventSink = NO_EVENTS  # KV events: told of each file written and removed
         self._wake = threading.Event()
@@ -98,6 +97,7 @@ class FileTier(FileReads):
         if self._thread is not None:
             raise RuntimeError("FileTier already started")
         self.io.start()
+        self.hasher.start()
         self._thread = threading.Thread(target=self._run, name="kvwarden-fs-writer", daemon=True)
         self._thread.start()
 
@@ -106,11 +106,13 @@ class FileTier(FileReads):
         self._stop.set()
         self._wake.set()
         self.io.stop()
+        self.hasher.stop()
 
     def join(self, timeout_s: float = 5.0) -> None:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.io.join(timeout_s)
+        self.hasher.join(timeout_s)
         for w in self._take_all():
             self.counters.dropped("stopped")
             _done(w)
@@ -171,7 +173,7 @@ class FileTier(FileReads):
     def _write(self, w: _Write) -> None:
         if self.bypassed or w.key in self.index:  # (bypassed meanwhile; or on disk already)
             return
-        header = encode_header(w.key, _DTYPE, (w.payload.nbytes,), w.payload)
+        header = fs_files.file_header(w.key, w.payload)
         size = len(header) + w.payload.nbytes
         if size > self.capacity_bytes:
             self.counters.dropped("full")

@@ -145,10 +145,11 @@ class L1Store:
         into: Callable[[int, int], Sequence[memoryview] | None],
         tenant: bytes = NO_TENANT,
         scope: bytes = b"",
+        later: Callable[[Callable[[], None]], None] | None = None,
     ) -> list[torch.Tensor | None]:
         """`acquire_prefix` for a caller that could take chunks in place (``into(i, size)``: where
-        chunk i would go); None for a chunk placed so (`TieredStore` reads chunk files in place;
-        L1 alone has none)."""
+        chunk i would go; ``later``: takes work to run after the reply); None for a chunk placed
+        so (`TieredStore` reads chunk files in place; L1 alone has none)."""
         return list(self.acquire_prefix(keys, tenant, scope))
 
     def release(self, keys: list[bytes]) -> None:

@@ -126,6 +126,7 @@ class Header:
     start: int  # where the payload starts (the header's size)
     nbytes: int  # the payload's size
     key_hash: int  # of the key it was written under
+    hash_at: int  # where the value hash is (the payload follows it, or starts at ``start``)
 
 
 def check_header(
@@ -134,10 +135,13 @@ def check_header(
     total: int,
     dtype: str | None = None,
     shape: Sequence[int] | None = None,
+    payload_at: int | None = None,
 ) -> Header:
     """The header at the start of ``head`` (at least `MAX_HEADER` bytes, or the whole value) of a
     value of ``total`` bytes read under ``key``, checked: format, version, length, key (unless
-    None: `check_key` later) and layout; RemoteValueError naming the kind otherwise."""
+    None: `check_key` later) and layout; RemoteValueError naming the kind otherwise.
+    ``payload_at``: where the payload starts, past padding after the header (the file tier's
+    page-aligned payloads); by default right after the header."""
     mv = memoryview(head).cast("B")
     if mv.nbytes < _FIXED.size:
         raise RemoteValueError("truncated", f"{mv.nbytes} bytes, shorter than the {_FIXED.size}-byte header")
@@ -149,15 +153,16 @@ def check_header(
     name = _DTYPE_NAMES.get(code)
     if name is None or not 0 < ndim <= MAX_NDIM:
         raise RemoteValueError("format", f"dtype code {code} or ndim {ndim} out of range")
-    start = header_size(ndim)
-    if mv.nbytes < start:
-        raise RemoteValueError("truncated", f"{mv.nbytes} bytes, header and shape need {start}")
+    end = header_size(ndim)
+    if mv.nbytes < end:
+        raise RemoteValueError("truncated", f"{mv.nbytes} bytes, header and shape need {end}")
+    start = end if payload_at is None else max(payload_at, end)
     if total - start != n:
         raise RemoteValueError("truncated", f"payload of {total - start} bytes, header says {n}")
     dims = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
     if n != _nbytes(name, dims):
         raise RemoteValueError("format", f"{n} bytes is not {name}{list(dims)}")
-    h = Header(name, dims, start, n, khash)
+    h = Header(name, dims, start, n, khash, end - _HASH.size)
     if key is not None:
         check_key(key, h)
     check_expected(h, dtype, shape)
@@ -186,12 +191,12 @@ def check_hash(head: bytes | memoryview, header: Header, payload: bytes | memory
 def value_hasher(head: bytes | memoryview, header: Header) -> xxhash.xxh3_64:
     """The value hash with the header before it already in: update it with the payload, in
     order and in as many pieces as it comes, then `check_digest`."""
-    return xxhash.xxh3_64(memoryview(head).cast("B")[: header.start - _HASH.size])
+    return xxhash.xxh3_64(memoryview(head).cast("B")[: header.hash_at])
 
 
 def check_digest(head: bytes | memoryview, header: Header, digest: int) -> None:
     """RemoteValueError ("checksum") unless ``digest`` is the value hash ``head`` holds."""
-    if digest != _HASH.unpack_from(memoryview(head).cast("B"), header.start - _HASH.size)[0]:
+    if digest != _HASH.unpack_from(memoryview(head).cast("B"), header.hash_at)[0]:
         raise RemoteValueError("checksum", "the value's hash differs from its header's")
 
 

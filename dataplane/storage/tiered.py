@@ -126,13 +126,15 @@ class TieredStore(L1Store):
         into: Callable[[int, int], Sequence[memoryview] | None],
         tenant: bytes = NO_TENANT,
         scope: bytes = b"",
+        later: Callable[[Callable[[], None]], None] | None = None,
     ) -> list[torch.Tensor | None]:
         """`acquire_prefix` for a caller that takes chunks in place: ``into(i, size)`` is where
         chunk i goes (the worker's blocks, as bytes in the value's order), or None. A chunk that
         L1 lacks and whose file the page cache holds whole is read straight there
         (`FileTier.get_into`): None in its place (nothing pinned: release only the buffers'
-        keys), and an I/O thread brings it into L1 behind the reply, from memory (counted
-        ``promoted``). The rest as `acquire_prefix`."""
+        keys), and an I/O thread brings it into L1 from memory (counted ``promoted``): started
+        by what is handed to ``later`` (the request's after-reply work), else at once. The rest
+        as `acquire_prefix`."""
         if self.fs is None:
             return list(self.acquire_prefix(keys, tenant, scope))
         if not self._open("RETRIEVE", "answered with misses"):
@@ -166,7 +168,12 @@ class TieredStore(L1Store):
                 placed.append(keys[i])
             i += 1
         nbytes = size[0] if size else None
-        self._read_ahead(scope, placed, tenant, nbytes, counter="promoted")
+        if placed:
+
+            def promote() -> None:
+                self._read_ahead(scope, placed, tenant, nbytes, "promoted")
+
+            (later or (lambda fn: fn()))(promote)
         if i < len(keys):
             got += self._lower_prefix(keys[i:], tenant, scope, nbytes)
         return got

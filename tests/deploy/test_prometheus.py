@@ -221,7 +221,7 @@ def _fs(srv: ServerProcess) -> dict[str, Any]:
 
 
 def _chunk_files(root: Path) -> set[Path]:
-    return set(root.glob("kvwarden-v1/*/*/*/*.kv"))
+    return set(root.glob("kvwarden-v2/*/*/*/*.kv"))
 
 
 def _bad_file(srv: ServerProcess, root: Path, workdir: Path) -> None:

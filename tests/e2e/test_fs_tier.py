@@ -50,11 +50,11 @@ def fs_doc(srv: ServerProcess) -> dict[str, Any]:
 
 
 def chunk_files(root: Path) -> list[Path]:
-    return sorted(root.glob("kvwarden-v1/*/*/*/*.kv"))
+    return sorted(root.glob("kvwarden-v2/*/*/*/*.kv"))
 
 
 def tmp_files(root: Path) -> list[Path]:
-    return sorted(root.glob("kvwarden-v1/*/*/*/.*.tmp"))
+    return sorted(root.glob("kvwarden-v2/*/*/*/.*.tmp"))
 
 
 def written(srv: ServerProcess, n: int) -> None:
@@ -288,7 +288,7 @@ def test_a_sigkill_during_writes_leaves_no_partial_file_and_stale_temporaries_ar
         w.close()
         w = None
         # a temporary file a writer on this host left behind (its process is gone)
-        leaf = root / "kvwarden-v1" / ("ab" * 16) / "ab" / "cd"
+        leaf = root / "kvwarden-v2" / ("ab" * 16) / "ab" / "cd"
         leaf.mkdir(parents=True)
         dead = subprocess.Popen(["true"])
         dead.wait()

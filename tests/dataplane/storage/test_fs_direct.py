@@ -13,7 +13,6 @@ import pytest
 
 from dataplane.storage import fs_direct, fs_files
 from dataplane.storage.fs_files import BadFile, Opened
-from dataplane.storage.remote_codec import encode_header
 
 KEY = b"k" * 16
 N = 3 * fs_direct.PIECE + 12_345  # pieces, and a tail
@@ -22,9 +21,8 @@ pytestmark = pytest.mark.skipif(not fs_direct.supported(), reason="RWF_NOWAIT is
 
 
 def write(path: Path, payload: bytes, key: bytes = KEY) -> None:
-    fs_files.write_chunk(
-        str(path), str(path.parent), (encode_header(key, "uint8", (len(payload),), payload), payload)
-    )
+    head = fs_files.file_header(key, memoryview(payload))
+    fs_files.write_chunk(str(path), str(path.parent), (head, payload))
 
 
 @pytest.fixture

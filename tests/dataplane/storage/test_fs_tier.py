@@ -16,7 +16,7 @@ import pytest
 from dataplane.storage import fs_files
 from dataplane.storage.fs_index import FileIndex
 from dataplane.storage.fs_io import DiskBusy, DiskPool, DiskTimeout
-from dataplane.storage.fs_layout import HOST, STALE_TMP_S, chunk_path
+from dataplane.storage.fs_layout import FORMAT_DIR, HOST, PAYLOAD_AT, STALE_TMP_S, chunk_path
 from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.remote import OK, TIMEOUT
 from dataplane.storage.remote_codec import encode
@@ -66,7 +66,7 @@ def tier(tmp_path: Path) -> Iterator[FileTier]:
 
 
 def files(root: Path) -> list[Path]:
-    return sorted(root.glob("kvwarden-v1/*/*/*/*.kv"))
+    return sorted(root.glob(f"{FORMAT_DIR}/*/*/*/*.kv"))
 
 
 def test_a_chunk_is_written_whole_where_the_layout_says_and_read_back_checked(
@@ -133,7 +133,7 @@ def test_two_tiers_writing_the_same_keys_at_once_publish_only_whole_files(tmp_pa
 
 
 def test_lru_eviction_keeps_the_cap_and_a_hit_refreshes_a_chunk(tmp_path: Path) -> None:
-    size = CHUNK + 64  # a file: the chunk and its header (a few dozen bytes)
+    size = CHUNK + PAYLOAD_AT  # a file: its header, padded to a page, then the chunk
     t = FileTier(str(tmp_path), 3 * size)
     t.start()
     try:
