@@ -41,7 +41,6 @@ class FileReads:
     counters: FsCounters
     events: EventSink
     io: DiskPool
-    hasher: fs_direct.PieceHasher
     in_place: bool  # reads in place are tried (off once the file system refuses them)
 
     # ----------------------------------------------------------------- reads
@@ -162,7 +161,7 @@ class FileReads:
             views = views_for(f.header.nbytes)
             if views is None:
                 return False
-            if not fs_direct.read_resident(f, views, self.hasher):
+            if not fs_direct.read_resident(f, views):
                 return False
         except fs_direct.Unsupported:
             self.in_place = False

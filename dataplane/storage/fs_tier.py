@@ -85,7 +85,6 @@ class FileTier(FileReads):
         self._rebuilt_at: float | None = None  # when the first scan ended
         self._started_at = clock()
         self.bypassed = False
-        self.hasher = fs_direct.PieceHasher()  # checks reads in place behind them
         self.in_place = fs_direct.supported()  # reads in place (`FileReads.get_into`) are tried
         self.events: EventSink = NO_EVENTS  # KV events: told of each file written and removed
         self._wake = threading.Event()
@@ -97,7 +96,6 @@ class FileTier(FileReads):
         if self._thread is not None:
             raise RuntimeError("FileTier already started")
         self.io.start()
-        self.hasher.start()
         self._thread = threading.Thread(target=self._run, name="kvwarden-fs-writer", daemon=True)
         self._thread.start()
 
@@ -106,13 +104,11 @@ class FileTier(FileReads):
         self._stop.set()
         self._wake.set()
         self.io.stop()
-        self.hasher.stop()
 
     def join(self, timeout_s: float = 5.0) -> None:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.io.join(timeout_s)
-        self.hasher.join(timeout_s)
         for w in self._take_all():
             self.counters.dropped("stopped")
             _done(w)
