@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import xxhash
 
+from dataplane.storage import fs_files
 from dataplane.storage.fs_files import BadFile, Opened
 from dataplane.storage.remote_codec import RemoteValueError, check_digest, value_hasher
 
 PIECE = 1 << 20  # bytes read, then hashed, at a time: a core's L2 holds them
+STAGE_PIECE = 4 << 20  # bytes a staged read reports at a time to the thread that follows it
 _IOV_MAX = 1024
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux only; 0: never in place
 _NOT_IN_MEMORY = (errno.EAGAIN, errno.EWOULDBLOCK)
@@ -105,3 +109,135 @@ def _pieces(views: Sequence[memoryview]) -> list[list[memoryview]]:
     if cur:
         groups.append(cur)
     return groups
+
+
+class Landing:
+    """A chunk file being read into a staging buffer on an I/O thread (`read_landing`), for the
+    thread that follows the read (`follow`): the file's header and the buffer once they are
+    known, how many payload bytes have landed, whether the read is over. ``_cond`` guards
+    every field."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.opened: Opened | None = None
+        self.buf: memoryview | None = None
+        self.landed = 0
+        self.over = False
+        self.abandoned = False  # the follower gave up: the reader stops at its next piece
+
+    def started(self, f: Opened, buf: memoryview) -> None:
+        with self._cond:
+            self.opened, self.buf = f, buf
+            self._cond.notify_all()
+
+    def add(self, n: int) -> bool:
+        """``n`` more bytes landed; False once the follower gave up."""
+        with self._cond:
+            self.landed += n
+            self._cond.notify_all()
+            return not self.abandoned
+
+    def end(self) -> None:
+        with self._cond:
+            self.over = True
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        with self._cond:
+            self.abandoned = True
+
+    def wait(self, want: int, deadline: float) -> int:
+        """Bytes landed once ``want`` have (or the read is over, or the deadline passed)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (self.buf is not None and self.landed >= want) or self.over,
+                max(0.0, deadline - time.monotonic()),
+            )
+            return self.landed if self.buf is not None else -1
+
+
+def read_landing(
+    path: str, key: bytes, nbytes: int | None, alloc: Callable[[int], memoryview | None], landing: Landing
+) -> tuple[memoryview, float, int] | None:
+    """`fs_files.read_chunk` for a read followed as it lands: the payload read into
+    ``alloc(size)``'s buffer in pieces of `STAGE_PIECE`, each reported to ``landing``, not
+    hashed (the follower hashes). The buffer, the file's time and size; None when it is not
+    there or ``alloc`` has no room. BadFile, OSError as `read_chunk` (the caller gives the
+    buffer back)."""
+    try:
+        f = fs_files.open_chunk(path, key, nbytes)
+        if f is None:
+            return None
+        try:
+            dest = alloc(f.header.nbytes)
+            if dest is None:
+                return None
+            landing.started(f, dest)
+            pos = 0
+            while pos < f.header.nbytes:
+                n = os.preadv(f.fd, [dest[pos : pos + STAGE_PIECE]], f.header.start + pos)
+                if n == 0:
+                    raise BadFile("truncated", f"{pos} payload bytes, header says {f.header.nbytes}", f.ino)
+                pos += n
+                if not landing.add(n):
+                    break  # (abandoned: the rest is nobody's)
+            return dest, f.mtime, f.size
+        finally:
+            os.close(f.fd)
+    finally:
+        landing.end()
+
+
+def follow(landing: Landing, views: Sequence[memoryview] | None, deadline: float) -> bool:
+    """Follow a `read_landing` on this thread: hash each piece as it lands and copy it on into
+    ``views`` (the worker's blocks; None, or views of another size: only hash). True when the
+    whole payload landed and checked; False when the read ended short or the deadline passed
+    (the caller finishes the read's call to learn why). BadFile when it fails its check.
+    Reads only the staging buffer: a read that outlives the deadline writes nowhere else."""
+    got = landing.wait(1, deadline)
+    f, buf = landing.opened, landing.buf
+    if got < 0 or f is None or buf is None:
+        return False
+    total = f.header.nbytes
+    if views is not None and sum(v.nbytes for v in views) != total:
+        views = None
+    h = value_hasher(f.head, f.header)
+    spans = _spans(views) if views is not None else []
+    done = k = 0
+    while done < total:
+        got = landing.wait(min(total, done + STAGE_PIECE), deadline)
+        if got <= done:
+            return False
+        piece = buf[done:got]
+        h.update(piece)
+        k = _copy(piece, done, spans, k)
+        done = got
+    try:
+        check_digest(f.head, f.header, h.intdigest())
+    except RemoteValueError as exc:
+        raise BadFile(exc.kind, str(exc), f.ino) from None
+    return True
+
+
+def _spans(views: Sequence[memoryview]) -> list[tuple[int, memoryview]]:
+    """Each view (as bytes) with the value offset it starts at."""
+    out, at = [], 0
+    for v in views:
+        out.append((at, v.cast("B") if v.format != "B" or v.ndim != 1 else v))
+        at += v.nbytes
+    return out
+
+
+def _copy(piece: memoryview, start: int, spans: list[tuple[int, memoryview]], k: int) -> int:
+    """Copy ``piece`` (the value's bytes from ``start``) into the views it covers, from span
+    ``k`` on; the span the next piece starts in."""
+    end = start + piece.nbytes
+    while k < len(spans):
+        at, v = spans[k]
+        lo, hi = max(at, start), min(at + v.nbytes, end)
+        if lo < hi:
+            v[lo - at : hi - at] = piece[lo - start : hi - start]
+        if at + v.nbytes > end:
+            break  # (it goes on in the next piece)
+        k += 1
+    return k

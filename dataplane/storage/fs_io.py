@@ -112,9 +112,19 @@ class DiskPool:
     ) -> T:
         """``fn()`` on a pool thread, its exception re-raised here; `DiskTimeout` past the
         deadline (``on_late`` then gets the result, if any), `DiskBusy` when the queue is full."""
+        return self.finish(self.begin(fn, on_late), self.timeout_s if timeout_s is None else timeout_s)
+
+    def begin(self, fn: Callable[[], T], on_late: Callable[[T], None] | None = None) -> _Call[T]:
+        """`call` in two steps: start ``fn()`` on a pool thread now (`DiskBusy` when the queue is
+        full), `finish` it later; what the caller does meanwhile counts against its deadline."""
         c: _Call[T] = _Call(fn, on_late)
         self._enqueue(c)
-        if not c.done.wait(self.timeout_s if timeout_s is None else timeout_s):
+        return c
+
+    def finish(self, c: _Call[T], timeout_s: float) -> T:
+        """The result of a call `begin` started, waiting at most ``timeout_s`` more (then
+        abandoned: `DiskTimeout`, and ``on_late`` gets its result when it returns)."""
+        if not c.done.wait(max(0.0, timeout_s)):
             with self._cond:
                 if not c.done.is_set():
                     c.abandoned = True

@@ -30,6 +30,7 @@ from dataplane.storage.fs_stats import FsCounters
 
 logger = logging.getLogger(__name__)
 
+_GRACE_S = 0.05  # a read whose bytes all landed is given this long to return, past its deadline
 TOUCH_AFTER_S = 60.0  # a hit refreshes the file's time when it is older than this
 T = TypeVar("T")
 
@@ -177,12 +178,73 @@ class FileReads:
             return None
         finally:
             os.close(f.fd)
-        self.counters.read(f.header.nbytes)
+        self._hit(scope, key, path, f.header.nbytes, f.size, f.mtime)
         self.counters.add(read_in_place=1)
-        self.index.learn(scope, key, f.size)
-        if time.time() - f.mtime > TOUCH_AFTER_S:
-            self.io.submit(functools.partial(fs_files.touch, path))
         return True
+
+    def get_through(
+        self,
+        scope: bytes,
+        key: bytes,
+        nbytes: int | None,
+        alloc: Callable[[int], memoryview | None],
+        give_back: Callable[[memoryview], None],
+        views_for: Callable[[int], Sequence[memoryview] | None],
+    ) -> tuple[memoryview, bool] | None:
+        """`get`, with the chunk checked and copied on into ``views_for(size)`` (the worker's
+        blocks) by this thread piece by piece as the I/O thread's read lands them, so the copy
+        ends soon after the disk does. (The buffer, whether the views got it too: False when
+        ``views_for`` gave none); None: a miss (counted). The views are written from the buffer
+        only, by this thread: a read past the deadline lands nowhere but the buffer."""
+        if self.bypassed:
+            return None
+        path = chunk_path(self.root, scope, key)
+        landing = fs_direct.Landing()
+        read, late = _landing_read(path, key, nbytes, alloc, give_back, landing)
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.io.timeout_s
+        bad: BadFile | None = None
+        try:
+            call = self.io.begin(read, on_late=late)
+            views = None
+            if landing.wait(0, deadline) >= 0 and landing.opened is not None:
+                views = views_for(landing.opened.header.nbytes)
+            try:
+                whole = fs_direct.follow(landing, views, deadline)
+            except BadFile as exc:
+                whole, bad = False, exc
+            if not whole:
+                landing.abandon()
+            r = self.io.finish(call, max(deadline - time.monotonic(), _GRACE_S if whole else 0.0))
+        except BadFile as exc:  # (the read's own: a damaged header, a file cut short)
+            self._bad(path, key, exc)
+            return None
+        except (OSError, DiskTimeout) as exc:
+            landing.abandon()
+            self._failed("get", exc)
+            return None
+        finally:
+            self.counters.took("get", time.perf_counter() - t0)
+        if r is None or bad is not None or not whole:
+            if r is not None:
+                give_back(r[0])
+            if bad is not None:
+                self._bad(path, key, bad)
+            elif r is None:  # not there (or L1 has no room)
+                self.counters.read(None)
+                self.index.forget(key)
+            else:
+                self._failed("get", DiskTimeout("a read did not land within its deadline"))
+            return None
+        self._hit(scope, key, path, r[0].nbytes, r[2], r[1])
+        return r[0], views is not None
+
+    def _hit(self, scope: bytes, key: bytes, path: str, nbytes: int, size: int, mtime: float) -> None:
+        """A chunk read whole and checked: counted, known, its file's time refreshed if old."""
+        self.counters.read(nbytes)
+        self.index.learn(scope, key, size)
+        if time.time() - mtime > TOUCH_AFTER_S:
+            self.io.submit(functools.partial(fs_files.touch, path))
 
     def _bad(self, path: str, key: bytes, exc: BadFile) -> None:
         """A file that failed its check: counted, forgotten, removed (if still the same file)."""
@@ -214,3 +276,39 @@ def _close(f: Opened | None) -> None:
     """A file opened for a read abandoned past its deadline: closed when the open returns."""
     if f is not None:
         os.close(f.fd)
+
+
+def _landing_read(
+    path: str,
+    key: bytes,
+    nbytes: int | None,
+    alloc: Callable[[int], memoryview | None],
+    give_back: Callable[[memoryview], None],
+    landing: fs_direct.Landing,
+) -> tuple[
+    Callable[[], tuple[memoryview, float, int] | None],
+    Callable[[tuple[memoryview, float, int] | None], None],
+]:
+    """The I/O thread's part of `FileReads.get_through`: the read (its buffer given back when
+    it fails) and what cleans up after it when nobody waits for it any more."""
+    got: list[memoryview] = []
+
+    def take(n: int) -> memoryview | None:
+        buf = alloc(n)
+        if buf is not None:
+            got.append(buf)
+        return buf
+
+    def read() -> tuple[memoryview, float, int] | None:
+        try:
+            return fs_direct.read_landing(path, key, nbytes, take, landing)
+        except BaseException:
+            for b in got:
+                give_back(b)
+            raise
+
+    def late(r: tuple[memoryview, float, int] | None) -> None:
+        if r is not None:
+            give_back(r[0])
+
+    return read, late

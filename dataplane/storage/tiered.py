@@ -149,22 +149,22 @@ class TieredStore(L1Store):
                 size[:] = [n]
                 return into(i, n)
 
-            r = self.fs.get_into(scope, keys[i], size[0] if size else None, where)
+            known = size[0] if size else None
+            r: bool | torch.Tensor | None = self.fs.get_into(scope, keys[i], known, where)
+            staged = r is False and i == len(keys) - 1
+            if staged:  # the last chunk, not all in memory: through L1, on to the worker as it lands
+                r = self._through(scope, keys[i], known, tenant, where)
+            if r is None and self.remote is not None:  # not on disk after all (or damaged)
+                r = self._promote(keys[i], known, tenant)
             if r is False:  # not in memory whole (or no views): read the staged way, below
                 break
-            if r is None:  # not on disk after all (or damaged): the remote tier may have it
-                buf = (
-                    self._promote(keys[i], size[0] if size else None, tenant)
-                    if self.remote is not None
-                    else None
-                )
-                if buf is None:
-                    i = len(keys)  # the prefix ends here
-                    break
-                size[:] = [buf.numel()]
-                got.append(buf)
-            else:
-                got.append(None)
+            if r is None:  # the prefix ends here
+                i = len(keys)
+                break
+            got.append(r if isinstance(r, torch.Tensor) else None)  # (None: in place already)
+            if isinstance(r, torch.Tensor):
+                size[:] = [r.numel()]
+            elif not staged:  # read in place: L1 gets it behind the reply
                 placed.append(keys[i])
             i += 1
         nbytes = size[0] if size else None
@@ -177,6 +177,28 @@ class TieredStore(L1Store):
         if i < len(keys):
             got += self._lower_prefix(keys[i:], tenant, scope, nbytes)
         return got
+
+    def _through(
+        self,
+        scope: bytes,
+        key: bytes,
+        nbytes: int | None,
+        tenant: bytes,
+        where: Callable[[int], Sequence[memoryview] | None],
+    ) -> bool | torch.Tensor | None:
+        """``key``'s file read into L1 and, as it lands, into ``where(size)`` (`FileTier.
+        get_through`): True (in L1 and in place), its pinned L1 buffer (in L1 only: no views),
+        None (a miss)."""
+        assert self.fs is not None
+        held, alloc, give_back = self._staging(tenant)
+        got = self.fs.get_through(scope, key, nbytes, alloc, give_back, where)
+        if got is None:
+            return None
+        super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
+        if got[1]:
+            return True
+        pinned = super().acquire_prefix([key])
+        return pinned[0] if pinned else None
 
     def _lower_prefix(
         self, rest: list[bytes], tenant: bytes, scope: bytes, nbytes: int | None
@@ -242,6 +264,18 @@ class TieredStore(L1Store):
         the promotion of a chunk read in place, its hit counted then). Whether L1 holds the
         chunk now."""
         assert self.fs is not None
+        held, alloc, give_back = self._staging(tenant)
+        got = self.fs.get(scope, key, nbytes, alloc, give_back, wait=wait, hit=hit)
+        if got is None:
+            return False
+        super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
+        return True
+
+    def _staging(
+        self, tenant: bytes
+    ) -> tuple[list[torch.Tensor], Callable[[int], memoryview | None], Callable[[memoryview], None]]:
+        """L1 buffers for a file read to land in: those reserved (``held``), how to reserve one
+        for ``tenant`` (None: no room), how to give one back."""
         held: list[torch.Tensor] = []
 
         def alloc(n: int) -> memoryview | None:
@@ -254,11 +288,7 @@ class TieredStore(L1Store):
         def give_back(_: memoryview) -> None:
             self.abort(held.pop())
 
-        got = self.fs.get(scope, key, nbytes, alloc, give_back, wait=wait, hit=hit)
-        if got is None:
-            return False
-        super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
-        return True
+        return held, alloc, give_back
 
     def _read_ahead(
         self,

@@ -5,6 +5,8 @@ cut one is never reported read. Real files on the disk under pytest's temporary 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +117,30 @@ def test_pieces_cut_long_views_and_keep_the_order() -> None:
     assert sizes[:-1] == [fs_direct.PIECE + fs_direct.PIECE // 4, fs_direct.PIECE] and sum(sizes) == len(mem)
     flat = [v for g in groups for v in g]
     assert b"".join(bytes(v) for v in flat) == bytes(mem)
+
+
+def test_a_staged_read_is_followed_piece_by_piece_into_scattered_views(tmp_path: Path) -> None:
+    n = 2 * fs_direct.STAGE_PIECE + 12_345  # three pieces
+    data = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8).tobytes()
+    path = tmp_path / "chunk"
+    write(path, data)
+    staging = bytearray(n)
+    landing = fs_direct.Landing()
+    out: list[object] = []
+    reader = threading.Thread(
+        target=lambda: out.append(
+            fs_direct.read_landing(str(path), KEY, n, lambda size: memoryview(staging), landing)
+        )
+    )
+    reader.start()
+    _, views = scattered(n, 41)  # (views that straddle the pieces)
+    assert fs_direct.follow(landing, views, time.monotonic() + 30)
+    reader.join(30)
+    assert b"".join(bytes(v) for v in views) == data and bytes(staging) == data and out[0] is not None
+
+
+def test_a_follower_past_its_deadline_stops_and_the_reader_stops_after_it(tmp_path: Path) -> None:
+    landing = fs_direct.Landing()
+    assert not fs_direct.follow(landing, None, time.monotonic() + 0.05)  # nothing ever landed
+    landing.abandon()
+    assert not landing.add(1)  # the reader is told at its next piece

@@ -173,3 +173,50 @@ def test_a_damaged_warm_file_is_never_reported_read_in_place(fs: FileTier, tmp_p
     got = cold.acquire_into([key(23)], lambda i, n: [dest.numpy().data.cast("B")], scope=SCOPE)
     assert got == [] and fs.stats().bad_files == {"checksum": 1} and fs.stats().read_in_place == 0
     wait_until(lambda: not os.path.exists(path), 5, what="the damaged file removed")
+
+
+def test_a_cold_last_chunk_lands_in_l1_and_in_place_as_it_is_read(fs: FileTier, tmp_path: Path) -> None:
+    t = TieredStore(1 << 20, fs=fs)
+    want = store(t, 24)
+    assert fs.flush(10)
+    _drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, key(24)))
+    cold = TieredStore(1 << 20, fs=fs)
+    dest = torch.zeros(CHUNK, dtype=torch.uint8)
+    third = CHUNK // 3
+    views = [dest[:third].numpy().data.cast("B"), dest[third:].numpy().data.cast("B")]
+    assert cold.acquire_into([key(24)], lambda i, n: views, scope=SCOPE) == [None]
+    assert torch.equal(dest, want)
+    s = fs.stats()
+    assert (s.hits, s.read_in_place, s.promoted) == (1, 0, 0)  # read once, through L1
+    assert cold.stats().chunks == 1 and cold._pinned == 0  # in L1 already, nothing held
+    dest.zero_()
+    (buf,) = cold.acquire_into([key(24)], lambda i, n: views, scope=SCOPE)  # from L1 now: pinned
+    assert buf is not None and torch.equal(buf, want) and not dest.any()
+    cold.release([key(24)])
+
+
+def test_a_damaged_or_late_cold_chunk_is_a_miss_and_l1_loses_no_byte(fs: FileTier, tmp_path: Path) -> None:
+    t = TieredStore(1 << 20, fs=fs)
+    store(t, 25)
+    store(t, 26)
+    assert fs.flush(10)
+    path = chunk_path(str(tmp_path), SCOPE, key(25))
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xee")
+    _drop_from_page_cache(path)
+    cold = TieredStore(1 << 20, fs=fs)
+    dest = torch.zeros(CHUNK, dtype=torch.uint8)
+    views = lambda i, n: [dest.numpy().data.cast("B")]  # noqa: E731
+    assert cold.acquire_into([key(25)], views, scope=SCOPE) == []
+    assert fs.stats().bad_files == {"checksum": 1} and cold.stats().used_bytes == 0
+    wait_until(lambda: not os.path.exists(path), 5, what="the damaged file removed")
+    _drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, key(26)))
+    release = threading.Event()
+    for _ in range(2):
+        assert fs.io.submit(lambda: release.wait(30))  # both I/O threads stuck
+    assert cold.acquire_into([key(26)], views, scope=SCOPE) == []  # past its deadline: a miss
+    assert fs.stats().get_failures["timeout"] >= 1 and cold.stats().used_bytes == 0
+    release.set()
+    assert cold.acquire_into([key(26)], views, scope=SCOPE) == [None]  # the disk answers again
+    assert cold.stats().used_bytes == CHUNK
