@@ -157,12 +157,14 @@ def test_a_retrieve_reads_warm_files_in_place_and_cold_ones_through_l1(tmp_path:
         wa, wb = Worker(a), Worker(b)
         tokens = prompt(3, 4 * CS)
         want = wa.fill(3)
-        assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 4
-        written(a, 4)
-        files = {f.name: f for f in chunk_files(root)}
-        by_chunk = [files[n] for n in sorted(files, key=lambda n: files[n].stat().st_mtime_ns)]
+        by_chunk: list[Path] = []
+        for n in range(1, 5):  # a chunk at a time, to know which file is which
+            assert wa.w.store_detail(tokens[: n * CS], BLOCK_IDS).stored == 1
+            written(a, n)
+            (new,) = set(chunk_files(root)) - set(by_chunk)
+            by_chunk.append(new)
         for f in by_chunk:
-            f.read_bytes()  # warm (the order written: the prompt's)
+            f.read_bytes()  # warm
         with open(by_chunk[2], "rb") as fh:  # but for the third
             os.fsync(fh.fileno())
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
