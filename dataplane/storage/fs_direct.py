@@ -1,19 +1,22 @@
-"""A chunk file read in place: from the page cache straight into the worker's blocks.
+"""Chunk files read into the worker's blocks: in place when warm, followed as they land when cold.
 
-A warm chunk file (its pages in the page cache) needs no staging buffer: `read_resident` copies
-its payload into the destination views (the worker's blocks, in the value's order) with
-``RWF_NOWAIT``, so the kernel answers from memory or refuses (``EAGAIN``, or a short read) and
-never waits on the disk: a read in place cannot stall on a dead mount, and needs no deadline.
-It reads in pieces of `PIECE` bytes and hashes each piece right after it lands, while it is
-still in the core's caches (hashing on another thread, behind the read, measured no faster
-here: the hand-offs cost what the overlap saved); the value is checked whole before the
-caller reports a byte of it. One pass over
-the bytes on the request's path instead of three (disk -> L1, the check over L1, L1 -> the
-worker).
+**In place** (`read_resident`): a warm chunk file (its pages in the page cache) needs no
+staging buffer. Its payload is copied into the destination views (the worker's blocks, in the
+value's order) with ``RWF_NOWAIT``, so the kernel answers from memory or refuses (``EAGAIN``, or
+a short read) and never waits on the disk: a read in place cannot stall on a dead mount, and
+needs no deadline. It reads `PIECE` bytes at a time and hashes each piece right after it
+lands, while it is still in the core's caches (hashing on another thread behind the read
+measured no faster here: the hand-offs cost what the overlap saved); the value is checked whole
+before the caller counts a byte of it. One pass over the bytes on the request's path instead of
+three (disk -> L1, the check over L1, L1 -> the worker). Anything short of a whole file in
+memory (a page missing, a file system without ``RWF_NOWAIT``) answers False: the caller reads
+the file the staged way, which overwrites whatever the attempt left in the blocks.
 
-Anything short of a whole file in memory (a page missing, a file system without
-``RWF_NOWAIT``) answers False: the caller reads the file the staged way (into L1, on the I/O
-threads, under the deadline), which overwrites whatever the attempt left in the blocks.
+**Followed** (`read_landing` on an I/O thread, `follow` on the request's): a cold file is read
+into a staging buffer (L1's) `STAGE_PIECE` bytes at a time, and the request's thread hashes
+each piece and copies it on into the views as it lands (`Landing` passes the progress), so the
+copy ends soon after the disk does. The views are written from the staging buffer only, by the
+follower, which stops at its deadline: a read that outlives it lands nowhere else.
 """
 
 from __future__ import annotations

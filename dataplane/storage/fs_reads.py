@@ -6,6 +6,8 @@
   worker's blocks; `fs_direct`), when the page cache holds the whole file; else the caller
   falls back to `get`. Its open and header check run on the I/O threads under the deadline;
   the copy itself never waits on the disk.
+- `get_through`: `get`, followed by the caller's thread as it lands, each piece checked and
+  copied on into the caller's views (a cold chunk: it ends soon after the disk does).
 
 A file that fails its check is counted, removed and never served.
 """
