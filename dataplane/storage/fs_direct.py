@@ -12,11 +12,12 @@ three (disk -> L1, the check over L1, L1 -> the worker). Anything short of a who
 memory (a page missing, a file system without ``RWF_NOWAIT``) answers False: the caller reads
 the file the staged way, which overwrites whatever the attempt left in the blocks.
 
-**Followed** (`read_landing` on an I/O thread, `follow` on the request's): a cold file is read
-into a staging buffer (L1's) `STAGE_PIECE` bytes at a time, and the request's thread hashes
-each piece and copies it on into the views as it lands (`Landing` passes the progress), so the
-copy ends soon after the disk does. The views are written from the staging buffer only, by the
-follower, which stops at its deadline: a read that outlives it lands nowhere else.
+**Followed** (`fs_files.read_chunk` with a `Landing` on an I/O thread, `follow` on the
+request's): a cold file is read into a staging buffer (L1's) `STAGE_PIECE` bytes at a time,
+and the request's thread hashes each piece and copies it on into the views as it lands
+(`Landing` passes the progress), so the copy ends soon after the disk does. The views are
+written from the staging buffer only, by the follower, which stops at its deadline: a read
+that outlives it lands nowhere else.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import xxhash
 
-from dataplane.storage import fs_files
 from dataplane.storage.fs_files import BadFile, Opened
 from dataplane.storage.remote_codec import RemoteValueError, check_digest, value_hasher
 
@@ -115,10 +115,13 @@ def _pieces(views: Sequence[memoryview]) -> list[list[memoryview]]:
 
 
 class Landing:
-    """A chunk file being read into a staging buffer on an I/O thread (`read_landing`), for the
+    """A chunk file being read into a staging buffer on an I/O thread (`fs_files.read_chunk`
+    with this as its progress; the reader calls `end` when it stops), for the
     thread that follows the read (`follow`): the file's header and the buffer once they are
     known, how many payload bytes have landed, whether the read is over. ``_cond`` guards
     every field."""
+
+    piece = STAGE_PIECE
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -159,40 +162,8 @@ class Landing:
             return self.landed if self.buf is not None else -1
 
 
-def read_landing(
-    path: str, key: bytes, nbytes: int | None, alloc: Callable[[int], memoryview | None], landing: Landing
-) -> tuple[memoryview, float, int] | None:
-    """`fs_files.read_chunk` for a read followed as it lands: the payload read into
-    ``alloc(size)``'s buffer in pieces of `STAGE_PIECE`, each reported to ``landing``, not
-    hashed (the follower hashes). The buffer, the file's time and size; None when it is not
-    there or ``alloc`` has no room. BadFile, OSError as `read_chunk` (the caller gives the
-    buffer back)."""
-    try:
-        f = fs_files.open_chunk(path, key, nbytes)
-        if f is None:
-            return None
-        try:
-            dest = alloc(f.header.nbytes)
-            if dest is None:
-                return None
-            landing.started(f, dest)
-            pos = 0
-            while pos < f.header.nbytes:
-                n = os.preadv(f.fd, [dest[pos : pos + STAGE_PIECE]], f.header.start + pos)
-                if n == 0:
-                    raise BadFile("truncated", f"{pos} payload bytes, header says {f.header.nbytes}", f.ino)
-                pos += n
-                if not landing.add(n):
-                    break  # (abandoned: the rest is nobody's)
-            return dest, f.mtime, f.size
-        finally:
-            os.close(f.fd)
-    finally:
-        landing.end()
-
-
 def follow(landing: Landing, views: Sequence[memoryview] | None, deadline: float) -> bool:
-    """Follow a `read_landing` on this thread: hash each piece as it lands and copy it on into
+    """Follow a read into ``landing`` on this thread: hash each piece as it lands and copy it on into
     ``views`` (the worker's blocks; None, or views of another size: only hash). True when the
     whole payload landed and checked; False when the read ended short or the deadline passed
     (the caller finishes the read's call to learn why). BadFile when it fails its check.

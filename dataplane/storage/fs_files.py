@@ -16,6 +16,7 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from dataplane.storage.fs_layout import PAYLOAD_AT, tmp_path
 from dataplane.storage.remote_codec import (
@@ -102,16 +103,29 @@ def open_chunk(path: str, key: bytes, nbytes: int | None) -> Opened | None:
     return Opened(fd, head, h, st.st_ino, st.st_mtime, st.st_size)
 
 
+class Progress(Protocol):
+    """Who follows a read as it lands (`fs_direct.Landing`): told the file and its buffer, then
+    each piece of ``piece`` bytes as it lands (``add`` False: stop reading, nobody waits)."""
+
+    piece: int
+
+    def started(self, f: Opened, buf: memoryview) -> None: ...
+
+    def add(self, n: int) -> bool: ...
+
+
 def read_chunk(
     path: str,
     key: bytes,
     nbytes: int | None,
     alloc: Callable[[int], memoryview | None],
+    progress: Progress | None = None,
 ) -> tuple[memoryview, float, int] | None:
     """The payload of ``path`` read into ``alloc(size)``'s buffer after every check, the
     file's modification time and its size; None when the file is not there (FileNotFoundError is a miss) or
     ``alloc`` has no room. BadFile when it fails a check (the buffer was written: the caller
-    gives it back), OSError when the disk fails."""
+    gives it back), OSError when the disk fails. With ``progress``, the payload is read a piece
+    at a time, each reported, and not hashed here: whoever follows it checks it."""
     f = open_chunk(path, key, nbytes)
     if f is None:
         return None
@@ -120,8 +134,12 @@ def read_chunk(
         if dest is None:
             return None
         try:
-            _read_exact(f.fd, dest, f.header)
-            check_hash(f.head, f.header, dest)
+            if progress is None:
+                _read_exact(f.fd, dest, f.header)
+                check_hash(f.head, f.header, dest)
+            else:
+                progress.started(f, dest)
+                _read_exact(f.fd, dest, f.header, progress.piece, progress.add)
         except RemoteValueError as exc:
             raise BadFile(exc.kind, str(exc), f.ino) from None
         return dest, f.mtime, f.size
@@ -129,13 +147,19 @@ def read_chunk(
         os.close(f.fd)
 
 
-def _read_exact(fd: int, dest: memoryview, h: Header) -> None:
+def _read_exact(
+    fd: int, dest: memoryview, h: Header, piece: int = 0, landed: Callable[[int], bool] | None = None
+) -> None:
+    """The payload into ``dest``: whole, or ``piece`` bytes a read, each told to ``landed``
+    (which may stop it)."""
     got, pos = 0, h.start
     while got < h.nbytes:
-        n = os.preadv(fd, [dest[got:]], pos + got)
+        n = os.preadv(fd, [dest[got : got + piece] if piece else dest[got:]], pos + got)
         if n == 0:  # shorter than its header says: cut while we read
             raise RemoteValueError("truncated", f"{got} payload bytes, header says {h.nbytes}")
         got += n
+        if landed is not None and not landed(n):
+            return  # (abandoned: the rest is nobody's)
 
 
 def write_chunk(path: str, root: str, parts: Sequence[bytes | memoryview]) -> int:

@@ -125,8 +125,7 @@ class FileReads:
             self._failed("get", exc)
             return None
         if buf is None:
-            self.counters.read(None)
-            self.index.forget(key)  # (not there: gone, or never was)
+            self._gone(key)
             return None
         if hit:
             self.counters.read(buf.nbytes)
@@ -157,8 +156,7 @@ class FileReads:
             self._failed("get", exc)
             return None
         if f is None:
-            self.counters.read(None)
-            self.index.forget(key)
+            self._gone(key)
             return None
         try:
             views = views_for(f.header.nbytes)
@@ -233,8 +231,7 @@ class FileReads:
             if bad is not None:
                 self._bad(path, key, bad)
             elif r is None:  # not there (or L1 has no room)
-                self.counters.read(None)
-                self.index.forget(key)
+                self._gone(key)
             else:
                 self._failed("get", DiskTimeout("a read did not land within its deadline"))
             return None
@@ -247,6 +244,11 @@ class FileReads:
         self.index.learn(scope, key, size)
         if time.time() - mtime > TOUCH_AFTER_S:
             self.io.submit(functools.partial(fs_files.touch, path))
+
+    def _gone(self, key: bytes) -> None:
+        """A read found no file (gone, or never there): a miss, and the index forgets it."""
+        self.counters.read(None)
+        self.index.forget(key)
 
     def _bad(self, path: str, key: bytes, exc: BadFile) -> None:
         """A file that failed its check: counted, forgotten, removed (if still the same file)."""
@@ -303,11 +305,13 @@ def _landing_read(
 
     def read() -> tuple[memoryview, float, int] | None:
         try:
-            return fs_direct.read_landing(path, key, nbytes, take, landing)
+            return fs_files.read_chunk(path, key, nbytes, take, landing)
         except BaseException:
             for b in got:
                 give_back(b)
             raise
+        finally:
+            landing.end()
 
     def late(r: tuple[memoryview, float, int] | None) -> None:
         if r is not None:

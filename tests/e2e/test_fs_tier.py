@@ -4,12 +4,14 @@ servers SIGKILLed and restarted, files damaged, directories removed and made rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,14 +122,26 @@ def test_chunks_survive_a_sigkill_and_are_hits_after_the_restart(tmp_path: Path,
         a.stop()
 
 
-def test_a_lookup_reads_what_it_found_on_disk_into_l1_before_the_retrieve(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def two_servers(tmp_path: Path) -> Iterator[tuple[Path, ServerProcess, ServerProcess, Worker, Worker]]:
+    """Servers A and B on one directory (B's L1 cold to what A writes), a worker of each."""
     root = tmp_path / "fs"
     root.mkdir()
     a = serve(tmp_path / "a", root)
-    b = serve(tmp_path / "b", root)  # another server on the same directory: its L1 is cold
-    wa = wb = None
+    b = serve(tmp_path / "b", root)
+    workers: list[Worker] = []
     try:
-        wa, wb = Worker(a), Worker(b)
+        workers += [Worker(a), Worker(b)]
+        yield root, a, b, workers[0], workers[1]
+    finally:
+        for w in workers:
+            w.close()
+        a.stop()
+        b.stop()
+
+
+def test_a_lookup_reads_what_it_found_on_disk_into_l1_before_the_retrieve(tmp_path: Path) -> None:
+    with two_servers(tmp_path) as (_, a, b, wa, wb):
         tokens = prompt(2, 4 * CS)
         want = wa.fill(2)
         assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 4
@@ -138,23 +152,10 @@ def test_a_lookup_reads_what_it_found_on_disk_into_l1_before_the_retrieve(tmp_pa
         assert fs_doc(b)["read_ahead"] == 4
         assert wb.w.retrieve(tokens, BLOCK_IDS) == 4 * CS and wb.same(want, 4 * CS)
         assert fs_doc(b)["hits"] == 4  # read once, by the read-ahead: not again
-    finally:
-        for w in (wa, wb):
-            if w is not None:
-                w.close()
-        a.stop()
-        b.stop()
 
 
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="reads in place need Linux's RWF_NOWAIT")
 def test_a_retrieve_reads_warm_files_in_place_and_cold_ones_through_l1(tmp_path: Path) -> None:
-    root = tmp_path / "fs"
-    root.mkdir()
-    a = serve(tmp_path / "a", root)
-    b = serve(tmp_path / "b", root)  # another server on the same directory: its L1 is cold
-    wa = wb = None
-    try:
-        wa, wb = Worker(a), Worker(b)
+    with two_servers(tmp_path) as (root, a, b, wa, wb):
         tokens = prompt(3, 4 * CS)
         want = wa.fill(3)
         by_chunk: list[Path] = []
@@ -178,12 +179,6 @@ def test_a_retrieve_reads_warm_files_in_place_and_cold_ones_through_l1(tmp_path:
         assert fs_doc(b)["hits"] == 4
         text = httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
         assert "kvwarden_fs_read_in_place_total 2.0" in text and "kvwarden_fs_promoted_total 2.0" in text
-    finally:
-        for w in (wa, wb):
-            if w is not None:
-                w.close()
-        a.stop()
-        b.stop()
 
 
 def test_damaged_truncated_and_foreign_files_are_counted_removed_and_never_served(tmp_path: Path) -> None:

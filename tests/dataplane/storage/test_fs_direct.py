@@ -19,8 +19,6 @@ from dataplane.storage.fs_files import BadFile, Opened
 KEY = b"k" * 16
 N = 3 * fs_direct.PIECE + 12_345  # pieces, and a tail
 
-pytestmark = pytest.mark.skipif(not fs_direct.supported(), reason="RWF_NOWAIT is Linux's")
-
 
 def write(path: Path, payload: bytes, key: bytes = KEY) -> None:
     head = fs_files.file_header(key, memoryview(payload))
@@ -127,11 +125,14 @@ def test_a_staged_read_is_followed_piece_by_piece_into_scattered_views(tmp_path:
     staging = bytearray(n)
     landing = fs_direct.Landing()
     out: list[object] = []
-    reader = threading.Thread(
-        target=lambda: out.append(
-            fs_direct.read_landing(str(path), KEY, n, lambda size: memoryview(staging), landing)
-        )
-    )
+
+    def read() -> None:
+        try:
+            out.append(fs_files.read_chunk(str(path), KEY, n, lambda size: memoryview(staging), landing))
+        finally:
+            landing.end()
+
+    reader = threading.Thread(target=read)
     reader.start()
     _, views = scattered(n, 41)  # (views that straddle the pieces)
     assert fs_direct.follow(landing, views, time.monotonic() + 30)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataplane.storage import fs_direct
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.tiered import TieredStore
@@ -119,13 +118,19 @@ def test_a_retrieve_reads_the_chunks_l1_lacks_side_by_side_and_serves_them_in_or
     cold.release([key(i) for i in range(10, 16)])
 
 
+def damage(path: str) -> None:
+    """Change the last byte of a chunk file."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xee")
+
+
 def _drop_from_page_cache(path: str) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-@pytest.mark.skipif(not fs_direct.supported(), reason="RWF_NOWAIT is Linux's")
 def test_a_warm_file_is_read_in_place_then_promoted_a_cold_one_staged_in_l1(
     fs: FileTier, tmp_path: Path
 ) -> None:
@@ -159,15 +164,12 @@ def test_a_warm_file_is_read_in_place_then_promoted_a_cold_one_staged_in_l1(
     cold.release(keys[:1])
 
 
-@pytest.mark.skipif(not fs_direct.supported(), reason="RWF_NOWAIT is Linux's")
 def test_a_damaged_warm_file_is_never_reported_read_in_place(fs: FileTier, tmp_path: Path) -> None:
     t = TieredStore(1 << 20, fs=fs)
     store(t, 23)
     assert fs.flush(10)
     path = chunk_path(str(tmp_path), SCOPE, key(23))
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        f.write(b"\xee")
+    damage(path)
     cold = TieredStore(1 << 20, fs=fs)
     dest = torch.zeros(CHUNK, dtype=torch.uint8)
     got = cold.acquire_into([key(23)], lambda i, n: [dest.numpy().data.cast("B")], scope=SCOPE)
@@ -201,9 +203,7 @@ def test_a_damaged_or_late_cold_chunk_is_a_miss_and_l1_loses_no_byte(fs: FileTie
     store(t, 26)
     assert fs.flush(10)
     path = chunk_path(str(tmp_path), SCOPE, key(25))
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        f.write(b"\xee")
+    damage(path)
     _drop_from_page_cache(path)
     cold = TieredStore(1 << 20, fs=fs)
     dest = torch.zeros(CHUNK, dtype=torch.uint8)
