@@ -112,6 +112,15 @@ class L1Public(BaseModel):
     capacity_bytes: int
     chunks: int
     hot_cache: bool
+    hits: int = Field(
+        description="chunks requests found in L1 (those a lower tier brought in for them are that "
+        "tier's hits)"
+    )
+    evictions: int = Field(description="chunks evicted, for any reason")
+    evictions_by_reason: dict[str, int] = Field(
+        description="capacity: the least recently used, to make room; tenant_share: a tenant's own, "
+        "to keep it within l1_tenant_share"
+    )
     arena: ArenaPublic | None = Field(None, description="the region L1's buffers are carved from")
     tenant_share_bytes: int | None = Field(
         None,

@@ -90,7 +90,17 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         "L1 evictions per second",
         "ops",
         "timeseries",
-        [(f"rate(kvwarden_l1_evictions_total[{RI}])", "{{instance}}")],
+        [(f"sum by (reason) (rate(kvwarden_l1_evictions_by_reason_total[{RI}]))", "{{reason}}")],
+    ),
+    (
+        "Chunk hits per second, by tier",
+        "ops",
+        "timeseries",
+        [
+            (f"sum(rate(kvwarden_l1_hits_total[{RI}]))", "L1"),
+            (f"sum(rate(kvwarden_fs_hits_total[{RI}]))", "file tier"),
+            (f"sum(rate(kvwarden_remote_hits_total[{RI}]))", "remote"),
+        ],
     ),
     (
         "Requests waiting for a store in flight",

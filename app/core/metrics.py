@@ -26,7 +26,7 @@ from app.core.fs_metrics import fs_metrics
 from app.core.health import HealthChecker
 
 if TYPE_CHECKING:
-    from dataplane.server.facade import DataPlaneView, RemoteState, TenantStats
+    from dataplane.server.facade import DataPlaneView, L1Stats, RemoteState, TenantStats
 
 
 class DataPlaneStateCollector(Collector):
@@ -61,6 +61,7 @@ class DataPlaneStateCollector(Collector):
         yield CounterMetricFamily(
             "kvwarden_l1_evictions", "Chunks evicted from L1 (LRU).", value=stats.evictions
         )
+        yield from l1_metrics(stats)
         yield GaugeMetricFamily(
             "kvwarden_inflight_chunks",
             "Chunks being stored now (written, not yet committed): lookups count them as pending.",
@@ -73,6 +74,24 @@ class DataPlaneStateCollector(Collector):
         yield from fs_metrics(dp)
         yield from remote_metrics(dp)
         yield from events_metrics(dp)
+
+
+def l1_metrics(stats: L1Stats) -> Iterator[Metric]:
+    """What L1 serves and why it evicts (the file and remote tiers count their own hits)."""
+    yield CounterMetricFamily(
+        "kvwarden_l1_hits",
+        "Chunks requests found in L1 (not those a lower tier brought in for them: that tier's hits).",
+        value=stats.hits,
+    )
+    by_reason = CounterMetricFamily(
+        "kvwarden_l1_evictions_by_reason",
+        "Chunks evicted from L1 by reason: capacity (the least recently used, to make room), "
+        "tenant_share (a tenant's own, to keep it within l1_tenant_share).",
+        labels=["reason"],
+    )
+    by_reason.add_metric(["capacity"], stats.evictions - stats.share_evictions)
+    by_reason.add_metric(["tenant_share"], stats.share_evictions)
+    yield by_reason
 
 
 def tenant_metrics(tenants: list[TenantStats]) -> Iterator[Metric]:

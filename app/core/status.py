@@ -87,6 +87,12 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
                 "capacity_bytes": l1.capacity_bytes,
                 "chunks": l1.chunks,
                 "hot_cache": l1.hot_cache,
+                "hits": l1.hits,
+                "evictions": l1.evictions,
+                "evictions_by_reason": {
+                    "capacity": l1.evictions - l1.share_evictions,
+                    "tenant_share": l1.share_evictions,
+                },
                 "arena": arena_view(l1),
                 "tenant_share_bytes": l1.tenant_share_bytes,
                 "tenants": [asdict(t) for t in l1.tenants or ()],

@@ -57,6 +57,8 @@ class L1Stats:
     tenant_share_bytes: int | None = None
     inflight_chunks: int = 0  # being written, not yet committed (`dataplane.storage.inflight`)
     inflight_stores: int = 0
+    hits: int = 0  # chunks readers found in L1 (not those a lower tier brought in for them)
+    share_evictions: int = 0  # of ``evictions``: a tenant's own, to keep it within its share
 
 
 class L1Store:
@@ -83,6 +85,8 @@ class L1Store:
         self._used = 0
         self._pinned = 0  # bytes of chunks some reader holds
         self._evictions = 0
+        self._share_evictions = 0
+        self._hits = 0
         self._rejected = 0
         self._writing = 0  # buffers reserved and not yet committed or aborted
         self._waiting = 0  # reserves waiting for the arena to grow
@@ -126,7 +130,13 @@ class L1Store:
         self, keys: list[bytes], tenant: bytes = NO_TENANT, scope: bytes = b""
     ) -> list[torch.Tensor]:
         """Pin and return the buffers of the longest present prefix of ``keys`` (``tenant``: who
-        asks, should a lower tier bring chunks into L1 for it; ``scope``: the keys' scope)."""
+        asks, should a lower tier bring chunks into L1 for it; ``scope``: the keys' scope).
+        Counted as L1's hits."""
+        return self._pin_prefix(keys, hits=True)
+
+    def _pin_prefix(self, keys: list[bytes], hits: bool) -> list[torch.Tensor]:
+        """`acquire_prefix`; ``hits``: count them as L1's (not when a lower tier just brought
+        them in: that tier counts them)."""
         out: list[torch.Tensor] = []
         with self._lock:
             for k in keys:
@@ -137,7 +147,12 @@ class L1Store:
                 self._entries.move_to_end(k)
                 self._tenants.touched(e.tenant, k, hit=True)
                 out.append(e.buf)
+            self._hits += len(out) if hits else 0
         return out
+
+    def _count_hits(self, n: int) -> None:
+        with self._lock:
+            self._hits += n
 
     def acquire_into(
         self,
@@ -291,6 +306,8 @@ class L1Store:
                 self._tenants.top(),
                 self._tenants.share_bytes,
                 *inflight,
+                self._hits,
+                self._share_evictions,
             )
 
     def close(self) -> None:
@@ -378,4 +395,5 @@ class L1Store:
         for k, e in victims:
             del self._entries[k]
             self._drop(k, e, evicted=True)
+        self._share_evictions += len(victims)
         return True

@@ -197,7 +197,7 @@ class TieredStore(L1Store):
         super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
         if got[1]:
             return True
-        pinned = super().acquire_prefix([key])
+        pinned = self._pin_prefix([key], hits=False)  # (the file tier counts it)
         return pinned[0] if pinned else None
 
     def _lower_prefix(
@@ -225,8 +225,9 @@ class TieredStore(L1Store):
         disk."""
         if not self._open("RETRIEVE", "answered with misses"):
             return []
-        bufs = super().acquire_prefix(keys)
+        bufs = self._pin_prefix(keys, hits=False)  # (counted once answered, below)
         if (self.remote is None and self.fs is None) or len(bufs) == len(keys):
+            self._count_hits(len(bufs))
             return bufs
         super().release(keys[: len(bufs)])  # (L1's own release: they stay as they were)
         return None
@@ -245,11 +246,11 @@ class TieredStore(L1Store):
             ahead = ahead or self._ahead.get(key)
             if ahead is not None:  # a read is bringing it: wait for that, never read it twice
                 ahead.wait(self.fs.io.timeout_s)
-            got = super().acquire_prefix([key])  # (one may have brought it already)
+            got = self._pin_prefix([key], hits=False)  # (one may have brought it already)
             if got:
                 return got[0]
             if ahead is None and self._from_fs(scope, key, nbytes, tenant, wait=True):
-                got = super().acquire_prefix([key])
+                got = self._pin_prefix([key], hits=False)
                 if got:
                     return got[0]
         if self.remote is not None:
@@ -331,7 +332,7 @@ class TieredStore(L1Store):
 
     def _chunk_bytes(self, keys: list[bytes]) -> int | None:
         """The size of the chunks of ``keys`` (those L1 holds), None when it holds none."""
-        got = super().acquire_prefix(keys[-1:]) if keys else []
+        got = self._pin_prefix(keys[-1:], hits=False) if keys else []
         if not got:
             return None
         n = got[0].numel()
@@ -354,7 +355,7 @@ class TieredStore(L1Store):
             self.abort(buf)
             raise
         super().commit(key, buf)  # not commit(): it came from the remote tier
-        got = super().acquire_prefix([key])  # pinned (whichever copy won a race)
+        got = self._pin_prefix([key], hits=False)  # pinned (whichever copy won a race)
         if got:
             self.promoted += 1
         return got[0] if got else None

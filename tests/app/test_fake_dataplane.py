@@ -116,6 +116,8 @@ class FakeDataPlane:
             rejected=2,
             tenants=[TenantStats("t-00ff", 2_097_152, 8, 30, 1), TenantStats("unsalted", 1_048_576, 4, 0, 4)],
             tenant_share_bytes=4_194_304,
+            hits=40,
+            share_evictions=1,
         )
         self.state = RUNNING
         self.metrics_text = FAKE_METRICS
@@ -369,6 +371,9 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
                 "capacity_bytes": 8_388_608,
                 "chunks": 12,
                 "hot_cache": False,
+                "hits": 40,
+                "evictions": 5,
+                "evictions_by_reason": {"capacity": 4, "tenant_share": 1},
                 "arena": None,
                 "tenant_share_bytes": 4_194_304,
                 "tenants": [
@@ -538,6 +543,9 @@ def test_metrics_start_with_the_facade_text(client: httpx.Client, fake: FakeData
     assert metric_value(text, "kvwarden_l1_used_bytes") == 3_145_728.0
     assert metric_value(text, "kvwarden_l1_capacity_bytes") == 8_388_608.0
     assert metric_value(text, "kvwarden_l1_evictions_total") == 5.0
+    assert metric_value(text, "kvwarden_l1_evictions_by_reason_total", reason="capacity") == 4.0
+    assert metric_value(text, "kvwarden_l1_evictions_by_reason_total", reason="tenant_share") == 1.0
+    assert metric_value(text, "kvwarden_l1_hits_total") == 40.0
     # the facade's text is read on every scrape
     fake.metrics_text = FAKE_METRICS.replace(b"42.0", b"43.0")
     assert metric_value(client.get("/metrics").text, "kvwarden_fake_marker") == 43.0

@@ -50,9 +50,14 @@ def test_a_tenants_burst_evicts_only_its_own_chunks_and_is_shown_by_label(
         small, big = by_bytes
         assert (small["chunks"], small["hits"], small["evictions"]) == (4, 4, 0)  # b: its 4 served
         assert big["chunks"] == L1_CHUNKS // 2 and big["evictions"] == 60 - L1_CHUNKS // 2
+        # L1 never filled: every eviction kept a tenant within its share; b's RETRIEVE hit L1
+        assert l1["evictions_by_reason"] == {"capacity": 0, "tenant_share": 60 - L1_CHUNKS // 2}
+        assert l1["evictions"] == 60 - L1_CHUNKS // 2 and l1["hits"] == 4
         metrics = httpx.get(f"{http}/metrics", timeout=10).text
         assert f'kvwarden_l1_tenant_bytes{{tenant="{small["tenant"]}"}} {float(small["bytes"])}' in metrics
         assert f'kvwarden_l1_tenant_evictions_total{{tenant="{big["tenant"]}"}}' in metrics
+        assert 'kvwarden_l1_evictions_by_reason_total{reason="tenant_share"} 40.0' in metrics
+        assert "kvwarden_l1_hits_total 4.0" in metrics
         assert not any(s in metrics + str(l1) for s in ("alpha", "beta", "salt-"))
     finally:
         w.close()

@@ -112,7 +112,14 @@ def test_l1_evictions_are_counted(make_dp: DataPlaneFactory, serve_app: AppFacto
         for i in range(8):  # eight one-chunk prompts: the oldest make room for the newest
             assert w.store(list(range(1000 * i, 1000 * i + CHUNK)), [i])
         _, s = scrape(c)
+        assert s["kvwarden_l1_hits_total"][()] == 0
+        assert w.retrieve(list(range(7000, 7000 + CHUNK)), [0]) == CHUNK  # the newest is there
+        assert w.retrieve(list(range(0, CHUNK)), [0]) == 0  # the oldest is not
+        _, after = scrape(c)
     assert s["kvwarden_l1_evictions_total"][()] == 5
+    reasons = s["kvwarden_l1_evictions_by_reason_total"]
+    assert reasons == {(("reason", "capacity"),): 5.0, (("reason", "tenant_share"),): 0.0}
+    assert after["kvwarden_l1_hits_total"][()] == 1
     assert 0 < s["kvwarden_l1_used_bytes"][()] <= 3 * chunk_bytes
 
 

@@ -59,6 +59,8 @@ def test_store_and_read_back() -> None:
     l1.release([key(1), key(2)])
     s = l1.stats()
     assert (s.used_bytes, s.chunks, s.evictions) == (2 * N, 2, 0)
+    assert s.hits == 2  # what a reader found, not what it asked for
+    assert l1.prefix_hits([key(1)]) == 1 and l1.stats().hits == 2  # (a lookup is not a read)
 
 
 def test_prefix_stops_at_first_gap() -> None:

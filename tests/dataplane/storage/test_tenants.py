@@ -68,6 +68,8 @@ def test_with_shares_a_tenant_at_its_share_evicts_only_its_own_chunks() -> None:
     assert put(l1, NO_TENANT, 0)
     assert put(l1, NO_TENANT, 1)
     assert held(l1, B, 3) == [1, 2] and held(l1, A, 10) == [6, 7, 8, 9]
+    s = l1.stats()
+    assert (s.evictions, s.share_evictions) == (7, 6)  # B's oldest went for room: capacity
 
 
 def test_a_tenant_whose_own_chunks_are_all_pinned_is_refused_and_evicts_no_one_elses() -> None:

@@ -115,7 +115,11 @@ def test_a_retrieve_reads_the_chunks_l1_lacks_side_by_side_and_serves_them_in_or
     assert len(bufs) == 6 and all(torch.equal(b, w) for b, w in zip(bufs, want, strict=True))
     s = fs.stats()
     assert s.hits == 6 and s.read_ahead == 0  # (read ahead counts a LOOKUP's reads only)
+    assert cold.stats().hits == 0  # the file tier's hits, not L1's
     cold.release([key(i) for i in range(10, 16)])
+    assert len(cold.acquire_prefix([key(10), key(11)], scope=SCOPE)) == 2  # in L1 now
+    assert cold.stats().hits == 2 and fs.stats().hits == 6
+    cold.release([key(10), key(11)])
 
 
 def damage(path: str) -> None:
