@@ -112,6 +112,7 @@ class L1Public(BaseModel):
     capacity_bytes: int
     chunks: int
     hot_cache: bool
+    policy: str = Field(description="the eviction order (l1_eviction): lru or lfuda")
     hits: int = Field(
         description="chunks requests found in L1 (those a lower tier brought in for them are that "
         "tier's hits)"

@@ -8,13 +8,15 @@ of the prompt (`kvbench.trace_sim` has the sequence and the simulated policies).
 from the block ids (`kvbench.trace_data`), so shared prefixes share tokens. The KV is small
 (one layer, one head of 16: 32 KiB a chunk): the subject is which chunks are kept, not bytes.
 
-Figures per capacity: the server's hit rate (blocks and tokens), the simulator's under LRU and
-the optimum, the server's minus the simulated LRU's (the simulator may not flatter: within one
-point), bytes moved, requests per second and the server's CPU time per request. As fast as it
-goes unless ``--pace`` (the trace's own timestamps, ``--speed`` times faster).
+Figures per capacity: the server's hit rate (blocks and tokens) under ``--policy`` (its
+``l1_eviction``: lru, the default, or lfuda), the simulator's under that policy, under LRU and
+under the optimum, the server's minus the simulated same policy's (the simulator may not
+flatter: within one point), bytes moved, requests per second and the server's CPU time per
+request. As fast as it goes unless ``--pace`` (the trace's own timestamps, ``--speed`` times
+faster).
 
     kvwarden bench trace --trace ../shared/data/conversation_trace.jsonl --limit 3000
-    kvwarden bench trace --generate 2000 --capacities 0.05,0.1,0.25
+    kvwarden bench trace --generate 2000 --capacities 0.05,0.1,0.25 --policy lfuda
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.storage.evict import POLICIES
 from kvbench import report
 from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
 from kvbench.results import add_output_args, finish, resolve
@@ -50,6 +53,9 @@ def add_args(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=None, help="replay the first N requests of --trace")
     p.add_argument(
         "--capacities", default=None, help="shares of the distinct full blocks (0.01,0.05,0.1,0.25)"
+    )
+    p.add_argument(
+        "--policy", choices=POLICIES, default="lru", help="the server's l1_eviction (lru; or lfuda)"
     )
     p.add_argument("--pace", action="store_true", help="follow the trace's timestamps")
     p.add_argument("--speed", type=float, default=1.0, help="with --pace: this many times faster")
@@ -86,8 +92,9 @@ def run_trace(ns: argparse.Namespace) -> int:
         "unique_blocks": unique,
         "chunk_bytes": CHUNK_BYTES,
         "paced": bool(ns.pace),
+        "policy": ns.policy,
         "rows": rows,
-        "max_sim_gap_points": max(abs(r["server_vs_lru_points"]) for r in rows),
+        "max_sim_gap_points": max(abs(r["server_vs_sim_points"]) for r in rows),
     }
     finish(ns, "trace", out, _show)
     return 0
@@ -95,8 +102,10 @@ def run_trace(ns: argparse.Namespace) -> int:
 
 def _capacity(ns: argparse.Namespace, reqs: list[Request], share: float, cap: int) -> dict[str, Any]:
     lru, opt = simulate(reqs, cap, "lru"), simulate(reqs, cap, "optimum")
+    sim = lru if ns.policy == "lru" else simulate(reqs, cap, ns.policy)
     gb = (cap * CHUNK_BYTES + CHUNK_BYTES // 2) / (1 << 30)  # exactly `cap` chunks
-    server = launch("--chunk-size", str(BLOCK_TOKENS), "--l1-size-gb", f"{gb:.12f}", "--log-level", "error")
+    flags = ("--chunk-size", str(BLOCK_TOKENS), "--l1-size-gb", f"{gb:.12f}", "--l1-eviction", ns.policy)
+    server = launch(*flags, "--log-level", "error")
     try:
         wait_http(server)
         wait_arena_ready(server)
@@ -108,8 +117,10 @@ def _capacity(ns: argparse.Namespace, reqs: list[Request], share: float, cap: in
         "share": share,
         "capacity_chunks": cap,
         "server": {"block_rate": rate, "token_rate": got["hit_tokens"] / max(1, lru.tokens), **got},
+        "simulated": {"block_rate": sim.block_rate, "token_rate": sim.token_rate, "evictions": sim.evictions},
         "lru": {"block_rate": lru.block_rate, "token_rate": lru.token_rate, "evictions": lru.evictions},
         "optimum": {"block_rate": opt.block_rate, "token_rate": opt.token_rate},
+        "server_vs_sim_points": 100 * (rate - sim.block_rate),
         "server_vs_lru_points": 100 * (rate - lru.block_rate),
     }
 
@@ -164,18 +175,29 @@ def _show(rep: dict[str, Any]) -> None:
             [
                 f"{100 * r['share']:g}% ({r['capacity_chunks']:,})",
                 f"{100 * s['block_rate']:.1f}% / {100 * s['token_rate']:.1f}%",
+                f"{100 * r['simulated']['block_rate']:.1f}%",
                 f"{100 * r['lru']['block_rate']:.1f}%",
                 f"{100 * r['optimum']['block_rate']:.1f}%",
-                f"{r['server_vs_lru_points']:+.2f}",
+                f"{r['server_vs_sim_points']:+.2f}",
                 f"{s['requests_per_s']:.0f}",
                 f"{s['bytes_moved'] / (1 << 20):.0f}",
                 f"{s['server_cpu_ms_per_request']:.2f}",
             ]
         )
     t = report.Table(
-        f"{rep['trace']}: {rep['requests']:,} requests, {rep['unique_blocks']:,} distinct full blocks "
-        "(hit rate: blocks / tokens; LRU and optimum simulated)",
-        ["capacity (chunks)", "server", "LRU", "optimum", "server - LRU", "req/s", "MiB moved", "CPU ms/req"],
+        f"{rep['trace']}: {rep['requests']:,} requests, {rep['unique_blocks']:,} distinct full blocks, "
+        f"the server's l1_eviction {rep['policy']} (hit rate: blocks / tokens; the rest simulated)",
+        [
+            "capacity (chunks)",
+            "server",
+            f"{rep['policy']} (sim)",
+            "LRU",
+            "optimum",
+            "server - sim",
+            "req/s",
+            "MiB moved",
+            "CPU ms/req",
+        ],
         rows,
     )
     print(report.text(t), flush=True)

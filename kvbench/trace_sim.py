@@ -10,7 +10,9 @@ the replay through the real server can be held to it:
    one is inserted, evicting an unpinned block the policy picks; with every block pinned the
    rest of the request is not stored.
 
-Policies: ``lru`` (kvwarden's L1) and ``optimum``, offline Belady/MIN with bypass: the block
+Policies: ``lru`` and ``lfuda`` (kvwarden's L1 under ``l1_eviction``: the LOOKUP refreshes the
+held prefix, the RETRIEVE counts a read of each, the STORE refreshes what is present, in the
+server's own `dataplane.storage.evict` order) and ``optimum``, offline Belady/MIN with bypass: the block
 used again furthest in the future is evicted (or the new block not admitted, when it is that
 block), ties evicting the deeper block so the cache stays prefix-closed. It is a bound no
 online policy reaches, simulated only.
@@ -22,7 +24,9 @@ import collections
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
+from dataplane.storage.evict import LFUDAOrder
 from kvbench.trace_data import BLOCK_TOKENS, Request
 
 NEVER = 1 << 62
@@ -50,9 +54,11 @@ def simulate(reqs: Sequence[Request], capacity: int, policy: str = "lru") -> Sim
     """The replay of ``reqs`` through a cache of ``capacity`` chunks."""
     if policy == "lru":
         return _lru(reqs, capacity)
+    if policy == "lfuda":
+        return _lfuda(reqs, capacity)
     if policy == "optimum":
         return _optimum(reqs, capacity)
-    raise ValueError(f"policy {policy!r}: lru or optimum")
+    raise ValueError(f"policy {policy!r}: lru, lfuda or optimum")
 
 
 def _count(r: Request, held: int, res: SimResult) -> None:
@@ -91,6 +97,48 @@ def _lru(reqs: Sequence[Request], capacity: int) -> SimResult:
             cache[b] = None
             pinned.add(b)
     return res
+
+
+def _lfuda(reqs: Sequence[Request], capacity: int) -> SimResult:
+    order = LFUDAOrder()
+    cache: set[int] = set()
+    res = SimResult(0, 0, 0, 0, 0, 0)
+    for r in reqs:
+        full = r.hash_ids[: r.full_blocks]
+        held = 0
+        for b in full:
+            if b not in cache:
+                break
+            held += 1
+        _count(r, held, res)
+        for read in (False, True):  # LOOKUP, then RETRIEVE
+            for b in full[:held]:
+                order.used(_k(b), read)
+        pinned = {b for b in full if b in cache}
+        for b in full:
+            if b in pinned:
+                order.used(_k(b), False)  # the STORE finds it
+        for b in full:
+            if b in cache:
+                continue
+            if len(cache) >= capacity:
+                victim = order.victim(partial(_unpinned, pinned))
+                if victim is None:
+                    break  # all pinned: the rest is not stored
+                cache.discard(int.from_bytes(victim))
+                res.evictions += 1
+            cache.add(b)
+            order.added(_k(b))
+            pinned.add(b)
+    return res
+
+
+def _unpinned(pinned: set[int], k: bytes) -> bool:
+    return int.from_bytes(k) not in pinned
+
+
+def _k(b: int) -> bytes:
+    return b.to_bytes(8)
 
 
 def _next_uses(reqs: Sequence[Request]) -> list[list[int]]:

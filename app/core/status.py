@@ -87,6 +87,7 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
                 "capacity_bytes": l1.capacity_bytes,
                 "chunks": l1.chunks,
                 "hot_cache": l1.hot_cache,
+                "policy": l1.policy,
                 "hits": l1.hits,
                 "evictions": l1.evictions,
                 "evictions_by_reason": {

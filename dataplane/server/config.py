@@ -19,6 +19,7 @@ from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dataplane.health.base import FallbackPolicy
+from dataplane.storage.evict import L1Eviction
 from dataplane.storage.redis_client import CLUSTER_SCHEME, parse_cluster_url
 from dataplane.wire.protocol import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -99,6 +100,11 @@ class Settings(BaseSettings):
         description="Share of L1 one tenant (a cache salt; no salt is one tenant too) may hold before "
         "its stores evict only its own chunks; 0 (the default) = no shares: every store evicts the least "
         "recently used chunk, whoever's.",
+    )
+    l1_eviction: L1Eviction = Field(
+        L1Eviction.LRU,
+        description="lru|lfuda: what L1 evicts to make room: the least recently used chunk, or the least "
+        "often read, aged (README). A tenant at its share evicts its own least recently used either way.",
     )
     l1_backing: L1Backing = Field(
         L1Backing.AUTO,

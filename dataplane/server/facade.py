@@ -25,7 +25,7 @@ from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
 from dataplane.server.router_lookup import TierHits
 from dataplane.storage.fs_stats import FsStats
-from dataplane.storage.l1 import L1Stats
+from dataplane.storage.l1_stats import L1Stats
 from dataplane.storage.tenants import TenantStats
 
 __all__ = [

@@ -47,7 +47,7 @@ from dataplane.server.router_lookup import TierHits, lookup_hashes, lookup_tiers
 from dataplane.storage.arena import Arena
 from dataplane.storage.fs_stats import FsStats
 from dataplane.storage.fs_tier import FileTier
-from dataplane.storage.l1 import L1Stats
+from dataplane.storage.l1_stats import L1Stats
 from dataplane.storage.remote import DURATION_BUCKETS, RemoteBackend
 from dataplane.storage.tiered import TieredStore
 from dataplane.wire.messages import TransferMode
@@ -295,6 +295,7 @@ def _l1(settings: Settings, remote: RemoteBackend | None, fs: FileTier | None) -
         remote=remote,
         tenant_share_bytes=settings.l1_tenant_share_bytes,
         fs=fs,
+        policy=settings.l1_eviction.value,
     )
 
 

@@ -1,4 +1,5 @@
-"""L1: a byte-bounded local CPU chunk store with LRU eviction, its buffers carved from one arena.
+"""L1: a byte-bounded local CPU chunk store, its buffers carved from one arena, evicting the least
+recently used chunk (``policy="lru"``) or by `dataplane.storage.evict`'s order (``"lfuda"``).
 
 Writes are two-phase: ``reserve`` hands out a buffer (evicting least-recently-used chunks that
 no reader holds), the caller copies into it outside any lock, then ``commit`` publishes it (or
@@ -26,9 +27,11 @@ import torch
 from dataplane.events.describe import NameBook
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_CPU
-from dataplane.storage.arena import Arena, ArenaStats, Extents
+from dataplane.storage.arena import Arena, Extents
+from dataplane.storage.evict import POLICIES, LFUDAOrder, LRUOrder
 from dataplane.storage.inflight import InFlight
-from dataplane.storage.tenants import NO_TENANT, TenantBook, TenantStats
+from dataplane.storage.l1_stats import L1Stats
+from dataplane.storage.tenants import NO_TENANT, TenantBook
 
 _WAIT_FOR_ARENA_S = 10.0  # longest a reserve waits for the arena to grow
 _HEADROOM = 256 << 20  # the arena's fault-in steps aside for copies while this much is ready
@@ -43,24 +46,6 @@ class _Entry:
     tenant: bytes = NO_TENANT
 
 
-@dataclass
-class L1Stats:
-    used_bytes: int
-    capacity_bytes: int
-    chunks: int
-    hot_cache: bool
-    evictions: int
-    rejected: int
-    arena: ArenaStats | None = None
-    fragmentation: float = 0.0  # of the free space: 1 - largest free extent / free bytes
-    tenants: list[TenantStats] | None = None  # those holding most, the rest as "other"
-    tenant_share_bytes: int | None = None
-    inflight_chunks: int = 0  # being written, not yet committed (`dataplane.storage.inflight`)
-    inflight_stores: int = 0
-    hits: int = 0  # chunks readers found in L1 (not those a lower tier brought in for them)
-    share_evictions: int = 0  # of ``evictions``: a tenant's own, to keep it within its share
-
-
 class L1Store:
     def __init__(
         self,
@@ -69,9 +54,12 @@ class L1Store:
         arena: Arena | None = None,
         clock: Callable[[], float] = time.monotonic,
         tenant_share_bytes: int | None = None,
+        policy: str = "lru",
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError("L1 capacity must be > 0")
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy {policy!r}: one of {', '.join(POLICIES)}")
         self.capacity_bytes = capacity_bytes
         self.hot_cache = hot_cache
         # without one given: a private arena faulted on first use (tests, small stores)
@@ -79,7 +67,8 @@ class L1Store:
         # _lock guards every field below and the allocator; it is a leaf lock: no copy, no
         # allocation and no call into the arena (which has its own lock) runs under it
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._order = LFUDAOrder() if policy == "lfuda" else LRUOrder()  # (LRU: the table's order)
         self._free = Extents()
         self._known_usable = 0  # arena bytes handed to _free so far
         self._used = 0
@@ -113,6 +102,7 @@ class L1Store:
                     break
                 self._entries.move_to_end(k)
                 self._tenants.touched(e.tenant, k, hit=False)
+                self._order.used(k, read=False)
                 n += 1
         return n
 
@@ -129,14 +119,12 @@ class L1Store:
     def acquire_prefix(
         self, keys: list[bytes], tenant: bytes = NO_TENANT, scope: bytes = b""
     ) -> list[torch.Tensor]:
-        """Pin and return the buffers of the longest present prefix of ``keys`` (``tenant``: who
-        asks, should a lower tier bring chunks into L1 for it; ``scope``: the keys' scope).
-        Counted as L1's hits."""
+        """Pin and return the buffers of the longest present prefix of ``keys`` (L1's hits;
+        ``tenant``: who asks, should a lower tier bring chunks in for it; ``scope``: theirs)."""
         return self._pin_prefix(keys, hits=True)
 
     def _pin_prefix(self, keys: list[bytes], hits: bool) -> list[torch.Tensor]:
-        """`acquire_prefix`; ``hits``: count them as L1's (not when a lower tier just brought
-        them in: that tier counts them)."""
+        """`acquire_prefix`; not ``hits``: a lower tier just brought them in (its hits)."""
         out: list[torch.Tensor] = []
         with self._lock:
             for k in keys:
@@ -146,13 +134,16 @@ class L1Store:
                 self._pin(e)
                 self._entries.move_to_end(k)
                 self._tenants.touched(e.tenant, k, hit=True)
+                self._order.used(k, read=hits)
                 out.append(e.buf)
             self._hits += len(out) if hits else 0
         return out
 
-    def _count_hits(self, n: int) -> None:
+    def _count_hits(self, keys: list[bytes]) -> None:
         with self._lock:
-            self._hits += n
+            self._hits += len(keys)
+            for k in keys:
+                self._order.used(k, read=True)
 
     def acquire_into(
         self,
@@ -190,6 +181,7 @@ class L1Store:
                 self._pin(e)
                 self._entries.move_to_end(k)
                 self._tenants.touched(e.tenant, k, hit=False)
+                self._order.used(k, read=False)
                 pinned.append(k)
         return missing, pinned
 
@@ -241,6 +233,7 @@ class L1Store:
             if e is None:
                 e = self._entries[key] = _Entry(buf, off, tenant=tenant)
                 self._tenants.committed(tenant, key)
+                self._order.added(key)
                 self.events.stored(key, MEDIUM_CPU)
             else:
                 self._give_back(buf)
@@ -308,6 +301,7 @@ class L1Store:
                 *inflight,
                 self._hits,
                 self._share_evictions,
+                self._order.name,
             )
 
     def close(self) -> None:
@@ -364,10 +358,17 @@ class L1Store:
         self._used -= e.buf.numel()
         self._free.free(e.offset, e.buf.numel())
         self._tenants.dropped(e.tenant, key, e.buf.numel(), evicted)
+        self._order.removed(key)
         self._evictions += evicted
         self.events.removed(key, MEDIUM_CPU)
 
     def _evict_one(self) -> bool:
+        if isinstance(self._order, LFUDAOrder):
+            k = self._order.victim(lambda k: self._entries[k].readers == 0)
+            if k is None:
+                return False
+            self._drop(k, self._entries.pop(k), evicted=True)
+            return True
         for k, e in self._entries.items():  # oldest first
             if e.readers == 0:
                 del self._entries[k]

@@ -61,8 +61,9 @@ class TieredStore(L1Store):
         gate: Callable[[], bool] | None = None,
         tenant_share_bytes: int | None = None,
         fs: FileTier | None = None,
+        policy: str = "lru",
     ) -> None:
-        super().__init__(capacity_bytes, hot_cache, arena, clock, tenant_share_bytes)
+        super().__init__(capacity_bytes, hot_cache, arena, clock, tenant_share_bytes, policy)
         self.remote = remote
         self.fs = fs
         self._ahead_lock = threading.Lock()  # leaf: guards _ahead
@@ -227,7 +228,7 @@ class TieredStore(L1Store):
             return []
         bufs = self._pin_prefix(keys, hits=False)  # (counted once answered, below)
         if (self.remote is None and self.fs is None) or len(bufs) == len(keys):
-            self._count_hits(len(bufs))
+            self._count_hits(keys[: len(bufs)])
             return bufs
         super().release(keys[: len(bufs)])  # (L1's own release: they stay as they were)
         return None

@@ -371,6 +371,7 @@ def test_status_fields_are_the_facade_values(client: httpx.Client, fake: FakeDat
                 "capacity_bytes": 8_388_608,
                 "chunks": 12,
                 "hot_cache": False,
+                "policy": "lru",
                 "hits": 40,
                 "evictions": 5,
                 "evictions_by_reason": {"capacity": 4, "tenant_share": 1},

@@ -67,8 +67,15 @@ def test_lru_and_the_optimum_on_a_small_trace_by_hand() -> None:
     # the optimum never admits 5,6 (used never again): every later request hits
     assert opt.hit_blocks == 6 and opt.block_rate == 0.5
     assert simulate(reqs, 100, "lru").hit_blocks == simulate(reqs, 100, "optimum").hit_blocks == 6
-    with pytest.raises(ValueError, match="lru or optimum"):
+    with pytest.raises(ValueError, match="lru, lfuda or optimum"):
         simulate(reqs, 4, "fifo")
+
+
+def test_lfuda_keeps_the_prefix_read_most_where_lru_keeps_the_latest() -> None:
+    hot, *once = [req([1, 2])], req([3, 4]), req([5, 6]), req([7, 8])
+    reqs = [*hot, *hot, *hot, *once, *hot]  # [1,2] read twice, then three one-offs, then again
+    assert simulate(reqs, 4, "lru").hit_blocks == 4  # the one-offs pushed [1,2] out
+    assert simulate(reqs, 4, "lfuda").hit_blocks == 6  # read twice: it outlived them
 
 
 def test_the_optimum_bounds_lru_at_every_capacity_of_a_generated_trace() -> None:
@@ -82,7 +89,8 @@ def test_the_optimum_bounds_lru_at_every_capacity_of_a_generated_trace() -> None
     assert lru.hit_blocks == opt.hit_blocks  # all of it fits: both get every reachable hit
 
 
-def test_the_replay_through_a_real_server_matches_the_simulator(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["lru", "lfuda"])
+def test_the_replay_through_a_real_server_matches_the_simulator(tmp_path: Path, policy: str) -> None:
     out = subprocess.run(
         [
             sys.executable,
@@ -91,6 +99,8 @@ def test_the_replay_through_a_real_server_matches_the_simulator(tmp_path: Path) 
             "bench",
             "trace",
             "--tiny",
+            "--policy",
+            policy,
             "--json",
             "--results-dir",
             str(tmp_path),
@@ -104,12 +114,13 @@ def test_the_replay_through_a_real_server_matches_the_simulator(tmp_path: Path) 
     assert out.returncode == 0, out.stdout + out.stderr
     (path,) = tmp_path.glob("trace-*.json")
     rep = json.loads(path.read_text())
-    assert len(rep["rows"]) == 2 and rep["requests"] == 120
+    assert len(rep["rows"]) == 2 and rep["requests"] == 120 and rep["policy"] == policy
     for r in rep["rows"]:
-        assert abs(r["server_vs_lru_points"]) <= 1.0, r
-        assert r["server"]["block_rate"] > 0 and r["optimum"]["block_rate"] >= r["lru"]["block_rate"]
+        assert abs(r["server_vs_sim_points"]) <= 1.0, r
+        assert r["server"]["block_rate"] > 0 and r["optimum"]["block_rate"] >= r["simulated"]["block_rate"]
+        assert r["optimum"]["block_rate"] >= r["lru"]["block_rate"]
         assert r["server"]["requests_per_s"] > 0 and r["server"]["bytes_moved"] > 0
-    assert "server - LRU" in out.stdout
+    assert "server - sim" in out.stdout and f"{policy} (sim)" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -123,6 +123,29 @@ def test_l1_evictions_are_counted(make_dp: DataPlaneFactory, serve_app: AppFacto
     assert 0 < s["kvwarden_l1_used_bytes"][()] <= 3 * chunk_bytes
 
 
+def test_an_lfuda_server_keeps_the_prompt_read_most_and_says_so(
+    make_dp: DataPlaneFactory, serve_app: AppFactory
+) -> None:
+    chunk_bytes = LAYOUT[0] * 2 * CHUNK * LAYOUT[3] * LAYOUT[4] * 2  # bf16
+    dp = make_dp(l1_size_gb=3 * chunk_bytes / (1 << 30), l1_eviction="lfuda")  # three chunks
+    c = serve_app(dp)
+    hot = list(range(CHUNK))
+    with WorkerAdapter(dp.server.bound_endpoint, model_name="m", request_timeout=10) as w:
+        w.register_kv_caches(allocate_kv_caches(*LAYOUT, dtype=torch.bfloat16))
+        assert w.store(hot, [0])
+        for _ in range(2):
+            assert w.retrieve(hot, [0]) == CHUNK
+        for i in range(1, 4):  # three newer prompts, each read once: LRU lets hot go for the third
+            tokens = list(range(1000 * i, 1000 * i + CHUNK))
+            assert w.store(tokens, [i])
+            assert w.retrieve(tokens, [i]) == CHUNK
+        assert w.lookup(hot) == CHUNK
+        _, s = scrape(c)
+    l1 = c.get("/status").json()["storage"]["l1"]
+    assert l1["policy"] == "lfuda" and l1["evictions"] == 1 and l1["hits"] == 5
+    assert s["kvwarden_l1_evictions_by_reason_total"][(("reason", "capacity"),)] == 1
+
+
 def test_limit_and_owner_refusals_are_counted(
     make_dp: DataPlaneFactory, serve_app: AppFactory, make_dealer: DealerFactory
 ) -> None:

@@ -221,6 +221,14 @@ def test_unknown_setting_rejected() -> None:
     assert "bogus" in rejected(bogus=1)
 
 
+def test_l1_eviction_takes_lru_or_lfuda_and_names_them_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().l1_eviction == "lru"
+    msg = rejected(l1_eviction="lfu")
+    assert "l1_eviction" in msg and "'lru' or 'lfuda'" in msg
+    monkeypatch.setenv("KVWARDEN_L1_EVICTION", "lfuda")
+    assert Settings().l1_eviction == "lfuda"
+
+
 def test_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVWARDEN_WORKER_REAP_TIMEOUT_SECONDS", "60")
     monkeypatch.setenv("KVWARDEN_CHUNK_SIZE", "64")
