@@ -4,6 +4,8 @@ past its deadline."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.tiered import TieredStore
 from tests.helpers import wait_until
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
 SCOPE = b"\x07" * 16
 CHUNK = 32 << 10
 
@@ -130,9 +133,34 @@ def damage(path: str) -> None:
 
 
 def _drop_from_page_cache(path: str) -> None:
+    """``path`` out of the page cache, checked page by page (``POSIX_FADV_DONTNEED`` may leave a
+    page another CPU still holds): asked again until none is resident, within a deadline."""
+
+    def dropped() -> bool:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return _resident_pages(path) == 0
+
+    wait_until(dropped, 5, 0.01, what=f"{path} out of the page cache")
+
+
+def _resident_pages(path: str) -> int:
+    """How many of ``path``'s pages the page cache holds (mincore over a mapping never touched)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        view = (ctypes.c_char * size).from_buffer(m)
+        try:
+            if _LIBC.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec):
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            del view
+        return sum(v & 1 for v in vec)
+    finally:
+        m.close()
 
 
 def test_a_warm_file_is_read_in_place_then_promoted_a_cold_one_staged_in_l1(
