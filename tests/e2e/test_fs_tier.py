@@ -22,6 +22,7 @@ import zmq
 from tests.e2e.test_remote_tier import BLOCK_IDS, CS, Worker, health, prompt, status
 from tests.fuse_mount import FuseMount
 from tests.helpers import ROOT, ServerProcess, dealer, mounted_tmpfs, ping, subprocess_env, wait_until
+from tests.page_cache import drop_from_page_cache
 
 INTERVAL, TIMEOUT = 0.3, 0.5  # health_ping_interval, health_ping_timeout and fs_timeout
 
@@ -166,9 +167,7 @@ def test_a_retrieve_reads_warm_files_in_place_and_cold_ones_through_l1(tmp_path:
             by_chunk.append(new)
         for f in by_chunk:
             f.read_bytes()  # warm
-        with open(by_chunk[2], "rb") as fh:  # but for the third
-            os.fsync(fh.fileno())
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_from_page_cache(by_chunk[2])  # but for the third
         assert wb.w.retrieve(tokens, BLOCK_IDS) == 4 * CS and wb.same(want, 4 * CS)
         doc = fs_doc(b)
         assert doc["hits"] == 4 and doc["read_in_place"] == 2 and doc["bad_files"] == 0, doc

@@ -15,6 +15,7 @@ import pytest
 
 from dataplane.storage import fs_direct, fs_files
 from dataplane.storage.fs_files import BadFile, Opened
+from tests.page_cache import drop_from_page_cache
 
 KEY = b"k" * 16
 N = 3 * fs_direct.PIECE + 12_345  # pieces, and a tail
@@ -66,9 +67,7 @@ def test_a_file_out_of_the_page_cache_is_refused_not_waited_for(
     opened: tuple[Path, Opened], payload: bytes
 ) -> None:
     path, f = opened
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    drop_from_page_cache(path)
     _, views = scattered(N, 5)
     assert not fs_direct.read_resident(f, views)  # (the staged read, under its deadline, takes it)
     path.read_bytes()

@@ -4,8 +4,6 @@ past its deadline."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -18,8 +16,8 @@ from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.tiered import TieredStore
 from tests.helpers import wait_until
+from tests.page_cache import drop_from_page_cache
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
 SCOPE = b"\x07" * 16
 CHUNK = 32 << 10
 
@@ -132,37 +130,6 @@ def damage(path: str) -> None:
         f.write(b"\xee")
 
 
-def _drop_from_page_cache(path: str) -> None:
-    """``path`` out of the page cache, checked page by page (``POSIX_FADV_DONTNEED`` may leave a
-    page another CPU still holds): asked again until none is resident, within a deadline."""
-
-    def dropped() -> bool:
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        return _resident_pages(path) == 0
-
-    wait_until(dropped, 5, 0.01, what=f"{path} out of the page cache")
-
-
-def _resident_pages(path: str) -> int:
-    """How many of ``path``'s pages the page cache holds (mincore over a mapping never touched)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    try:
-        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-        view = (ctypes.c_char * size).from_buffer(m)
-        try:
-            if _LIBC.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec):
-                raise OSError(ctypes.get_errno(), "mincore failed")
-        finally:
-            del view
-        return sum(v & 1 for v in vec)
-    finally:
-        m.close()
-
-
 def test_a_warm_file_is_read_in_place_then_promoted_a_cold_one_staged_in_l1(
     fs: FileTier, tmp_path: Path
 ) -> None:
@@ -172,7 +139,7 @@ def test_a_warm_file_is_read_in_place_then_promoted_a_cold_one_staged_in_l1(
     keys = [key(i) for i in (20, 21, 22, 98)]
     for k in keys[:3]:
         Path(chunk_path(str(tmp_path), SCOPE, k)).read_bytes()  # warm
-    _drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, keys[1]))  # but for the second
+    drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, keys[1]))  # but for the second
     cold = TieredStore(1 << 20, fs=fs)
     dest = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in keys]
     asked: list[tuple[int, int]] = []
@@ -213,7 +180,7 @@ def test_a_cold_last_chunk_lands_in_l1_and_in_place_as_it_is_read(fs: FileTier, 
     t = TieredStore(1 << 20, fs=fs)
     want = store(t, 24)
     assert fs.flush(10)
-    _drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, key(24)))
+    drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, key(24)))
     cold = TieredStore(1 << 20, fs=fs)
     dest = torch.zeros(CHUNK, dtype=torch.uint8)
     third = CHUNK // 3
@@ -236,14 +203,14 @@ def test_a_damaged_or_late_cold_chunk_is_a_miss_and_l1_loses_no_byte(fs: FileTie
     assert fs.flush(10)
     path = chunk_path(str(tmp_path), SCOPE, key(25))
     damage(path)
-    _drop_from_page_cache(path)
+    drop_from_page_cache(path)
     cold = TieredStore(1 << 20, fs=fs)
     dest = torch.zeros(CHUNK, dtype=torch.uint8)
     views = lambda i, n: [dest.numpy().data.cast("B")]  # noqa: E731
     assert cold.acquire_into([key(25)], views, scope=SCOPE) == []
     assert fs.stats().bad_files == {"checksum": 1} and cold.stats().used_bytes == 0
     wait_until(lambda: not os.path.exists(path), 5, what="the damaged file removed")
-    _drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, key(26)))
+    drop_from_page_cache(chunk_path(str(tmp_path), SCOPE, key(26)))
     release = threading.Event()
     for _ in range(2):
         assert fs.io.submit(lambda: release.wait(30))  # both I/O threads stuck
