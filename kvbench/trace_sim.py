@@ -53,9 +53,9 @@ class SimResult:
 def simulate(reqs: Sequence[Request], capacity: int, policy: str = "lru") -> SimResult:
     """The replay of ``reqs`` through a cache of ``capacity`` chunks."""
     if policy == "lru":
-        return _lru(reqs, capacity)
+        return _replay(reqs, capacity, _LRU())
     if policy == "lfuda":
-        return _lfuda(reqs, capacity)
+        return _replay(reqs, capacity, _LFUDA())
     if policy == "optimum":
         return _optimum(reqs, capacity)
     raise ValueError(f"policy {policy!r}: lru, lfuda or optimum")
@@ -69,38 +69,44 @@ def _count(r: Request, held: int, res: SimResult) -> None:
     res.hit_tokens += held * BLOCK_TOKENS
 
 
-def _lru(reqs: Sequence[Request], capacity: int) -> SimResult:
-    cache: collections.OrderedDict[int, None] = collections.OrderedDict()
-    res = SimResult(0, 0, 0, 0, 0, 0)
-    for r in reqs:
-        full = r.hash_ids[: r.full_blocks]
-        held = 0
-        for b in full:
-            if b not in cache:
-                break
-            cache.move_to_end(b)
-            held += 1
-        _count(r, held, res)
-        present = [b for b in full if b in cache]
-        for b in present:
-            cache.move_to_end(b)
-        pinned = set(present)
-        for b in full:
-            if b in cache:
-                continue
-            if len(cache) >= capacity:
-                victim = next((k for k in cache if k not in pinned), None)
-                if victim is None:
-                    break  # all pinned: the rest is not stored
-                del cache[victim]
-                res.evictions += 1
-            cache[b] = None
-            pinned.add(b)
-    return res
+class _LRU:
+    """LRU over block ids: L1's own table order (a use moves a block to the end)."""
+
+    def __init__(self) -> None:
+        self._order: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def used(self, b: int, read: bool) -> None:
+        self._order.move_to_end(b)
+
+    def added(self, b: int) -> None:
+        self._order[b] = None
+
+    def victim(self, pinned: set[int]) -> int | None:
+        v = next((k for k in self._order if k not in pinned), None)
+        if v is not None:
+            del self._order[v]
+        return v
 
 
-def _lfuda(reqs: Sequence[Request], capacity: int) -> SimResult:
-    order = LFUDAOrder()
+class _LFUDA:
+    """The server's own `LFUDAOrder`, over block ids."""
+
+    def __init__(self) -> None:
+        self._order = LFUDAOrder()
+
+    def used(self, b: int, read: bool) -> None:
+        self._order.used(_k(b), read)
+
+    def added(self, b: int) -> None:
+        self._order.added(_k(b))
+
+    def victim(self, pinned: set[int]) -> int | None:
+        v = self._order.victim(partial(_unpinned, pinned))
+        return None if v is None else int.from_bytes(v)
+
+
+def _replay(reqs: Sequence[Request], capacity: int, order: _LRU | _LFUDA) -> SimResult:
+    """The server's sequence of touches, pins and evictions, in ``order``."""
     cache: set[int] = set()
     res = SimResult(0, 0, 0, 0, 0, 0)
     for r in reqs:
@@ -113,22 +119,22 @@ def _lfuda(reqs: Sequence[Request], capacity: int) -> SimResult:
         _count(r, held, res)
         for read in (False, True):  # LOOKUP, then RETRIEVE
             for b in full[:held]:
-                order.used(_k(b), read)
+                order.used(b, read)
         pinned = {b for b in full if b in cache}
         for b in full:
             if b in pinned:
-                order.used(_k(b), False)  # the STORE finds it
+                order.used(b, False)  # the STORE finds it
         for b in full:
             if b in cache:
                 continue
             if len(cache) >= capacity:
-                victim = order.victim(partial(_unpinned, pinned))
+                victim = order.victim(pinned)
                 if victim is None:
                     break  # all pinned: the rest is not stored
-                cache.discard(int.from_bytes(victim))
+                cache.discard(victim)
                 res.evictions += 1
             cache.add(b)
-            order.added(_k(b))
+            order.added(b)
             pinned.add(b)
     return res
 

@@ -89,8 +89,8 @@ def l1_metrics(stats: L1Stats) -> Iterator[Metric]:
         "tenant_share (a tenant's own, to keep it within l1_tenant_share).",
         labels=["reason"],
     )
-    by_reason.add_metric(["capacity"], stats.evictions - stats.share_evictions)
-    by_reason.add_metric(["tenant_share"], stats.share_evictions)
+    for reason, n in stats.evictions_by_reason().items():
+        by_reason.add_metric([reason], n)
     yield by_reason
 
 

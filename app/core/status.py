@@ -90,10 +90,7 @@ def status_document(dp: DataPlaneView, report: HealthReport) -> dict[str, Any]:
                 "policy": l1.policy,
                 "hits": l1.hits,
                 "evictions": l1.evictions,
-                "evictions_by_reason": {
-                    "capacity": l1.evictions - l1.share_evictions,
-                    "tenant_share": l1.share_evictions,
-                },
+                "evictions_by_reason": l1.evictions_by_reason(),
                 "arena": arena_view(l1),
                 "tenant_share_bytes": l1.tenant_share_bytes,
                 "tenants": [asdict(t) for t in l1.tenants or ()],

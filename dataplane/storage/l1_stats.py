@@ -25,3 +25,7 @@ class L1Stats:
     hits: int = 0  # chunks readers found in L1 (not those a lower tier brought in for them)
     share_evictions: int = 0  # of ``evictions``: a tenant's own, to keep it within its share
     policy: str = "lru"  # the eviction order (`dataplane.storage.evict`)
+
+    def evictions_by_reason(self) -> dict[str, int]:
+        """capacity: to make room; tenant_share: a tenant's own, to keep it within its share."""
+        return {"capacity": self.evictions - self.share_evictions, "tenant_share": self.share_evictions}
