@@ -109,17 +109,20 @@ class MappedKV:
         self, where: Placement, buf: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
     ) -> None:
         cpu = self.device.type == "cpu"
-        if isinstance(where, Blocks) and cpu:
+        if not cpu:
+            self._move_gpu(where.slots() if isinstance(where, Blocks) else where, buf, to_chunk)
+            return
+        if isinstance(where, Blocks):
             self._move_blocks(where.ids, buf, to_chunk, splitter)
             return
         slots = where.slots() if isinstance(where, Blocks) else where
-        blocks = whole_blocks(slots, self.block_size) if cpu else None
+        blocks = whole_blocks(slots, self.block_size)
         if blocks is not None:
             self._move_blocks(blocks, buf, to_chunk, splitter)
             return
         chunk = self._views(buf, len(slots))
         runs = slot_runs(slots)
-        idx = torch.from_numpy(slots.astype(np.int64)).to(self.device) if len(runs) > _MAX_RUNS else None
+        idx = torch.from_numpy(slots.astype(np.int64)) if len(runs) > _MAX_RUNS else None
 
         def layers(lo: int, hi: int) -> None:
             if self.stacked is not None:
@@ -132,7 +135,7 @@ class MappedKV:
                     if to_chunk:
                         part.copy_(kv.index_select(dim, idx))
                     else:
-                        kv.index_copy_(dim, idx, part.to(kv.device))
+                        kv.index_copy_(dim, idx, part)
                     continue
                 for dst, src, n in runs:
                     if to_chunk:
@@ -140,11 +143,28 @@ class MappedKV:
                     else:
                         kv.narrow(-2, src, n).copy_(part.narrow(-2, dst, n))
 
-        if splitter is None or self.device.type == "cuda":
+        if splitter is None:
             layers(0, self.num_layers)
         else:
             splitter.run(layers, self.num_layers)
-        if self.device.type == "cuda":
+
+    def _move_gpu(self, slots: np.ndarray, buf: torch.Tensor, to_chunk: bool) -> None:
+        """A chunk between GPU memory and the host buffer ``buf`` (L1: pinned), through a staging
+        chunk on the GPU: the slots gathered (or scattered) there by one indexed kernel per layer,
+        and the bytes crossing the bus in one copy. One copy per run of slots instead, each a
+        synchronous transfer of a block's few KiB, moved 1 GB/s on an H200 host."""
+        chunk = self._views(buf, len(slots))
+        with torch.cuda.device(self.device):
+            idx = torch.from_numpy(slots.astype(np.int64)).to(self.device)
+            stage = torch.empty(chunk.shape, dtype=self.dtype, device=self.device)
+            if to_chunk:
+                for i, kv in enumerate(self.layers):
+                    torch.index_select(kv, 1, idx, out=stage[i])
+                chunk.copy_(stage)
+            else:
+                stage.copy_(chunk)
+                for i, kv in enumerate(self.layers):
+                    kv.index_copy_(1, idx, stage[i])
             torch.cuda.synchronize(self.device)
 
     def _move_blocks(
@@ -296,17 +316,21 @@ def _map_cuda(reg: Register, dtype: torch.dtype, item: int, layer_elems: int) ->
         device = _device_for_uuid(layer.device_uuid, layer.device_index)
         if layer.tensor_offset % item or layer.tensor_offset + layer_elems * item > layer.storage_nbytes:
             raise InvalidLayout(f"layer {i}: layout exceeds its IPC storage")
-        with torch.cuda.device(device):
-            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
-                device.index,
-                layer.ipc_handle,
-                layer.storage_nbytes,
-                layer.storage_offset,
-                layer.ref_counter_handle,
-                layer.ref_counter_offset,
-                layer.event_handle or None,
-                layer.event_sync_required,
-            )
+        try:
+            with torch.cuda.device(device):
+                storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                    device.index,
+                    layer.ipc_handle,
+                    layer.storage_nbytes,
+                    layer.storage_offset,
+                    layer.ref_counter_handle,
+                    layer.ref_counter_offset,
+                    layer.event_handle or None,
+                    layer.event_sync_required,
+                )
+        except RuntimeError as exc:  # (torch.AcceleratorError is one) a handle CUDA refuses
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InvalidLayout(f"layer {i}: cannot open its CUDA IPC handle on {device}: {why}") from None
         t = torch.empty(0, dtype=dtype, device=device).set_(
             storage,
             layer.tensor_offset // item,

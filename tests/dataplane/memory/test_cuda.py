@@ -62,6 +62,38 @@ def test_cuda_store_and_retrieve_through_ipc(server: ServerProcess) -> None:
         c.close()
 
 
+def test_cuda_token_slots_both_ways(make_server: ServerFactory) -> None:
+    """Chunks that are not whole blocks (24 tokens, blocks of 16) move token by token between a
+    GPU worker and L1, in both directions, and a CPU worker's chunks land on a GPU worker."""
+    srv = make_server("--chunk-size", "24", "--l1-size-gb", "0.1")
+    src = allocate_kv_caches(LAYERS, BLOCKS, BS, HEADS, HD, torch.float16, device="cuda")
+    for t in src:
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    cpu = allocate_kv_caches(LAYERS, BLOCKS, BS, HEADS, HD, torch.float16, device="cpu")
+    for t in cpu:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    dst = allocate_kv_caches(LAYERS, BLOCKS, BS, HEADS, HD, torch.float16, device="cuda")
+    rng = np.random.default_rng(1)
+    b_src, b_cpu, b_dst = (rng.permutation(BLOCKS)[:8] for _ in range(3))
+    gpu_tokens, cpu_tokens = np.arange(4 * 24 + 5), np.arange(10_000, 10_000 + 3 * 24)
+    a, b, c = (WorkerAdapter(srv.endpoint, "m") for _ in range(3))
+    try:
+        a.register_kv_caches(src)
+        b.register_kv_caches(cpu)
+        c.register_kv_caches(dst)
+        assert a.store_detail(gpu_tokens, b_src).stored == 4
+        assert b.store_detail(cpu_tokens, b_cpu).stored == 3
+        assert c.retrieve(gpu_tokens, b_dst) == 4 * 24
+        torch.cuda.synchronize()
+        assert torch.equal(_tokens(src, b_src, 4 * 24), _tokens(dst, b_dst, 4 * 24))
+        assert c.retrieve(cpu_tokens, b_dst) == 3 * 24
+        torch.cuda.synchronize()
+        assert torch.equal(_tokens(cpu, b_cpu, 3 * 24), _tokens(dst, b_dst, 3 * 24))
+    finally:
+        for w in (a, b, c):
+            w.close()
+
+
 def test_cuda_engine_driven(server: ServerProcess) -> None:
     src = [torch.randn(2, BLOCKS, BS, HEADS, HD, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
     dst = [torch.zeros_like(t) for t in src]
