@@ -153,6 +153,7 @@ class FsPublic(BaseModel):
     path: str = Field(description="the file tier's directory")
     bypassed: bool = Field(description="true while the local_cpu fallback bypasses it")
     capacity_bytes: int = Field(description="fs_size_gb in bytes: the cap on its files")
+    policy: str = Field(description="the eviction order (fs_eviction): lru or lfuda")
     used_bytes: int = Field(description="bytes of the chunk files this server knows of, headers included")
     files: int = Field(description="chunk files this server knows of")
     rebuilt: bool = Field(description="the scan after start has ended (until then the cap is not yet known)")

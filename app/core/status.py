@@ -112,6 +112,7 @@ def fs_view(dp: DataPlaneView) -> dict[str, Any] | None:
         "path": s.root,
         "bypassed": bypassed,
         "capacity_bytes": s.capacity_bytes,
+        "policy": s.policy,
         "used_bytes": s.used_bytes,
         "files": s.files,
         "rebuilt": s.rebuilt,

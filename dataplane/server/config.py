@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 import resource
-import stat
 from pathlib import Path
 from typing import Annotated
 
@@ -19,7 +17,8 @@ from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dataplane.health.base import FallbackPolicy
-from dataplane.storage.evict import L1Eviction
+from dataplane.server.token_file import read_token_file
+from dataplane.storage.evict import Eviction
 from dataplane.storage.redis_client import CLUSTER_SCHEME, parse_cluster_url
 from dataplane.wire.protocol import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -101,8 +100,8 @@ class Settings(BaseSettings):
         "its stores evict only its own chunks; 0 (the default) = no shares: every store evicts the least "
         "recently used chunk, whoever's.",
     )
-    l1_eviction: L1Eviction = Field(
-        L1Eviction.LRU,
+    l1_eviction: Eviction = Field(
+        Eviction.LRU,
         description="lru|lfuda: what L1 evicts to make room: the least recently used chunk, or the least "
         "often read, aged (README). A tenant at its share evicts its own least recently used either way.",
     )
@@ -149,6 +148,11 @@ class Settings(BaseSettings):
     )
     fs_write_queue_mb: int = Field(
         256, ge=1, le=1 << 20, description="Write-behind queue to the file tier (MiB); more is dropped."
+    )
+    fs_eviction: Eviction = Field(
+        Eviction.LRU,
+        description="lru|lfuda: which file the file tier removes to stay under fs_size_gb: the least "
+        "recently used, or the least often read, aged (as l1_eviction; the order starts afresh at restart).",
     )
     kv_events_endpoint: str | None = Field(
         None,
@@ -361,33 +365,6 @@ def validate_liveness(timeout: float, grace: float, disconnect: float = 0.0) -> 
             f"worker_disconnect_grace_seconds={disconnect}: must be <= worker_reap_timeout_seconds "
             f"({timeout:g}) when reaping is on"
         )
-
-
-def read_token_file(path: Path) -> str:
-    """The first line of ``path``, stripped. ValueError (naming the rule) unless the file is a
-    regular file that neither group nor other may access (mode & 0o077 == 0) and that line is
-    not empty. The checks are made on the opened file, so a swapped path cannot slip through."""
-    where = f"{path}"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO cannot block
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot open it ({exc.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{where}: must be a regular file")
-        if st.st_mode & 0o077:
-            raise ValueError(
-                f"{where}: mode {stat.S_IMODE(st.st_mode):04o} lets group or other users access it; "
-                "it must be readable by its owner only (chmod 600)"
-            )
-        head = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    first = head.split(b"\n", 1)[0].decode("utf-8", "surrogateescape").strip()
-    if not first:
-        raise ValueError(f"{where}: the first line (the token) is empty")
-    return first
 
 
 def format_validation_error(err: ValidationError) -> str:

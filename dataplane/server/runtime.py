@@ -310,6 +310,7 @@ def _file_tier(settings: Settings) -> tuple[FileTier | None, str | None]:
             timeout_s=settings.fs_timeout_seconds,
             queue_bytes=settings.fs_write_queue_mb << 20,
             health_timeout_s=settings.health_ping_timeout,
+            eviction=settings.fs_eviction.value,
         )
     except Exception as exc:  # the server still serves: recompute-only, unhealthy
         return None, f"the file tier could not be set up: {type(exc).__name__}: {exc}"

@@ -1,4 +1,5 @@
-"""L1's eviction orders besides LRU (which is the order of L1's own table of chunks).
+"""Eviction orders besides LRU (which is the order of L1's, and the file tier's, own table), for
+L1 (`l1_eviction`) and the file tier (`fs_eviction`, `dataplane.storage.fs_index`).
 
 ``lfuda``: least frequently used with dynamic ageing (GreedyDual with a chunk's reads as its
 worth). A chunk's priority is ``age + reads``: ``age`` is the priority of the last chunk evicted
@@ -27,12 +28,12 @@ GHOST_PER_CHUNK = 8  # read counts of chunks gone, remembered per chunk held
 MAX_READS = 4  # a chunk's worth stops growing here: an old favourite cannot outlast the age
 
 
-class L1Eviction(enum.StrEnum):
+class Eviction(enum.StrEnum):
     LRU = "lru"
     LFUDA = "lfuda"
 
 
-POLICIES = tuple(p.value for p in L1Eviction)
+POLICIES = tuple(p.value for p in Eviction)
 
 
 class LRUOrder:
@@ -53,7 +54,8 @@ class LRUOrder:
 class LFUDAOrder:
     name = "lfuda"
 
-    def __init__(self) -> None:
+    def __init__(self, ghosts_per_chunk: int = GHOST_PER_CHUNK) -> None:
+        self.ghosts_per_chunk = ghosts_per_chunk
         self.age = 0.0
         self._seq = 0
         self._reads: dict[bytes, int] = {}
@@ -64,9 +66,13 @@ class LFUDAOrder:
     def __len__(self) -> int:
         return len(self._live)
 
-    def added(self, key: bytes) -> None:
-        """A chunk committed: one read's worth, and what it was read before it left, if known."""
-        self._reads[key] = min(MAX_READS, 1 + self._ghost.pop(hash(key), 0))
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._live
+
+    def added(self, key: bytes, cold: bool = False) -> None:
+        """A chunk committed: one read's worth, and what it was read before it left, if known.
+        A ``cold`` one (found on disk, its use unknown) has none: it goes before any chunk used."""
+        self._reads[key] = min(MAX_READS, (not cold) + self._ghost.pop(hash(key), 0))
         self._push(key)
 
     def used(self, key: bytes, read: bool) -> None:
@@ -83,7 +89,7 @@ class LFUDAOrder:
         self._live.pop(key, None)
         if reads is not None:
             self._ghost[hash(key)] = reads
-            while len(self._ghost) > GHOST_PER_CHUNK * max(1, len(self._live)):
+            while len(self._ghost) > self.ghosts_per_chunk * max(1, len(self._live)):
                 self._ghost.popitem(last=False)
 
     def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:

@@ -1,5 +1,12 @@
-"""What the file tier knows is on disk: key -> (scope, size) in least-recently-used order, and
-the bytes it adds up to (`dataplane.storage.fs_tier` keeps one; its own lock, a leaf)."""
+"""What the file tier knows is on disk: key -> (scope, size), the bytes it adds up to, and the
+order files leave in (`dataplane.storage.fs_tier` keeps one; its own lock, a leaf).
+
+The order is ``lru`` (the table's own order: least recently used first) or ``lfuda``
+(`dataplane.storage.evict.LFUDAOrder`, as L1's: least often read, aged). A read is a RETRIEVE
+that found the file; a LOOKUP that finds it or a write of it refreshes it without counting a
+read. The order lives in memory: after a restart the files start as the scan found them, the
+least recently modified first, with no reads counted.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,10 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dataplane.storage.evict import POLICIES, LFUDAOrder
 from dataplane.storage.fs_layout import Found
+
+GHOSTS_PER_FILE = 1  # read counts of files gone, remembered per file held (lfuda)
 
 
 @dataclass
@@ -18,10 +28,14 @@ class FileEntry:
 
 
 class FileIndex:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # leaf: guards _files and _used
+    def __init__(self, policy: str = "lru") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self._lock = threading.Lock()  # leaf: guards _files, _used and _order
         self._files: collections.OrderedDict[bytes, FileEntry] = collections.OrderedDict()
         self._used = 0
+        self._order = LFUDAOrder(GHOSTS_PER_FILE) if policy == "lfuda" else None  # None: _files' order
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
@@ -42,27 +56,42 @@ class FileIndex:
                 n += 1
         return n
 
-    def learn(self, scope: bytes, key: bytes, size: int) -> None:
-        """``key`` is on disk and was used now."""
+    def learn(self, scope: bytes, key: bytes, size: int, read: bool = False) -> None:
+        """``key`` is on disk and was used now: read by a RETRIEVE (``read``), or found or
+        written."""
         with self._lock:
             if key in self._files:
                 self._files.move_to_end(key)
+                if self._order is not None:
+                    self._order.used(key, read)
                 return
             self._files[key] = FileEntry(scope, size)
             self._used += size
+            if self._order is not None:
+                self._order.added(key)
+                if read:
+                    self._order.used(key, True)
 
     def forget(self, key: bytes) -> None:
         with self._lock:
             f = self._files.pop(key, None)
             if f is not None:
                 self._used -= f.size
+                if self._order is not None:
+                    self._order.removed(key)
 
     def victims(self, room: int, capacity: int) -> list[tuple[bytes, FileEntry]]:
-        """Take the least recently used entries out until ``room`` more bytes fit in ``capacity``."""
+        """Take entries out, in the policy's order, until ``room`` more bytes fit in ``capacity``."""
         out: list[tuple[bytes, FileEntry]] = []
         with self._lock:
             while self._files and self._used + room > capacity:
-                key, f = self._files.popitem(last=False)
+                if self._order is None:
+                    key, f = self._files.popitem(last=False)
+                else:
+                    k = self._order.victim(lambda _: True)
+                    if k is None:  # (every known file has its entry: not reached)
+                        break
+                    key, f = k, self._files.pop(k)
                 self._used -= f.size
                 out.append((key, f))
         return out
@@ -75,8 +104,14 @@ class FileIndex:
         with self._lock:
             for gone in [k for k in self._files if k not in seen]:
                 self._used -= self._files.pop(gone).size
+                if self._order is not None:
+                    self._order.removed(gone)
             for f in found:  # newest first, each to the old end: the oldest ends up first
                 if f.key not in self._files:
                     self._files[f.key] = FileEntry(f.scope, f.size)
                     self._files.move_to_end(f.key, last=False)
                     self._used += f.size
+            if self._order is not None:  # oldest first, unread: before any file used here
+                for f in reversed(found):
+                    if f.key in self._files and f.key not in self._order:
+                        self._order.added(f.key, cold=True)

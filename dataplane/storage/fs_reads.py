@@ -129,7 +129,7 @@ class FileReads:
             return None
         if hit:
             self.counters.read(buf.nbytes)
-        self.index.learn(scope, key, size)
+        self.index.learn(scope, key, size, read=hit)  # (a promotion: its read was counted)
         return buf
 
     def get_into(
@@ -241,7 +241,7 @@ class FileReads:
     def _hit(self, scope: bytes, key: bytes, path: str, nbytes: int, size: int, mtime: float) -> None:
         """A chunk read whole and checked: counted, known, its file's time refreshed if old."""
         self.counters.read(nbytes)
-        self.index.learn(scope, key, size)
+        self.index.learn(scope, key, size, read=True)
         if time.time() - mtime > TOUCH_AFTER_S:
             self.io.submit(functools.partial(fs_files.touch, path))
 

@@ -20,6 +20,7 @@ __all__ = ["DURATION_BUCKETS", "OPS", "FsCounters", "FsStats"]
 class FsStats:
     root: str
     capacity_bytes: int
+    policy: str  # the eviction order (fs_eviction): lru or lfuda
     files: int  # chunk files this server knows of (its index)
     used_bytes: int  # their bytes, headers included
     rebuilt: bool  # the first scan after start has ended

@@ -64,6 +64,7 @@ class FileTier(FileReads):
         io_threads: int = 4,
         health_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        eviction: str = "lru",
     ) -> None:
         if capacity_bytes <= 0 or queue_bytes <= 0 or timeout_s <= 0:
             raise ValueError("capacity_bytes, queue_bytes and timeout_s must be > 0")
@@ -75,7 +76,7 @@ class FileTier(FileReads):
         self.queue_limit = queue_bytes
         self.health_timeout_s = health_timeout_s or timeout_s
         self.io = DiskPool(io_threads, timeout_s, clock=clock)
-        self.index = FileIndex()
+        self.index = FileIndex(eviction)  # (ValueError names an unknown policy)
         self.counters = FsCounters()
         self._clock = clock
         self._lock = threading.Lock()  # leaf: guards _queue, _queued_bytes, _writing_since, _rebuilt_at
@@ -186,7 +187,8 @@ class FileTier(FileReads):
         self.events.stored(w.key, MEDIUM_DISK)
 
     def _evict(self, room: int) -> None:
-        """Remove least recently used files until ``room`` more bytes fit under the cap."""
+        """Remove files, in the index's order (`fs_eviction`), until ``room`` more bytes fit under
+        the cap."""
         for key, f in self.index.victims(room, self.capacity_bytes):
             try:
                 gone = not fs_files.remove(chunk_path(self.root, f.scope, key))
@@ -271,6 +273,7 @@ class FileTier(FileReads):
         return self.counters.snapshot(
             root=self.root,
             capacity_bytes=self.capacity_bytes,
+            policy=self.index.policy,
             files=files,
             used_bytes=used,
             rebuilt=rebuilt is not None,

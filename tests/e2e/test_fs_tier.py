@@ -233,14 +233,19 @@ def test_damaged_truncated_and_foreign_files_are_counted_removed_and_never_serve
         b.stop()
 
 
-def test_the_cap_holds_while_serving_and_across_a_restart_with_a_smaller_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["lru", "lfuda"])
+def test_the_cap_holds_while_serving_and_across_a_restart_with_a_smaller_one(
+    tmp_path: Path, policy: str
+) -> None:
+    """Files only stored (none read): either order removes the oldest first."""
     root = tmp_path / "fs"
     root.mkdir()
     chunk = 256 << 10  # the test worker's chunk: 2 layers x 2 x 2 heads x 64 x bf16 x 256 tokens
     cap_gb = f"{6.5 * chunk / (1 << 30):.9f}"  # room for 6 files (each a header more than a chunk)
-    srv = serve(tmp_path / "a", root, size_gb=cap_gb)
+    srv = serve(tmp_path / "a", root, "--fs-eviction", policy, size_gb=cap_gb)
     w = None
     try:
+        assert fs_doc(srv)["policy"] == policy
         w = Worker(srv)
         for seed in range(5):  # 10 chunks, 2 a prompt
             w.fill(seed)
@@ -254,7 +259,7 @@ def test_the_cap_holds_while_serving_and_across_a_restart_with_a_smaller_one(tmp
         last = prompt(104, 2 * CS)
         srv.stop()
         small = f"{3.5 * chunk / (1 << 30):.9f}"
-        srv = serve(tmp_path / "b", root, size_gb=small)
+        srv = serve(tmp_path / "b", root, "--fs-eviction", policy, size_gb=small)
         wait_until(lambda: fs_doc(srv)["rebuilt"], 20, what="the rebuild")
         files = chunk_files(root)
         assert len(files) == 3 and sum(f.stat().st_size for f in files) <= int(float(small) * (1 << 30))

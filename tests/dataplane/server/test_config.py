@@ -221,12 +221,15 @@ def test_unknown_setting_rejected() -> None:
     assert "bogus" in rejected(bogus=1)
 
 
-def test_l1_eviction_takes_lru_or_lfuda_and_names_them_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert Settings().l1_eviction == "lru"
-    msg = rejected(l1_eviction="lfu")
-    assert "l1_eviction" in msg and "'lru' or 'lfuda'" in msg
-    monkeypatch.setenv("KVWARDEN_L1_EVICTION", "lfuda")
-    assert Settings().l1_eviction == "lfuda"
+@pytest.mark.parametrize("name", ["l1_eviction", "fs_eviction"])
+def test_evictions_take_lru_or_lfuda_and_name_them_otherwise(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    assert getattr(Settings(), name) == "lru"
+    msg = rejected(**{name: "lfu"})
+    assert name in msg and "'lru' or 'lfuda'" in msg
+    monkeypatch.setenv(f"KVWARDEN_{name.upper()}", "lfuda")
+    assert getattr(Settings(), name) == "lfuda"
 
 
 def test_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
