@@ -7,11 +7,16 @@ them.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.memory.blendcopy import Geometry, cache_side, chunk_side, move
+from dataplane.memory.kvmemory import map_local_tensors
+from dataplane.memory.rope import RopeParams, RopeTables
 from tests.conftest import ServerFactory
 from tests.helpers import ServerProcess
 
@@ -111,3 +116,47 @@ def test_cuda_engine_driven(server: ServerProcess) -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_cuda_blend_moves_rotate_keys_on_the_gpu_as_on_the_cpu(style: str) -> None:
+    """A blend STORE from GPU memory (keys back by 300 positions) gives the chunk the same
+    cache on the CPU gives (values bit for bit, keys within one rounding); its RETRIEVE into GPU
+    memory at other slots (keys on by 300) puts the keys back where they started."""
+    layers, blocks, bs, heads, hd, cs = 3, 12, 8, 2, 64, 32
+    tables = RopeTables(RopeParams(48, 10000.0, style, 1.0, 2048).check(hd))
+    g = Geometry(torch.bfloat16, layers, cs, heads, hd)
+    gen = torch.Generator().manual_seed(11)
+    host = [torch.randn(2, blocks, bs, heads, hd, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    cpu, gpu = map_local_tensors(host), map_local_tensors([t.cuda() for t in host])
+    slots = np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in (7, 2, 9, 4)]).astype(np.int64)
+    chunks = []
+    for kv in (cpu, gpu):
+        buf = torch.zeros(kv.chunk_nbytes(cs), dtype=torch.uint8)
+        fill = partial(kv.gather, slots)
+        move(tables, cache_side(kv, slots), chunk_side(buf, g), -300, g, None, False, fill)
+        chunks.append(buf.view(torch.bfloat16).view(layers, 2, cs, heads, hd))
+    on_cpu, on_gpu = chunks
+    assert torch.equal(on_cpu[:, 1], on_gpu[:, 1])
+    assert torch.allclose(on_cpu[:, 0].float(), on_gpu[:, 0].float(), rtol=2**-7, atol=1e-6)
+    assert not torch.equal(on_gpu[:, 0], torch.stack([t.view(2, -1, heads, hd)[0, slots] for t in host]))
+    stored = on_gpu.view(torch.uint8).reshape(-1)
+    back = np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in (0, 1, 10, 11)]).astype(np.int64)
+    move(
+        tables,
+        chunk_side(stored, g),
+        cache_side(gpu, back),
+        300,
+        g,
+        None,
+        False,
+        lambda w: w.copy_(stored),
+        partial(gpu.scatter, back),
+    )
+    torch.cuda.synchronize()
+    again, orig = torch.zeros_like(stored), torch.zeros_like(stored)
+    gpu.gather(back, again)
+    cpu.gather(slots, orig)
+    o, a = (x.view(torch.bfloat16).view(layers, 2, cs, heads, hd) for x in (orig, again))
+    assert torch.equal(o[:, 1], a[:, 1])
+    assert float((o[:, 0].float() - a[:, 0].float()).abs().max()) <= 0.05
