@@ -169,13 +169,18 @@ def test_health_reads_from_many_threads_while_it_changes() -> None:
     threads = [threading.Thread(target=reader) for _ in range(4)]
     for t in threads:
         t.start()
-    for i in range(200):
+    states = set()
+    for i in range(60):
         a.ok = bool(i % 2)
         m.run_round()
+        states.add(m.is_healthy())
+        n = len(seen)  # five more reads: at least one began after this round (four readers)
+        wait_until(lambda n=n: len(seen) > n + 4, 10, what="the readers to read this round's state")
     stop.set()
     for t in threads:
         t.join(10)
-    assert True in seen and False in seen
+    assert states == {True, False}  # the state did change
+    assert True in seen and False in seen  # and the readers saw it change
 
 
 # ------------------------------------------------------------------ local_cpu
