@@ -227,7 +227,9 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             assert kv is not None
             self._check_blocks(kv, p)
             into = self._into(kv, p, len(keys))
-            bufs = self.l1.acquire_into(keys, into, tenant_of(p.key), c.scope, rctx.after.append)
+            bufs = self.l1.acquire_into(
+                keys, into, tenant_of(p.key), c.scope, rctx.after.append, kv.chunk_nbytes(self.chunk_size)
+            )
             held = [k for k, b in zip(keys, bufs, strict=False) if b is not None]
             try:
                 chunks = self._chunks(kv, p, len(bufs))

@@ -12,6 +12,13 @@ three (disk -> L1, the check over L1, L1 -> the worker). Anything short of a who
 memory (a page missing, a file system without ``RWF_NOWAIT``) answers False: the caller reads
 the file the staged way, which overwrites whatever the attempt left in the blocks.
 
+**Several at once** (`CopyGate`): the chunks of one RETRIEVE are read in place side by side,
+each on an I/O thread that opens the file, checks its header, then copies and checks it. The
+open may outlive the request's deadline; the copy may start only while the request still waits
+(`CopyGate.enter`), and the request, before it returns, shuts the gate and waits for the copies
+under way (`CopyGate.shut`: they never wait on the disk), so nothing lands in the worker's blocks
+once the RETRIEVE has answered.
+
 **Followed** (`fs_files.read_chunk` with a `Landing` on an I/O thread, `follow` on the
 request's): a cold file is read into a staging buffer (L1's) `STAGE_PIECE` bytes at a time,
 and the request's thread hashes each piece and copies it on into the views as it lands
@@ -47,6 +54,34 @@ class Unsupported(Exception):
 
 def supported() -> bool:
     return bool(_NOWAIT)
+
+
+class CopyGate:
+    """Copies into a request's views start only while the request waits for them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())  # leaf: guards _open and _copying
+        self._open = True
+        self._copying = 0
+
+    def enter(self) -> bool:
+        """A copy may start (then `leave` after it); False once the request stopped waiting."""
+        with self._cond:
+            if self._open:
+                self._copying += 1
+            return self._open
+
+    def leave(self) -> None:
+        with self._cond:
+            self._copying -= 1
+            self._cond.notify_all()
+
+    def shut(self) -> None:
+        """No copy starts from now on; returns once those under way have ended."""
+        with self._cond:
+            self._open = False
+            while self._copying:
+                self._cond.wait()
 
 
 def read_resident(f: Opened, views: Sequence[memoryview]) -> bool:

@@ -6,6 +6,8 @@
   worker's blocks; `fs_direct`), when the page cache holds the whole file; else the caller
   falls back to `get`. Its open and header check run on the I/O threads under the deadline;
   the copy itself never waits on the disk.
+- `get_many_into`: several chunks read in place side by side, each on an I/O thread
+  (`fs_direct.CopyGate` keeps a late one from copying once the request has answered).
 - `get_through`: `get`, followed by the caller's thread as it lands, each piece checked and
   copied on into the caller's views (a cold chunk: it ends soon after the disk does).
 
@@ -182,6 +184,58 @@ class FileReads:
         self.counters.add(read_in_place=1)
         return True
 
+    def get_many_into(
+        self,
+        scope: bytes,
+        keys: Sequence[bytes],
+        nbytes: int,
+        views_for: Callable[[int], Sequence[memoryview] | None],
+    ) -> list[bool | None]:
+        """`get_into` for several chunks at once: each opened, checked, copied into
+        ``views_for(i)`` and checked on an I/O thread, all started together, within one
+        deadline. `get_into`'s answers (True, False, None), in order, up to the first that is
+        not True; [] when fewer than two chunks have views (the caller goes one by one)."""
+        views: list[Sequence[memoryview]] = []
+        for v in map(views_for, range(len(keys))):
+            if v is None:
+                break
+            views.append(v)
+        if len(views) < 2 or self.bypassed or not self.in_place:
+            return []
+        gate = fs_direct.CopyGate()
+        deadline = time.monotonic() + self.io.timeout_s
+        paths = [chunk_path(self.root, scope, k) for k in keys[: len(views)]]
+        calls = []
+        for path, key, v in zip(paths, keys, views, strict=False):
+            try:
+                calls.append(self.io.begin(functools.partial(_in_place, path, key, nbytes, v, gate)))
+            except DiskTimeout:  # (DiskBusy: the queue is full) the rest one by one
+                break
+        out: list[bool | None] = []
+        try:
+            for path, key, c in zip(paths, keys, calls, strict=False):
+                try:
+                    r = self.io.finish(c, deadline - time.monotonic())
+                    if r is None:  # no file
+                        self._gone(key)
+                except fs_direct.Unsupported:
+                    self.in_place, r = False, False
+                except BadFile as exc:
+                    self._bad(path, key, exc)
+                    r = None
+                except (OSError, DiskTimeout) as exc:
+                    self._failed("get", exc)
+                    r = None
+                if not isinstance(r, Opened):
+                    out.append(r)
+                    break
+                self._hit(scope, key, path, r.header.nbytes, r.size, r.mtime)
+                self.counters.add(read_in_place=1)
+                out.append(True)
+        finally:
+            gate.shut()  # nothing lands in the views once this returns
+        return out
+
     def get_through(
         self,
         scope: bytes,
@@ -274,6 +328,26 @@ class FileReads:
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.counters.failed(op, "timeout" if isinstance(exc, DiskTimeout) else failure_kind(exc))
+
+
+def _in_place(
+    path: str, key: bytes, nbytes: int, views: Sequence[memoryview], gate: fs_direct.CopyGate
+) -> Opened | bool | None:
+    """An I/O thread's part of `FileReads.get_many_into`: the file read in place and checked
+    (its `Opened`, closed), False (not all in memory, or the request stopped waiting: no copy),
+    None (no file)."""
+    f = fs_files.open_chunk(path, key, nbytes)
+    if f is None:
+        return None
+    try:
+        if not gate.enter():
+            return False
+        try:
+            return f if fs_direct.read_resident(f, views) else False
+        finally:
+            gate.leave()
+    finally:
+        os.close(f.fd)
 
 
 def _close(f: Opened | None) -> None:

@@ -152,10 +152,10 @@ class L1Store:
         tenant: bytes = NO_TENANT,
         scope: bytes = b"",
         later: Callable[[Callable[[], None]], None] | None = None,
+        nbytes: int | None = None,
     ) -> list[torch.Tensor | None]:
-        """`acquire_prefix` for a caller that could take chunks in place (``into(i, size)``: where
-        chunk i would go; ``later``: takes work to run after the reply); None for a chunk placed
-        so (`TieredStore` reads chunk files in place; L1 alone has none)."""
+        """`acquire_prefix` for a caller that could take chunks in place (``into``, ``later``,
+        ``nbytes``: `TieredStore.acquire_into`, which reads files so); L1 alone places none."""
         return list(self.acquire_prefix(keys, tenant, scope))
 
     def release(self, keys: list[bytes]) -> None:

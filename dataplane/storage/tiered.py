@@ -30,6 +30,7 @@ the transfer pool when the remote tier might continue it.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -128,9 +129,11 @@ class TieredStore(L1Store):
         tenant: bytes = NO_TENANT,
         scope: bytes = b"",
         later: Callable[[Callable[[], None]], None] | None = None,
+        nbytes: int | None = None,
     ) -> list[torch.Tensor | None]:
         """`acquire_prefix` for a caller that takes chunks in place: ``into(i, size)`` is where
-        chunk i goes (the worker's blocks, as bytes in the value's order), or None. A chunk that
+        chunk i goes (the worker's blocks, as bytes in the value's order), or None; ``nbytes``
+        a chunk's bytes, if known (then warm chunks are read side by side: `get_many_into`). A chunk that
         L1 lacks and whose file the page cache holds whole is read straight there
         (`FileTier.get_into`): None in its place (nothing pinned: release only the buffers'
         keys), and an I/O thread brings it into L1 from memory (counted ``promoted``): started
@@ -141,9 +144,11 @@ class TieredStore(L1Store):
         if not self._open("RETRIEVE", "answered with misses"):
             return []
         got: list[torch.Tensor | None] = list(super().acquire_prefix(keys))
-        size: list[int] = [got[0].numel()] if got and got[0] is not None else []  # a chunk's bytes
+        size: list[int] = [got[0].numel()] if got and got[0] is not None else [nbytes] if nbytes else []
         placed: list[bytes] = []
-        i = len(got)
+        first = i = len(got)
+        run = list(itertools.takewhile(lambda k: k not in self._ahead, keys[i:]))
+        pre = self.fs.get_many_into(scope, run, size[0], lambda j: into(first + j, size[0])) if size else []
         while i < len(keys) and keys[i] not in self._ahead:  # (a read brings it: wait for that)
 
             def where(n: int, i: int = i) -> Sequence[memoryview] | None:
@@ -151,7 +156,9 @@ class TieredStore(L1Store):
                 return into(i, n)
 
             known = size[0] if size else None
-            r: bool | torch.Tensor | None = self.fs.get_into(scope, keys[i], known, where)
+            r: bool | torch.Tensor | None = (
+                pre[i - first] if i - first < len(pre) else self.fs.get_into(scope, keys[i], known, where)
+            )
             staged = r is False and i == len(keys) - 1
             if staged:  # the last chunk, not all in memory: through L1, on to the worker as it lands
                 r = self._through(scope, keys[i], known, tenant, where)
