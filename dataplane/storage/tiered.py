@@ -131,14 +131,10 @@ class TieredStore(L1Store):
         later: Callable[[Callable[[], None]], None] | None = None,
         nbytes: int | None = None,
     ) -> list[torch.Tensor | None]:
-        """`acquire_prefix` for a caller that takes chunks in place: ``into(i, size)`` is where
-        chunk i goes (the worker's blocks, as bytes in the value's order), or None; ``nbytes``
-        a chunk's bytes, if known (then warm chunks are read side by side: `get_many_into`). A chunk that
-        L1 lacks and whose file the page cache holds whole is read straight there
-        (`FileTier.get_into`): None in its place (nothing pinned: release only the buffers'
-        keys), and an I/O thread brings it into L1 from memory (counted ``promoted``): started
-        by what is handed to ``later`` (the request's after-reply work), else at once. The rest
-        as `acquire_prefix`."""
+        """`acquire_prefix` for a caller that takes chunks in place at ``into(i, size)`` (the
+        worker's blocks, or None): a chunk L1 lacks whose file is warm is read there (`get_into`;
+        side by side when ``nbytes``, a chunk's bytes, is known: `get_many_into`), None in its
+        place; L1 gets it after the reply (``later``, else at once: ``promoted``)."""
         if self.fs is None:
             return list(self.acquire_prefix(keys, tenant, scope))
         if not self._open("RETRIEVE", "answered with misses"):
