@@ -39,22 +39,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.storage.fs_files import file_header
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
-from dataplane.wire.messages import Ping
-from dataplane.wire.protocol import decode_reply, encode_message
 from kvbench import report
+from kvbench.fs_restart import BS, CS, drop_cached, poll_fs, restart
 from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
 from kvbench.results import add_output_args, finish, resolve
 
-BS, CS = 16, 256
-BLOCKS = np.arange(CS // BS)
 MODEL, HEADS, HEAD_DIM = "bench", 8, 128  # Llama-3-8B's KV heads
-SMALL_MODEL, SMALL_HEAD_DIM = "bench-restart", 2  # restart files: 1 layer, 1 head: 2 KiB chunks
 ALIGN = 4096  # O_DIRECT: buffer, offsets and lengths in whole blocks
 
 
@@ -66,6 +60,12 @@ def add_args(sub: Any) -> None:
     p.add_argument("--layers", type=int, default=None, help="KV layers (32: a 32 MiB chunk)")
     p.add_argument("--files", type=int, default=None, help="chunk files at restart (100,000; quick 20,000)")
     p.add_argument("--rounds", type=int, default=None, help="server starts per directory (3; quick 1)")
+    p.add_argument(
+        "--chunks-per-request",
+        type=int,
+        default=1,
+        help="chunks a prompt has (1): a STORE and a RETRIEVE move them all; the plain reads read each file",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where the files go (default: here); not a tmpfs")
     add_output_args(p)
     p.set_defaults(func=run_fs)
@@ -73,8 +73,11 @@ def add_args(sub: Any) -> None:
 
 def run_fs(ns: argparse.Namespace) -> int:
     resolve(ns, samples=(9, 5, 2), layers=(32, 32, 2), files=(100_000, 20_000, 500), rounds=(3, 1, 1))
-    if min(ns.samples, ns.layers, ns.files, ns.rounds) < 1:
-        print("bench: --samples, --layers, --files and --rounds must be at least 1", file=sys.stderr)
+    if min(ns.samples, ns.layers, ns.files, ns.rounds, ns.chunks_per_request) < 1:
+        print(
+            "bench: --samples, --layers, --files, --rounds and --chunks-per-request must be at least 1",
+            file=sys.stderr,
+        )
         return 2
     parent = Path.cwd() if ns.dir is None else ns.dir
     if not parent.is_dir():
@@ -85,10 +88,11 @@ def run_fs(ns: argparse.Namespace) -> int:
     memory = " (memory, not a disk: the figures are the page cache's)" if where["type"] == "tmpfs" else ""
     print(f"bench fs: files under {root}: {where['type']} on {where['device']}{memory}", flush=True)
     params = {"samples": ns.samples, "layers": ns.layers, "chunk_tokens": CS, "rounds": ns.rounds}
+    params["chunks_per_request"] = ns.chunks_per_request
     try:
         out: dict[str, Any] = {"params": params, "filesystem": where}
         out |= _tier(ns, root / "tier", where["type"])
-        out["restart"] = _restart(ns, root)
+        out["restart"] = restart(ns, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     finish(ns, "fs", out, report.show("fs"))
@@ -111,20 +115,21 @@ def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
     d.mkdir()
     chunk = ns.layers * 2 * CS * HEADS * HEAD_DIM * 2
     common = ["--l1-size-gb", "0.25" if ns.tiny else "2", "--log-level", "error"]
-    cap = ["--fs-size-gb", str(1 + (3 * ns.samples * chunk >> 30)), "--fs-write-queue-mb", "2048"]
+    n = ns.chunks_per_request
+    cap = ["--fs-size-gb", str(1 + (3 * ns.samples * n * chunk >> 30)), "--fs-write-queue-mb", str(2048 * n)]
     with_fs = [*common, "--fs-path", str(d), *cap]
     samples: dict[str, list[float]] = {}
     plain, a = launch(*common), launch(*with_fs)
     try:
         prompts, cache = _stores(ns, plain, a, samples)
-        _poll(a, lambda f: f["puts"] >= len(prompts) and f["queue_depth"] == 0, "the chunks written")
+        poll_fs(a, lambda f: f["puts"] >= len(prompts) and f["queue_depth"] == 0, "the chunks written")
     finally:
         plain.stop()
         a.stop()
     scope = scope_digest(MODEL, 1, 0, "bfloat16", ns.layers, HEADS, HEAD_DIM)
-    paths = [chunk_path(str(d), scope, chunk_keys(scope, p, CS)[0]) for p in prompts]
-    for path in paths:
-        _evict(path)  # (written back first: a dirty page stays in the cache)
+    paths = [[chunk_path(str(d), scope, k) for k in chunk_keys(scope, p, CS)] for p in prompts]
+    for path in (p for ps in paths for p in ps):
+        drop_cached(path)  # (written back first: a dirty page stays in the cache)
     b = launch(*with_fs)
     try:
         why, status = _reads(ns, b, kind, list(zip(prompts, paths, strict=True)), cache, samples)
@@ -138,7 +143,7 @@ def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
     direct = by["fresh"].setdefault("direct_read", None)
     return {
         "chunk_bytes": chunk,
-        "file_bytes": os.path.getsize(paths[0]),
+        "file_bytes": os.path.getsize(paths[0][0]),
         "store_ms": {"without_fs": m["store_without_fs"], "with_fs": m["store_with_fs"]},
         "store_ratio": m["store_with_fs"] / m["store_without_fs"],
         "fresh_ms": by["fresh"],
@@ -154,11 +159,14 @@ def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
     }
 
 
-def _worker(server: BenchServer, layers: int, fill: bool) -> tuple[WorkerAdapter, list[torch.Tensor]]:
-    """A worker of ``server`` once its L1 arena is faulted in; its cache random when ``fill``."""
+def _worker(
+    server: BenchServer, layers: int, fill: bool, chunks: int = 1
+) -> tuple[WorkerAdapter, list[torch.Tensor]]:
+    """A worker of ``server`` once its L1 arena is faulted in, with the blocks of a prompt of
+    ``chunks`` chunks; its cache random when ``fill``."""
     wait_http(server)
     wait_arena_ready(server)
-    caches = allocate_kv_caches(layers, CS // BS, BS, HEADS, HEAD_DIM, torch.bfloat16)
+    caches = allocate_kv_caches(layers, chunks * CS // BS, BS, HEADS, HEAD_DIM, torch.bfloat16)
     for c in caches if fill else ():
         c.copy_(torch.randn(c.shape).to(torch.bfloat16))
     w = WorkerAdapter(server.endpoint, MODEL, heartbeat_interval=5.0)
@@ -169,20 +177,21 @@ def _worker(server: BenchServer, layers: int, fill: bool) -> tuple[WorkerAdapter
 def _stores(
     ns: argparse.Namespace, plain: BenchServer, a: BenchServer, samples: dict[str, list[float]]
 ) -> tuple[list[np.ndarray], list[torch.Tensor]]:
-    """2 x samples distinct one-chunk STOREs through each of P and A, in turn (who goes first
-    alternates); A's prompts and its worker's cache (what B must give back)."""
+    """2 x samples distinct STOREs (of --chunks-per-request chunks) through each of P and A, in
+    turn (who goes first alternates); A's prompts and its worker's cache (what B must give back)."""
     torch.set_num_threads(1)
-    wp, _ = _worker(plain, ns.layers, True)
-    wa, cache = _worker(a, ns.layers, True)
+    n = ns.chunks_per_request
+    wp, _ = _worker(plain, ns.layers, True, n)
+    wa, cache = _worker(a, ns.layers, True, n)
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 50_000, CS) for _ in range(4 * ns.samples)]
+    prompts = [rng.integers(0, 50_000, n * CS) for _ in range(4 * ns.samples)]
     off, on = samples.setdefault("store_without_fs", []), samples.setdefault("store_with_fs", [])
     try:
         for i in range(2 * ns.samples):
             pair = [(wp, off, prompts[2 * i]), (wa, on, prompts[2 * i + 1])]
             for w, times, p in pair if i % 2 == 0 else pair[::-1]:
                 t0 = time.perf_counter()
-                if w.store_detail(p, BLOCKS).stored != 1:
+                if w.store_detail(p, np.arange(n * CS // BS)).stored != n:
                     raise RuntimeError("bench fs: a STORE was not kept")
                 times.append(time.perf_counter() - t0)
     finally:
@@ -191,31 +200,14 @@ def _stores(
     return prompts[1::2], cache
 
 
-def _poll(server: BenchServer, ready: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
-    """Poll `/status` (300 s at most) until the file tier's view is ``ready``; that view."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        f: dict[str, Any] = server.json("/status")["storage"]["fs"]
-        if f["dropped_writes"] or f["put_failures"]:
-            raise RuntimeError(f"bench fs: writes lost: {f}")
-        if ready(f):
-            return f
-        time.sleep(0.02)  # polling a real process, under a deadline
-    raise RuntimeError(f"bench fs: not {what} within 300 s")
-
-
-def _evict(path: str) -> None:
-    """Write ``path`` back (if dirty) and drop it from the page cache (no root needed)."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def _read(path: str, buf: memoryview) -> int:
-    """The baseline: the file read whole with buffered ``readinto`` into ``buf`` (its size; page
-    aligned, as L1's buffers are: a bytearray, 16 bytes past a page, reads 3-4x slower here)."""
-    with open(path, "rb") as f:
-        return f.readinto(buf)  # (a buffered reader fills it whole, up to the end of the file)
+def _read(paths: list[str], buf: memoryview) -> int:
+    """The baseline: each file read whole with buffered ``readinto`` into ``buf`` (its size;
+    page aligned, as L1's buffers are: a bytearray, 16 bytes past a page, reads 3-4x slower)."""
+    n = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            n += f.readinto(buf)  # (a buffered reader fills it whole, up to the end of the file)
+    return n
 
 
 class _Direct:
@@ -225,12 +217,15 @@ class _Direct:
         self.mem = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
         self.view = memoryview(self.mem)
 
-    def read(self, path: str) -> int:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            return os.preadv(fd, [self.view], 0)  # (whole, up to the end of the file: one call)
-        finally:
-            os.close(fd)
+    def read(self, paths: list[str]) -> int:
+        n = 0
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                n += os.preadv(fd, [self.view], 0)  # (whole, up to the end of the file: one call)
+            finally:
+                os.close(fd)
+        return n
 
 
 def _direct(path: str, size: int, kind: str) -> tuple[_Direct | None, str]:
@@ -240,7 +235,7 @@ def _direct(path: str, size: int, kind: str) -> tuple[_Direct | None, str]:
         return None, f"not supported on this file system ({kind}: no disk beneath the page cache)"
     reader = _Direct(size)
     try:
-        ok = reader.read(path) == size
+        ok = reader.read([path]) == size
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -249,7 +244,7 @@ def _direct(path: str, size: int, kind: str) -> tuple[_Direct | None, str]:
 
 
 def _retrieve(w: WorkerAdapter, prompt: np.ndarray) -> None:
-    if (got := w.retrieve(prompt, BLOCKS)) != CS:
+    if (got := w.retrieve(prompt, np.arange(len(prompt) // BS))) != len(prompt):
         raise RuntimeError(f"bench fs: a RETRIEVE from disk missed ({got} tokens)")
 
 
@@ -257,143 +252,43 @@ def _reads(
     ns: argparse.Namespace,
     b: BenchServer,
     kind: str,
-    files: list[tuple[np.ndarray, str]],
+    files: list[tuple[np.ndarray, list[str]]],
     stored: list[torch.Tensor],
     samples: dict[str, list[float]],
 ) -> tuple[str, dict[str, Any]]:
     """B's RETRIEVEs of A's prompts beside this process's reads of their files: the first
     samples fresh (each file dropped from the page cache before each read), the rest warm; the
     readers' order rotates from one prompt to the next. Whether O_DIRECT worked; B's counters."""
-    w, cache = _worker(b, ns.layers, False)
-    _poll(b, lambda f: bool(f["rebuilt"]), "rebuilt")  # (the scan of a few files: not beside the reads)
-    size = os.path.getsize(files[0][1])
+    w, cache = _worker(b, ns.layers, False, ns.chunks_per_request)
+    poll_fs(b, lambda f: bool(f["rebuilt"]), "rebuilt")  # (the scan of a few files: not beside the reads)
+    size = os.path.getsize(files[0][1][0])
     buf = memoryview(mmap.mmap(-1, size))
-    direct, why = _direct(files[0][1], size, kind)
+    direct, why = _direct(files[0][1][0], size, kind)
     samples.update({f"{c}_{k}": [] for c in ("fresh", "warm") for k in ("retrieve", "buffered_read")})
     samples["fresh_direct_read"] = []
     try:
-        for i, (prompt, path) in enumerate(files):
+        for i, (prompt, paths) in enumerate(files):
             when = "fresh" if i < ns.samples else "warm"
             steps: list[tuple[str, Callable[[], object]]] = [
                 (f"{when}_retrieve", partial(_retrieve, w, prompt)),
-                (f"{when}_buffered_read", partial(_read, path, buf)),
+                (f"{when}_buffered_read", partial(_read, paths, buf)),
             ]
             if when == "fresh" and direct is not None:
-                steps.append(("fresh_direct_read", partial(direct.read, path)))
+                steps.append(("fresh_direct_read", partial(direct.read, paths)))
             if when == "warm":
-                _read(path, buf)  # the page cache hot
+                _read(paths, buf)  # the page cache hot
             turn = i % len(steps)
             for name, fn in steps[turn:] + steps[:turn]:
-                if when == "fresh":
-                    _evict(path)
+                for path in paths if when == "fresh" else ():
+                    drop_cached(path)
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)
                 if name.endswith("_retrieve"):  # (what it read in place reaches L1: not beside the next)
-                    _poll(b, lambda f: f["promoted"] >= f["read_in_place"], "promoted")
+                    poll_fs(b, lambda f: f["promoted"] >= f["read_in_place"], "promoted")
             if i == 0 and not all(torch.equal(x, y) for x, y in zip(stored, cache, strict=True)):
                 raise RuntimeError("bench fs: a RETRIEVE from disk gave back other bytes than were stored")
         f = b.json("/status")["storage"]["fs"]
     finally:
         w.close()
     return why, {k: f[k] for k in ("files", "hits", "misses", "read_ahead", "read_in_place", "promoted")}
-
-
-def _restart(ns: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """Servers started on a directory of ``ns.files`` chunk files and on an empty one, in turn."""
-    (root / "empty").mkdir()
-    t0 = time.perf_counter()
-    probes = _fill(str(root / "many"), ns.files, ns.rounds)
-    fill_s = time.perf_counter() - t0
-    l1_gb = "0.0625" if ns.tiny else "1"
-    runs: dict[str, list[dict[str, Any]]] = {"empty": [], "many": []}
-    for r in range(ns.rounds):
-        order = [("empty", None), ("many", probes[r])]
-        for name, prompt in order if r % 2 == 0 else order[::-1]:
-            runs[name].append(_start(root / name, prompt, l1_gb))
-    if any(run["files"] != ns.files for run in runs["many"]):
-        raise RuntimeError(f"bench fs: the index did not find the {ns.files} files: {runs['many']}")
-    out: dict[str, Any] = {"files": ns.files, "fill_s": fill_s, "l1_size_gb": float(l1_gb)}
-    for name, rs in runs.items():
-        out[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "files"}
-        out[name] |= {"files": rs[-1]["files"], "runs": rs}
-    out["ping_ratio"] = out["many"]["first_ping_s"] / out["empty"]["first_ping_s"]
-    out["ping_delta_ms"] = 1e3 * (out["many"]["first_ping_s"] - out["empty"]["first_ping_s"])
-    return out
-
-
-def _fill(d: str, n: int, n_probes: int) -> list[np.ndarray]:
-    """``n`` one-chunk files under ``d``, as a server would write them for a worker of the small
-    shape; the prompts of ``n_probes`` of them (spread out), dropped from the page cache."""
-    scope = scope_digest(SMALL_MODEL, 1, 0, "bfloat16", 1, 1, SMALL_HEAD_DIM)
-    payload = os.urandom(2 * CS * SMALL_HEAD_DIM * 2)
-    base = np.random.default_rng(11).integers(0, 50_000, CS)
-    os.mkdir(d)
-    made: set[str] = set()
-    probes: list[tuple[np.ndarray, str]] = []
-    step = max(1, n // n_probes)
-    for i in range(n):
-        tokens = base.copy()
-        tokens[0] = 50_000 + i
-        key = chunk_keys(scope, tokens, CS)[0]
-        path = chunk_path(d, scope, key)
-        folder = os.path.dirname(path)
-        if folder not in made:
-            os.makedirs(folder, exist_ok=True)
-            made.add(folder)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, file_header(key, memoryview(payload)) + payload)
-        finally:
-            os.close(fd)
-        if i % step == 0 and len(probes) < n_probes:
-            probes.append((tokens, path))
-    os.sync()  # (the writeback is not left to run beside the starts)
-    for _, path in probes:
-        _evict(path)
-    return [tokens for tokens, _ in probes]
-
-
-def _start(d: Path, prompt: np.ndarray | None, l1_gb: str) -> dict[str, Any]:
-    """A server started on ``d``: from the start to its first PING answered (queued before), the
-    first RETRIEVE answered (``prompt``'s file is in ``d``; None: a miss) and the index rebuilt."""
-    caches = allocate_kv_caches(1, CS // BS, BS, 1, SMALL_HEAD_DIM, torch.bfloat16)
-    ctx: zmq.Context[Any] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RECONNECT_IVL, 2)  # ms: the first connect after the bind is seen at once
-    sock.setsockopt(zmq.LINGER, 0)
-    server = launch("--l1-size-gb", l1_gb, "--log-level", "error", "--fs-path", str(d), "--fs-size-gb", "4")
-    w: WorkerAdapter | None = None
-    try:
-        sock.connect(server.endpoint)
-        sock.send(encode_message(7, Ping(None, None)))  # queued until the connection is up
-        deadline = time.monotonic() + 60
-        while not sock.poll(5):
-            if server.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("bench fs: the server did not answer PING")
-        ping = time.perf_counter() - server.started
-        if not decode_reply(sock.recv()).ok:
-            raise RuntimeError("bench fs: the first PING was refused")
-        w = WorkerAdapter(server.endpoint, SMALL_MODEL, heartbeat_interval=5.0)
-        w.register_kv_caches(caches)
-        registered = time.perf_counter() - server.started
-        got = w.retrieve(np.arange(CS) if prompt is None else prompt, BLOCKS)
-        retrieved = time.perf_counter() - server.started
-        if prompt is not None and got != CS:
-            raise RuntimeError(f"bench fs: the first RETRIEVE after a restart missed its file ({got} tokens)")
-        wait_http(server)
-        f = _poll(server, lambda f: bool(f["rebuilt"]), "rebuilt")
-        return {
-            "first_ping_s": ping,
-            "registered_s": registered,  # the REGISTER is held until the server is open
-            "first_retrieve_s": retrieved,
-            "rebuilt_s": time.perf_counter() - server.started,  # when /status first said so
-            "rebuild_seconds": f["rebuild_seconds"],  # the tier's own figure
-            "files": f["files"],
-        }
-    finally:
-        if w is not None:
-            w.close()
-        sock.close(linger=0)
-        ctx.term()
-        server.stop()

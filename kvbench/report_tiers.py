@@ -36,7 +36,8 @@ def fs_tables(rep: dict[str, Any]) -> list[Table]:
     restart.append(["files / empty", _x(r["ping_ratio"]), "", "", "", ""])
     return [
         Table(
-            f"The file tier on {fs['type']} ({fs['device']}), {mib:g} MiB chunks, fresh servers "
+            f"The file tier on {fs['type']} ({fs['device']}), {mib:g} MiB chunks, "
+            f"{rep['params'].get('chunks_per_request', 1)} a request, fresh servers "
             "(median ms; ratio: plain read time / RETRIEVE time)",
             ["figure", "ms", "ratio"],
             rows,

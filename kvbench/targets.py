@@ -173,19 +173,14 @@ def _fs(rep: dict[str, Any]) -> list[Verdict]:
     out = []
     if rep["chunk_bytes"] >= 32 << 20:
         x = rep["ratios"]
-        out.append(
-            Verdict("fs RETRIEVE fresh / buffered read (throughput, 32 MiB)", x["fresh"], 0.8, "x", True)
-        )
-        out.append(
-            Verdict("fs RETRIEVE warm / buffered read (throughput, 32 MiB)", x["warm"], 0.8, "x", True)
-        )
-        if x["direct"] is not None:
-            out.append(
-                Verdict("fs RETRIEVE fresh / O_DIRECT read (throughput, 32 MiB)", x["direct"], 0.8, "x", True)
-            )
-        out.append(
-            Verdict("STORE with the file tier / without (32 MiB)", rep["store_ratio"], 1.05, "x", False)
-        )
+        n = rep["params"].get("chunks_per_request", 1)
+        per = f"32 MiB{'' if n == 1 else f' x {n} a request'}"
+        for when, base in (("fresh", "buffered"), ("warm", "buffered"), ("direct", "O_DIRECT")):
+            if x[when] is not None:
+                what = f"fs RETRIEVE {'fresh' if when == 'direct' else when} / {base} read"
+                out.append(Verdict(f"{what} (throughput, {per})", x[when], 0.8, "x", True))
+        store = rep["store_ratio"]
+        out.append(Verdict(f"STORE with the file tier / without ({per})", store, 1.05, "x", False))
     r = rep["restart"]
     if r["files"] >= 100_000:
         n = f"{r['files']:,}"
