@@ -220,6 +220,9 @@ class FileReads:
                         self._gone(key)
                 except fs_direct.Unsupported:
                     self.in_place, r = False, False
+                except ValueError as exc:  # (views that do not fit the file: `get_into` alone)
+                    logger.warning("fs tier: a read in place refused: %s", exc)
+                    r = False
                 except BadFile as exc:
                     self._bad(path, key, exc)
                     r = None
