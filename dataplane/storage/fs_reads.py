@@ -212,6 +212,7 @@ class FileReads:
             except DiskTimeout:  # (DiskBusy: the queue is full) the rest one by one
                 break
         out: list[bool | None] = []
+        t0 = time.perf_counter()
         try:
             for path, key, c in zip(paths, keys, calls, strict=False):
                 try:
@@ -229,6 +230,7 @@ class FileReads:
                 except (OSError, DiskTimeout) as exc:
                     self._failed("get", exc)
                     r = None
+                self.counters.took("get", time.perf_counter() - t0)
                 if not isinstance(r, Opened):
                     out.append(r)
                     break
