@@ -2,9 +2,9 @@
 order files leave in (`dataplane.storage.fs_tier` keeps one; its own lock, a leaf).
 
 The order is ``lru`` (the table's own order: least recently used first) or ``lfuda``
-(`dataplane.storage.evict.LFUDAOrder`, as L1's: least often read, aged). A read is a RETRIEVE
-that found the file; a LOOKUP that finds it or a write of it refreshes it without counting a
-read. The order lives in memory: after a restart the files start as the scan found them, the
+(`dataplane.storage.evict.LFUDAOrder`, as L1's: least often read, aged). A read is a file read
+whole (a RETRIEVE's, or the read-ahead of a LOOKUP that found it); its write, or a ``stat`` that
+found a file the index did not know, puts it in the order unread. The order lives in memory: after a restart the files start as the scan found them, the
 least recently modified first, with no reads counted.
 """
 
