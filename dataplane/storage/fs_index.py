@@ -4,7 +4,8 @@ order files leave in (`dataplane.storage.fs_tier` keeps one; its own lock, a lea
 The order is ``lru`` (the table's own order: least recently used first) or ``lfuda``
 (`dataplane.storage.evict.LFUDAOrder`, as L1's: least often read, aged). A read is a file read
 whole (a RETRIEVE's, or the read-ahead of a LOOKUP that found it); its write, or a ``stat`` that
-found a file the index did not know, puts it in the order unread. The order lives in memory: after a restart the files start as the scan found them, the
+found a file the index did not know, puts it in the order with one read's worth, as a store does
+in L1. The order lives in memory: after a restart the files start as the scan found them, the
 least recently modified first, with no reads counted.
 """
 
