@@ -13,15 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.storage.fs_files import file_header
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
-from dataplane.wire.messages import Ping
-from dataplane.wire.protocol import decode_reply, encode_message
-from kvbench.procs import BenchServer, launch, wait_http
+from kvbench.procs import BenchServer, launch_pinged, wait_http
 
 BS, CS = 16, 256
 BLOCKS = np.arange(CS // BS)
@@ -107,22 +104,10 @@ def _start(d: Path, prompt: np.ndarray | None, l1_gb: str) -> dict[str, Any]:
     """A server started on ``d``: from the start to its first PING answered (queued before), the
     first RETRIEVE answered (``prompt``'s file is in ``d``; None: a miss) and the index rebuilt."""
     caches = allocate_kv_caches(1, CS // BS, BS, 1, SMALL_HEAD_DIM, torch.bfloat16)
-    ctx: zmq.Context[Any] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RECONNECT_IVL, 2)  # ms: the first connect after the bind is seen at once
-    sock.setsockopt(zmq.LINGER, 0)
-    server = launch("--l1-size-gb", l1_gb, "--log-level", "error", "--fs-path", str(d), "--fs-size-gb", "4")
+    fs = ("--fs-path", str(d), "--fs-size-gb", "4")
+    server, ping = launch_pinged("--l1-size-gb", l1_gb, "--log-level", "error", *fs)
     w: WorkerAdapter | None = None
     try:
-        sock.connect(server.endpoint)
-        sock.send(encode_message(7, Ping(None, None)))  # queued until the connection is up
-        deadline = time.monotonic() + 60
-        while not sock.poll(5):
-            if server.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("bench fs: the server did not answer PING")
-        ping = time.perf_counter() - server.started
-        if not decode_reply(sock.recv()).ok:
-            raise RuntimeError("bench fs: the first PING was refused")
         w = WorkerAdapter(server.endpoint, SMALL_MODEL, heartbeat_interval=5.0)
         w.register_kv_caches(caches)
         registered = time.perf_counter() - server.started
@@ -143,6 +128,4 @@ def _start(d: Path, prompt: np.ndarray | None, l1_gb: str) -> dict[str, Any]:
     finally:
         if w is not None:
             w.close()
-        sock.close(linger=0)
-        ctx.term()
         server.stop()

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zmq
+
+from dataplane.wire.messages import Ping
+from dataplane.wire.protocol import decode_reply, encode_message
+
 _GIVEN: collections.deque[int] = collections.deque(maxlen=256)  # ports handed out lately
 _given_lock = threading.Lock()  # guards _GIVEN
 
@@ -75,6 +80,34 @@ def launch(*args: str, env: dict[str, str] | None = None) -> BenchServer:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=bench_env() if env is None else env, stdout=subprocess.DEVNULL)
     return BenchServer(proc, f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", t0)
+
+
+def launch_pinged(*args: str) -> tuple[BenchServer, float]:
+    """`launch`, with a PING queued for the server before it binds: the server and the seconds
+    from its start to that PING answered. RuntimeError (the server stopped) when it exits,
+    refuses the PING or has not answered it in 60 s."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RECONNECT_IVL, 2)  # ms: the first connect after the bind is seen at once
+    sock.setsockopt(zmq.LINGER, 0)
+    server = launch(*args)
+    try:
+        sock.connect(server.endpoint)
+        sock.send(encode_message(7, Ping(None, None)))  # queued until the connection is up
+        deadline = time.monotonic() + 60
+        while not sock.poll(5):
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not answer PING")
+        first_ping = time.perf_counter() - server.started
+        if not decode_reply(sock.recv()).ok:
+            raise RuntimeError("the first PING was refused")
+        return server, first_ping
+    except BaseException:
+        server.stop()
+        raise
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def wait_ready(probe: Callable[[], Any], proc: subprocess.Popen[Any], timeout_s: float) -> None:

@@ -17,12 +17,8 @@ import sys
 import time
 from typing import Any
 
-import zmq
-
-from dataplane.wire.messages import Ping
-from dataplane.wire.protocol import decode_reply, encode_message
 from kvbench import report
-from kvbench.procs import launch, memory_of, wait_arena_ready, wait_http
+from kvbench.procs import launch_pinged, memory_of, wait_arena_ready, wait_http
 from kvbench.results import add_output_args, finish, resolve
 
 
@@ -71,21 +67,8 @@ def _run_python(code: str) -> float:
 
 
 def _one_start(l1_gb: float, wait_arena: bool) -> dict[str, Any]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RECONNECT_IVL, 2)  # ms: the first connect after the bind is seen at once
-    sock.setsockopt(zmq.LINGER, 0)
-    server = launch("--l1-size-gb", str(l1_gb))
+    server, first_ping = launch_pinged("--l1-size-gb", str(l1_gb))
     try:
-        sock.connect(server.endpoint)
-        sock.send(encode_message(7, Ping(None, None)))  # queued until the connection is up
-        deadline = time.monotonic() + 60
-        while not sock.poll(50):
-            if server.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not answer PING")
-        first_ping = time.perf_counter() - server.started
-        if not decode_reply(sock.recv()).ok:
-            raise RuntimeError("the first PING was refused")
         at_ping = memory_of(server.proc.pid)
         out: dict[str, Any] = {"first_ping_s": first_ping, "memory_at_first_ping": at_ping}
         if not wait_arena:
@@ -99,6 +82,4 @@ def _one_start(l1_gb: float, wait_arena: bool) -> dict[str, Any]:
             "memory_arena_ready": memory_of(server.proc.pid),
         }
     finally:
-        sock.close(linger=0)
-        ctx.term()
         server.stop()

@@ -66,9 +66,6 @@ class LFUDAOrder:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._live
-
     def added(self, key: bytes, cold: bool = False) -> None:
         """A chunk committed: one read's worth, and what it was read before it left, if known.
         A ``cold`` one (found on disk, its use unknown) has none: it goes before any chunk used."""

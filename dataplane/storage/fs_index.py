@@ -107,12 +107,11 @@ class FileIndex:
                 self._used -= self._files.pop(gone).size
                 if self._order is not None:
                     self._order.removed(gone)
-            for f in found:  # newest first, each to the old end: the oldest ends up first
-                if f.key not in self._files:
-                    self._files[f.key] = FileEntry(f.scope, f.size)
-                    self._files.move_to_end(f.key, last=False)
-                    self._used += f.size
+            new = [f for f in found if f.key not in self._files]
+            for f in new:  # newest first, each to the old end: the oldest ends up first
+                self._files[f.key] = FileEntry(f.scope, f.size)
+                self._files.move_to_end(f.key, last=False)
+                self._used += f.size
             if self._order is not None:  # oldest first, unread: before any file used here
-                for f in reversed(found):
-                    if f.key in self._files and f.key not in self._order:
-                        self._order.added(f.key, cold=True)
+                for f in reversed(new):
+                    self._order.added(f.key, cold=True)

@@ -149,40 +149,18 @@ class FileReads:
         if not self.in_place:
             return False
         path = chunk_path(self.root, scope, key)
-        try:
+
+        def read() -> Opened | bool | None:
             f = self._timed("get", lambda: fs_files.open_chunk(path, key, nbytes), on_late=_close)
-        except BadFile as exc:
-            self._bad(path, key, exc)
-            return None
-        except (OSError, DiskTimeout) as exc:
-            self._failed("get", exc)
-            return None
-        if f is None:
-            self._gone(key)
-            return None
-        try:
-            views = views_for(f.header.nbytes)
-            if views is None:
-                return False
-            if not fs_direct.read_resident(f, views):
-                return False
-        except fs_direct.Unsupported:
-            self.in_place = False
-            return False
-        except ValueError as exc:  # (views that do not fit the file: read it the staged way)
-            logger.warning("fs tier: a read in place refused: %s", exc)
-            return False
-        except BadFile as exc:
-            self._bad(path, key, exc)
-            return None
-        except OSError as exc:
-            self._failed("get", exc)
-            return None
-        finally:
-            os.close(f.fd)
-        self._hit(scope, key, path, f.header.nbytes, f.size, f.mtime)
-        self.counters.add(read_in_place=1)
-        return True
+            if f is None:
+                return None
+            try:
+                views = views_for(f.header.nbytes)
+                return f if views is not None and fs_direct.read_resident(f, views) else False
+            finally:
+                os.close(f.fd)
+
+        return self._settle(scope, key, path, read)
 
     def get_many_into(
         self,
@@ -215,28 +193,12 @@ class FileReads:
         t0 = time.perf_counter()
         try:
             for path, key, c in zip(paths, keys, calls, strict=False):
-                try:
-                    r = self.io.finish(c, deadline - time.monotonic())
-                    if r is None:  # no file
-                        self._gone(key)
-                except fs_direct.Unsupported:
-                    self.in_place, r = False, False
-                except ValueError as exc:  # (views that do not fit the file: `get_into` alone)
-                    logger.warning("fs tier: a read in place refused: %s", exc)
-                    r = False
-                except BadFile as exc:
-                    self._bad(path, key, exc)
-                    r = None
-                except (OSError, DiskTimeout) as exc:
-                    self._failed("get", exc)
-                    r = None
+                finish = functools.partial(self.io.finish, c, deadline - time.monotonic())
+                r = self._settle(scope, key, path, finish)
                 self.counters.took("get", time.perf_counter() - t0)
-                if not isinstance(r, Opened):
-                    out.append(r)
+                out.append(r)
+                if r is not True:
                     break
-                self._hit(scope, key, path, r.header.nbytes, r.size, r.mtime)
-                self.counters.add(read_in_place=1)
-                out.append(True)
         finally:
             gate.shut()  # nothing lands in the views once this returns
         return out
@@ -296,6 +258,35 @@ class FileReads:
             return None
         self._hit(scope, key, path, r[0].nbytes, r[2], r[1])
         return r[0], views is not None
+
+    def _settle(
+        self, scope: bytes, key: bytes, path: str, read: Callable[[], Opened | bool | None]
+    ) -> bool | None:
+        """A read in place (``read``: its checked file, False: not read in place, None: no file)
+        as `get_into` answers it, counted: True, False (read it another way) or None (a miss)."""
+        try:
+            r = read()
+        except fs_direct.Unsupported:
+            self.in_place = False
+            return False
+        except ValueError as exc:  # (views that do not fit the file: read it the staged way)
+            logger.warning("fs tier: a read in place refused: %s", exc)
+            return False
+        except BadFile as exc:
+            self._bad(path, key, exc)
+            return None
+        except (OSError, DiskTimeout) as exc:
+            self._failed("get", exc)
+            return None
+        if r is None:
+            self._gone(key)
+            return None
+        if r is False:
+            return False
+        assert isinstance(r, Opened)
+        self._hit(scope, key, path, r.header.nbytes, r.size, r.mtime)
+        self.counters.add(read_in_place=1)
+        return True
 
     def _hit(self, scope: bytes, key: bytes, path: str, nbytes: int, size: int, mtime: float) -> None:
         """A chunk read whole and checked: counted, known, its file's time refreshed if old."""

@@ -4,7 +4,6 @@ exactly the files known, and a removal keeps the cap."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane.storage.fs_index import FileIndex
-from dataplane.storage.fs_layout import PAYLOAD_AT, Found, chunk_path
+from dataplane.storage.fs_layout import PAYLOAD_AT, Found
 from dataplane.storage.fs_tier import FileTier
-from tests.dataplane.storage.test_fs_tier import CHUNK, SCOPE, files, key, payload, read
+from tests.dataplane.storage.test_fs_tier import CHUNK, SCOPE, files, key, payload, read, written_oldest_first
 from tests.helpers import wait_until
 
 SIZE = CHUNK + PAYLOAD_AT  # a file: its header, padded to a page, then the chunk
@@ -51,14 +50,7 @@ def test_a_file_read_often_outlasts_files_read_once_lately_under_lfuda_only(
 def test_after_a_restart_lfuda_removes_the_files_found_oldest_first_before_any_used_since(
     tmp_path: Path,
 ) -> None:
-    a = FileTier(str(tmp_path), 1 << 30, eviction="lfuda")
-    a.start()
-    for i in range(6):
-        a.put(SCOPE, key(i), memoryview(payload(i)))
-        assert a.flush(10)
-        os.utime(chunk_path(str(tmp_path), SCOPE, key(i)), (1000.0 + i, 1000.0 + i))  # oldest first
-    a.stop()
-    a.join()
+    written_oldest_first(tmp_path, 6)
     b = FileTier(str(tmp_path), 4 * SIZE, eviction="lfuda")
     b.start()
     try:

@@ -156,15 +156,20 @@ def test_lru_eviction_keeps_the_cap_and_a_hit_refreshes_a_chunk(tmp_path: Path) 
         t.join()
 
 
-def test_a_restart_rebuilds_the_index_in_the_background_and_keeps_a_smaller_cap(tmp_path: Path) -> None:
-    a = FileTier(str(tmp_path), 1 << 30)
+def written_oldest_first(root: Path, n: int) -> None:
+    """Chunks 0 to ``n - 1`` written by a tier since stopped, chunk i last modified at 1000 + i."""
+    a = FileTier(str(root), 1 << 30)
     a.start()
-    for i in range(6):
+    for i in range(n):
         a.put(SCOPE, key(i), memoryview(payload(i)))
         assert a.flush(10)
-        os.utime(chunk_path(str(tmp_path), SCOPE, key(i)), (1000.0 + i, 1000.0 + i))  # oldest first
+        os.utime(chunk_path(str(root), SCOPE, key(i)), (1000.0 + i, 1000.0 + i))
     a.stop()
     a.join()
+
+
+def test_a_restart_rebuilds_the_index_in_the_background_and_keeps_a_smaller_cap(tmp_path: Path) -> None:
+    written_oldest_first(tmp_path, 6)
     size = files(tmp_path)[0].stat().st_size
     b = FileTier(str(tmp_path), 4 * size)
     b.start()
