@@ -14,7 +14,8 @@ consumes those events, so:
 
 A frozen server (connection open, no answers) is not the monitor's to see: the heartbeat's
 ``abort`` is. ``lock`` guards the DEALER, its monitor socket and ``_had_connection``: one
-request at a time; ``connected`` is written under it and may be read anywhere.
+request at a time; ``connected`` and ``connections`` (how many connections the monitor has
+reported) are written under it and may be read anywhere.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Channel:
         self._room.register(self._monitor, zmq.POLLIN)
         self.reconnect_wait_s = reconnect_wait_s
         self.connected = False  # as the monitor last said
+        self.connections = 0  # connections made, as the monitor said: a new one, the server is back
         self._had_connection = False
         self.sock.connect(endpoint)
         self.lock = threading.Lock()  # guards sock, _monitor, connected: one request at a time
@@ -113,10 +115,18 @@ class Channel:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = self._had_connection = True
+                self.connections += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 if in_flight is not None:
                     raise RequestAborted(f"{in_flight}: connection to the server closed")
+
+    def poll_connections(self) -> int:
+        """``connections``, after reading what the monitor has said so far (never waits)."""
+        with self.lock:
+            if not self.sock.closed:
+                self._events(None)
+            return self.connections
 
     def _may_send(self) -> bool:
         """Whether a send can be trusted to go out; lock held. Once the monitor said the

@@ -47,6 +47,7 @@ from dataplane.client.keys import (
     mm_spans,
 )
 from dataplane.client.vllm_events import EventRelay, engine_names
+from dataplane.client.vllm_settings import connector_settings
 from dataplane.client.vllm_state import (
     UNCACHED,
     Plan,
@@ -55,7 +56,6 @@ from dataplane.client.vllm_state import (
     Scope,
     ScopeLookup,
     Uncached,
-    connector_settings,
 )
 from dataplane.client.vllm_wait import OwnSaves, Waits
 from dataplane.client.vllm_worker import BlockCopier, Registrar, Saver, load

@@ -32,74 +32,6 @@ from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScop
 logger = logging.getLogger(__name__)
 
 
-MODES = ("auto", "engine_driven", "server_driven")
-_KEYS = {
-    "kvwarden.url": str,
-    "kvwarden.transfer_mode": str,
-    "kvwarden.connect_wait_s": float,
-    "kvwarden.retry_s": float,
-    "kvwarden.lookup_timeout_s": float,
-    "kvwarden.request_timeout_s": float,
-    "kvwarden.heartbeat_interval_s": float,
-    "kvwarden.lookup_wait_s": float,
-    "kvwarden.kv_events_endpoint": str,
-    "kvwarden.kv_events_topic": str,
-}
-_MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
-_DEFAULTS: dict[str, Any] = {
-    "kvwarden.url": "tcp://127.0.0.1:5555",
-    "kvwarden.transfer_mode": "auto",
-    "kvwarden.connect_wait_s": 5.0,  # at engine start, for a server that is starting too
-    "kvwarden.retry_s": 2.0,
-    "kvwarden.lookup_timeout_s": 1.0,
-    "kvwarden.request_timeout_s": 30.0,
-    "kvwarden.heartbeat_interval_s": 5.0,
-    # how long a request may wait for its prefix being stored (by this engine or another) to
-    # land rather than recompute it; 0: never wait
-    "kvwarden.lookup_wait_s": 1.0,
-    # the server's kv_events_endpoint (as this engine reaches it): its events join the engine's
-    # own (`dataplane.client.vllm_events.EventRelay`); none: not forwarded
-    "kvwarden.kv_events_endpoint": None,
-    "kvwarden.kv_events_topic": "",
-}
-
-
-def connector_settings(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """``kv_connector_extra_config``'s kvwarden keys, checked (ValueError naming the key)."""
-    out = dict(_DEFAULTS)
-    for key, value in (extra or {}).items():
-        if not key.startswith("kvwarden."):
-            continue
-        if key not in _KEYS:
-            raise ValueError(f"kv_connector_extra_config: unknown key {key!r} (known: {', '.join(_KEYS)})")
-        try:
-            out[key] = _KEYS[key](value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"kv_connector_extra_config[{key!r}]: {value!r} is not a {_KEYS[key].__name__}"
-            ) from None
-        if _KEYS[key] is float and not (out[key] > 0 or (key in _MAY_BE_ZERO and out[key] == 0)):
-            bound = ">= 0" if key in _MAY_BE_ZERO else "> 0"
-            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be {bound}, got {value!r}")
-        if _KEYS[key] is float and not out[key] < float("inf"):
-            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be finite, got {value!r}")
-    ep = out["kvwarden.kv_events_endpoint"]
-    if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(
-            f"kv_connector_extra_config['kvwarden.kv_events_endpoint']: {ep!r} is not a ZMQ endpoint"
-        )
-    if ep is None and out["kvwarden.kv_events_topic"]:
-        raise ValueError(
-            "kv_connector_extra_config['kvwarden.kv_events_topic'] needs kvwarden.kv_events_endpoint"
-        )
-    if out["kvwarden.transfer_mode"] not in MODES:
-        raise ValueError(
-            f"kv_connector_extra_config['kvwarden.transfer_mode']: {out['kvwarden.transfer_mode']!r}; "
-            f"use {', '.join(MODES)}"
-        )
-    return out
-
-
 @dataclass(frozen=True)
 class Scope:
     """What a worker's ENGINE_REGISTER carries, as the scheduler can know it from the config."""
@@ -117,8 +49,10 @@ class Scope:
 class ScopeLookup:
     """LOOKUP_SCOPE for the scheduler. Never stalls it: a request waits at most ``timeout_s``,
     and after a failure the next ``retry_s`` seconds answer 0 without asking (one WARNING per
-    outage, one INFO when answers come back). ``_lock`` guards ``chunk_size``, ``_down_until``
-    and ``_down``."""
+    outage, one INFO when answers come back), unless the channel makes a new connection in
+    them: a server back from a restart is asked at once (its first answer also teaches the chunk
+    size, without which no store is planned). ``_lock`` guards ``chunk_size``, ``_down_until``,
+    ``_down_conns`` and ``_down``."""
 
     def __init__(
         self,
@@ -134,17 +68,17 @@ class ScopeLookup:
         self._clock = clock
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._chan = Channel(self._ctx, endpoint, reconnect_wait_s=min(0.05, timeout_s))
-        self._lock = threading.Lock()  # guards chunk_size, _down_until, _down
+        self._lock = threading.Lock()  # guards chunk_size, _down_until, _down_conns, _down
         self.chunk_size: int | None = None
         self._down_until = 0.0
+        self._down_conns = 0  # the channel's connections at the last failure
         self._down = False
 
     def find(self, token_ids: np.ndarray, key: KeyContext | None = None) -> Found:
         """Tokens of ``token_ids``' prefix that every rank's chunks hold under ``key``, and how
         many more are being stored (nothing, unanswered, when unsure)."""
-        with self._lock:
-            if self._clock() < self._down_until:
-                return Found(0, 0, answered=False)
+        if self._resting():
+            return Found(0, 0, answered=False)
         s = self.scope
         msg = LookupScope(
             s.model_name,
@@ -177,9 +111,8 @@ class ScopeLookup:
 
     def report_wait(self, waited_s: float, outcome: str) -> None:
         """Tell the server how a wait ended (its /metrics); an outage loses the report."""
-        with self._lock:
-            if self._clock() < self._down_until:
-                return
+        if self._resting():
+            return
         try:
             self._chan.request(LookupWaited(min(waited_s, MAX_WAIT_S), outcome), self.timeout_s)
         except RequestError:
@@ -187,9 +120,24 @@ class ScopeLookup:
         except KVWardenError as exc:
             self._failed(exc)
 
+    def _resting(self) -> bool:
+        """Whether the server is not asked now: within ``retry_s`` of a failure, and no new
+        connection since."""
+        with self._lock:
+            if self._clock() >= self._down_until:
+                return False
+            conns = self._down_conns
+        if self._chan.poll_connections() == conns:
+            return True
+        with self._lock:
+            self._down_until = 0.0  # a new connection: the server is back, ask it
+        return False
+
     def _failed(self, exc: KVWardenError) -> None:
+        conns = self._chan.connections
         with self._lock:
             self._down_until = self._clock() + self.retry_s
+            self._down_conns = conns
             first, self._down = not self._down, True
         if first:
             logger.warning("kvwarden: lookups answer 0 (recompute) until the server is back: %s", exc)

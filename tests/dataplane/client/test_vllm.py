@@ -6,13 +6,17 @@ the blocks they could not fill, and the connector's settings."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from dataplane.client import WorkerAdapter
+from dataplane.client.vllm_settings import connector_settings
 from dataplane.client.vllm_state import (
     UNCACHED,
     Load,
@@ -21,14 +25,13 @@ from dataplane.client.vllm_state import (
     Save,
     Scope,
     ScopeLookup,
-    connector_settings,
 )
 from dataplane.client.vllm_wait import Found
 from dataplane.client.vllm_worker import Registrar, Saver, load
 from dataplane.memory.blockkv import BlockKV
 from dataplane.wire.errors import InvalidLayout
 from dataplane.wire.messages import KeyContext, KVFormat
-from tests.helpers import FakeClock, ServerProcess
+from tests.helpers import FakeClock, ServerProcess, wait_until
 
 CS = 32  # the server's chunk size in these tests
 BS = 16  # vLLM's block size here: two blocks a chunk
@@ -172,12 +175,38 @@ def test_scope_lookup_answers_zero_at_once_while_the_server_is_away(
         with worker(srv) as w:
             w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
             w.store(np.arange(2 * CS), np.arange(NB))
-        assert lookup.hit_tokens(np.arange(2 * CS)) == 0  # still within retry_s
-        clock.advance(5.0)
-        assert lookup.hit_tokens(np.arange(2 * CS)) == 2 * CS
+        # still within retry_s (the clock stands still), but the channel connects again: asked
+        caplog.set_level(logging.INFO, logger="dataplane.client.vllm_state")
+        wait_until(lambda: lookup.hit_tokens(np.arange(2 * CS)) == 2 * CS, 10, what="a lookup answered")
+        assert lookup.chunk_size == CS
+        assert sum("answered again" in r.message for r in caplog.records) == 1
     finally:
         lookup.close()
         srv.stop()
+
+
+def test_scope_lookup_keeps_resting_on_a_server_that_holds_its_connection_but_never_answers() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    frozen = ctx.socket(zmq.ROUTER)  # takes the connection, never answers
+    port = frozen.bind_to_random_port("tcp://127.0.0.1")
+    clock = FakeClock()
+    lookup = ScopeLookup(f"tcp://127.0.0.1:{port}", scope(), timeout_s=0.3, retry_s=5.0, clock=clock)
+    try:
+        assert not lookup.find(np.arange(2 * CS)).answered  # connected, no reply in time
+        assert wait_until(lambda: frozen.poll(0), 5, what="the request to reach the frozen peer")
+        frozen.recv_multipart()
+        t0 = time.monotonic()
+        for _ in range(5):  # no new connection: within retry_s, not asked (no wait at all)
+            assert not lookup.find(np.arange(2 * CS)).answered
+        assert time.monotonic() - t0 < 0.3
+        assert not frozen.poll(100)  # nothing more was sent
+        clock.advance(5.0)
+        assert not lookup.find(np.arange(2 * CS)).answered  # past retry_s: asked again
+        assert frozen.poll(1000)
+    finally:
+        lookup.close()
+        frozen.close(linger=0)
+        ctx.term()
 
 
 def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new() -> None:
