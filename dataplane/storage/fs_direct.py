@@ -10,7 +10,9 @@ measured no faster here: the hand-offs cost what the overlap saved); the value i
 before the caller counts a byte of it. One pass over the bytes on the request's path instead of
 three (disk -> L1, the check over L1, L1 -> the worker). Anything short of a whole file in
 memory (a page missing, a file system without ``RWF_NOWAIT``) answers False: the caller reads
-the file the staged way, which overwrites whatever the attempt left in the blocks.
+the file the staged way, which overwrites whatever the attempt left in the blocks. A large
+payload is copied in parts by idle I/O threads beside the request's (`Parts`); the request's
+thread hashes them in order behind the copies.
 
 **Several at once** (`CopyGate`): the chunks of one RETRIEVE are read in place side by side,
 each on an I/O thread that opens the file, checks its header, then copies and checks it. The
@@ -30,10 +32,11 @@ that outlives it lands nowhere else.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -41,11 +44,15 @@ from dataplane.storage.fs_files import BadFile, Opened
 from dataplane.storage.remote_codec import RemoteValueError, check_digest, value_hasher
 
 PIECE = 1 << 20  # bytes read, then hashed, at a time: a core's L2 holds them
+MIN_PART = 8 << 20  # the least a thread copies of a payload read in parts (`Parts`)
 STAGE_PIECE = 4 << 20  # bytes a staged read reports at a time to the thread that follows it
 _IOV_MAX = 1024
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux only; 0: never in place
 _NOT_IN_MEMORY = (errno.EAGAIN, errno.EWOULDBLOCK)
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+
+
+Submit = Callable[[Callable[[], object]], object]  # runs a call on another thread (`DiskPool.submit`)
 
 
 class Unsupported(Exception):
@@ -84,19 +91,27 @@ class CopyGate:
                 self._cond.wait()
 
 
-def read_resident(f: Opened, views: Sequence[memoryview]) -> bool:
+def read_resident(
+    f: Opened, views: Sequence[memoryview], ways: int = 1, submit: Submit | None = None
+) -> bool:
     """``f``'s payload copied into ``views`` (bytes, in order, as long as the payload in all)
     and checked, if the page cache holds all of it: True. False when it does not (the views may
     hold part of it: the caller overwrites them). BadFile when the value fails its check,
     `Unsupported` when the file system refuses the flag, ValueError when the views do not add up
-    to the payload, OSError when the disk fails."""
+    to the payload, OSError when the disk fails. With ``ways`` > 1 and ``submit`` (`Parts`), the
+    payload is cut in up to ``ways`` parts of at least `MIN_PART` bytes that other threads copy
+    beside this one."""
     if not _NOWAIT:
         raise Unsupported("RWF_NOWAIT is not available on this platform")
     total = sum(v.nbytes for v in views)
     if total != f.header.nbytes:
         raise ValueError(f"destination of {total} bytes for a payload of {f.header.nbytes}")
     h = value_hasher(f.head, f.header)
-    if not _read(f, _pieces(views), h):
+    parts = _split(_pieces(views), f.header.start, min(ways, total // MIN_PART) if submit else 1)
+    if len(parts) == 1:
+        if not _read(f, parts[0][1], h, parts[0][0]):
+            return False
+    elif submit is None or not Parts(f, parts).read(h, submit):
         return False
     try:
         check_digest(f.head, f.header, h.intdigest())
@@ -105,9 +120,88 @@ def read_resident(f: Opened, views: Sequence[memoryview]) -> bool:
     return True
 
 
-def _read(f: Opened, groups: list[list[memoryview]], h: xxhash.xxh3_64) -> bool:
-    """Read ``groups`` in order into their views, each hashed into ``h`` once it landed."""
-    pos = f.header.start
+class Parts:
+    """A payload read in place in parts, by this thread and the threads ``submit`` runs calls
+    on: each part is copied by whoever takes it first (a part no other thread has started when
+    this one gets to it, it copies itself: a pool that is busy, or stuck in a dead mount's
+    ``open``, costs nothing but the overlap). This thread hashes every part in order, a part it
+    copied as it lands, another's once it is over. Nothing touches the file or the views once
+    `read` has returned: a part not started by then never starts, and `read` waits for those
+    under way (they never wait on the disk). ``_cond`` guards ``_state``, ``_ok`` and
+    ``_error``."""
+
+    FREE, TAKEN, OVER = 0, 1, 2
+
+    def __init__(self, f: Opened, parts: list[tuple[int, list[list[memoryview]]]]) -> None:
+        self._f, self._parts = f, parts
+        self._cond = threading.Condition(threading.Lock())  # leaf: see the class docstring
+        self._state = [self.FREE] * len(parts)
+        self._ok = [False] * len(parts)
+        self._error: list[BaseException | None] = [None] * len(parts)
+
+    def read(self, h: xxhash.xxh3_64, submit: Submit) -> bool:
+        """All parts copied into their views and hashed into ``h`` in order: True; False as soon
+        as one is not all in memory. A part's exception (a helper's too) is raised here."""
+        for i in range(len(self._parts) - 1, 0, -1):  # the last first: this thread starts at 0
+            submit(functools.partial(self._run, i, None))
+        try:
+            for i, (_, groups) in enumerate(self._parts):
+                ran = self._run(i, h)  # copied and hashed here, unless a helper took it
+                with self._cond:
+                    self._cond.wait_for(lambda i=i: self._state[i] == self.OVER)  # type: ignore[misc]
+                    ok, err = self._ok[i], self._error[i]
+                if err is not None:
+                    raise err
+                if not ok:
+                    return False
+                if not ran:  # (a helper copied it: hashed here, behind the copy)
+                    for g in groups:
+                        for v in g:
+                            h.update(v)
+            return True
+        finally:
+            with self._cond:  # parts never started stay so; those under way end
+                self._state = [self.OVER if s == self.FREE else s for s in self._state]
+                self._cond.wait_for(lambda: self.TAKEN not in self._state)
+
+    def _run(self, i: int, h: xxhash.xxh3_64 | None) -> bool:
+        """Copy part ``i`` (hashed into ``h`` if given) if nobody took it yet: whether it ran."""
+        with self._cond:
+            if self._state[i] != self.FREE:
+                return False
+            self._state[i] = self.TAKEN
+        ok, err = False, None
+        try:
+            pos, groups = self._parts[i]
+            ok = _read(self._f, groups, h, pos)
+        except BaseException as exc:  # (this thread's or a helper's: raised in `read`)
+            err = exc
+        with self._cond:
+            self._ok[i], self._error[i], self._state[i] = ok, err, self.OVER
+            self._cond.notify_all()
+        return True
+
+
+def _split(groups: list[list[memoryview]], start: int, ways: int) -> list[tuple[int, list[list[memoryview]]]]:
+    """``groups`` cut into at most ``ways`` runs of about equal bytes, each with its file offset."""
+    total = sum(v.nbytes for g in groups for v in g)
+    ways = max(1, min(ways, len(groups)))
+    out: list[tuple[int, list[list[memoryview]]]] = []
+    pos, done, cur = start, 0, []
+    for g in groups:
+        cur.append(g)
+        done += sum(v.nbytes for v in g)
+        if done * ways >= total * (len(out) + 1) and len(out) < ways - 1:
+            out.append((pos, cur))
+            pos, cur = start + done, []
+    if cur:
+        out.append((pos, cur))
+    return out
+
+
+def _read(f: Opened, groups: list[list[memoryview]], h: xxhash.xxh3_64 | None, pos: int) -> bool:
+    """Read ``groups`` in order into their views from file offset ``pos``, each hashed into
+    ``h`` (if given) once it landed."""
     for group in groups:
         want = sum(v.nbytes for v in group)
         try:
@@ -124,8 +218,9 @@ def _read(f: Opened, groups: list[list[memoryview]], h: xxhash.xxh3_64) -> bool:
                 short = f.header.start + f.header.nbytes - end
                 raise BadFile("truncated", f"the file ended {short} bytes early", f.ino)
             return False
-        for v in group:
-            h.update(v)
+        if h is not None:
+            for v in group:
+                h.update(v)
         pos += n
     return True
 

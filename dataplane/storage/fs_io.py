@@ -103,6 +103,10 @@ class DiskPool:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self._threads)
 
+    @property
+    def threads(self) -> int:
+        return self._n
+
     def is_alive(self) -> bool:
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _GRACE_S = 0.05  # a read whose bytes all landed is given this long to return, past its deadline
 TOUCH_AFTER_S = 60.0  # a hit refreshes the file's time when it is older than this
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 T = TypeVar("T")
 
 
@@ -156,7 +157,10 @@ class FileReads:
                 return None
             try:
                 views = views_for(f.header.nbytes)
-                return f if views is not None and fs_direct.read_resident(f, views) else False
+                if views is None:
+                    return False
+                ways = min(self.io.threads + 1, _CORES)
+                return f if fs_direct.read_resident(f, views, ways, self.io.submit) else False
             finally:
                 os.close(f.fd)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +15,7 @@ import pytest
 
 from dataplane.storage import fs_direct, fs_files
 from dataplane.storage.fs_files import BadFile, Opened
+from dataplane.storage.fs_io import DiskPool
 from tests.page_cache import drop_from_page_cache
 
 KEY = b"k" * 16
@@ -144,3 +145,95 @@ def test_a_follower_past_its_deadline_stops_and_the_reader_stops_after_it(tmp_pa
     assert not fs_direct.follow(landing, None, time.monotonic() + 0.05)  # nothing ever landed
     landing.abandon()
     assert not landing.add(1)  # the reader is told at its next piece
+
+
+# ------------------------------------------------------- a payload read in parts (`Parts`)
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fs_direct, "MIN_PART", fs_direct.PIECE)  # (N: three parts of a piece or more)
+
+
+def at_once(fn: Callable[[], object]) -> bool:
+    """A helper that copies its part the moment it is handed it (before this thread starts)."""
+    fn()
+    return True
+
+
+def test_parts_copied_by_helpers_are_hashed_behind_them_in_order(
+    opened: tuple[Path, Opened], payload: bytes, small_parts: None
+) -> None:
+    _, f = opened
+    _, views = scattered(N, 37)
+    assert fs_direct.read_resident(f, views, 3, at_once)  # (every part but the first: a helper's)
+    assert b"".join(bytes(v) for v in views) == payload
+
+
+def test_a_damaged_byte_in_a_helpers_part_is_a_bad_file(
+    tmp_path: Path, payload: bytes, small_parts: None
+) -> None:
+    path = tmp_path / "chunk"
+    write(path, payload)
+    with open(path, "r+b") as fh:
+        fh.seek(-7, os.SEEK_END)
+        b = fh.read(1)
+        fh.seek(-7, os.SEEK_END)
+        fh.write(bytes([b[0] ^ 1]))
+    f = fs_files.open_chunk(str(path), KEY, N)
+    assert f is not None
+    try:
+        with pytest.raises(BadFile) as exc:
+            fs_direct.read_resident(f, scattered(N, 3)[1], 3, at_once)
+        assert exc.value.kind == "checksum"
+    finally:
+        os.close(f.fd)
+
+
+def test_a_helpers_part_out_of_the_page_cache_or_cut_short_is_not_served(
+    opened: tuple[Path, Opened], small_parts: None
+) -> None:
+    path, f = opened
+    drop_from_page_cache(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:  # only the header and the first part back in memory (no read-ahead)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, f.header.start + fs_direct.PIECE, 0)
+    finally:
+        os.close(fd)
+    assert not fs_direct.read_resident(f, scattered(N, 5)[1], 3, at_once)
+    path.read_bytes()
+    os.truncate(path, f.header.start + 2 * fs_direct.PIECE)  # the last part cut, after the header
+    with pytest.raises(BadFile) as exc:
+        fs_direct.read_resident(f, scattered(N, 5)[1], 3, at_once)
+    assert exc.value.kind == "truncated"
+
+
+def test_parts_no_helper_took_are_copied_here_and_never_after_the_read_returned(
+    opened: tuple[Path, Opened], payload: bytes, small_parts: None
+) -> None:
+    _, f = opened
+    late: list[Callable[[], object]] = []  # a pool that is busy (or stuck): its calls run later
+    mem, views = scattered(N, 9)
+    assert fs_direct.read_resident(f, views, 3, lambda fn: late.append(fn)) and len(late) == 2
+    assert b"".join(bytes(v) for v in views) == payload
+    mem[:] = bytes(len(mem))
+    for fn in late:
+        fn()  # the helpers wake up at last: nothing left for them to copy
+    assert not any(mem)
+
+
+def test_parts_on_a_real_pool_land_whole(
+    opened: tuple[Path, Opened], payload: bytes, small_parts: None
+) -> None:
+    _, f = opened
+    pool = DiskPool(3, 5.0)
+    pool.start()
+    try:
+        for _ in range(20):  # (whoever takes each part: the same bytes)
+            _, views = scattered(N, 37)
+            assert fs_direct.read_resident(f, views, 4, pool.submit)
+            assert b"".join(bytes(v) for v in views) == payload
+    finally:
+        pool.stop()
+        pool.join()
