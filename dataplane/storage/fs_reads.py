@@ -5,7 +5,7 @@
 - `get_into`: a chunk read in place, from the page cache straight into the caller's views (the
   worker's blocks; `fs_direct`), when the page cache holds the whole file; else the caller
   falls back to `get`. Its open and header check run on the I/O threads under the deadline;
-  the copy itself never waits on the disk.
+  the copy itself never waits on the disk (idle I/O threads copy parts of it: `fs_direct.Parts`).
 - `get_many_into`: several chunks read in place side by side, each on an I/O thread
   (`fs_direct.CopyGate` keeps a late one from copying once the request has answered).
 - `get_through`: `get`, followed by the caller's thread as it lands, each piece checked and
