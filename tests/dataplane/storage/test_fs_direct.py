@@ -75,8 +75,9 @@ def test_a_file_out_of_the_page_cache_is_refused_not_waited_for(
     assert fs_direct.read_resident(f, views) and b"".join(bytes(v) for v in views) == payload
 
 
-def test_a_damaged_byte_anywhere_is_a_bad_file(tmp_path: Path, payload: bytes) -> None:
-    path = tmp_path / "chunk"
+def damaged(path: Path, payload: bytes) -> Opened:
+    """``payload`` written to ``path`` with one bit of its last piece flipped, opened (its
+    header checks)."""
     write(path, payload)
     with open(path, "r+b") as fh:
         fh.seek(-7, os.SEEK_END)
@@ -85,10 +86,15 @@ def test_a_damaged_byte_anywhere_is_a_bad_file(tmp_path: Path, payload: bytes) -
         fh.write(bytes([b[0] ^ 1]))
     f = fs_files.open_chunk(str(path), KEY, N)
     assert f is not None
+    return f
+
+
+def test_a_damaged_byte_anywhere_is_a_bad_file(tmp_path: Path, payload: bytes) -> None:
+    f = damaged(tmp_path / "chunk", payload)
     try:
         with pytest.raises(BadFile) as exc:
             fs_direct.read_resident(f, scattered(N, 3)[1])
-        assert exc.value.kind == "checksum" and exc.value.ino == os.stat(path).st_ino
+        assert exc.value.kind == "checksum" and exc.value.ino == os.stat(tmp_path / "chunk").st_ino
     finally:
         os.close(f.fd)
 
@@ -173,15 +179,7 @@ def test_parts_copied_by_helpers_are_hashed_behind_them_in_order(
 def test_a_damaged_byte_in_a_helpers_part_is_a_bad_file(
     tmp_path: Path, payload: bytes, small_parts: None
 ) -> None:
-    path = tmp_path / "chunk"
-    write(path, payload)
-    with open(path, "r+b") as fh:
-        fh.seek(-7, os.SEEK_END)
-        b = fh.read(1)
-        fh.seek(-7, os.SEEK_END)
-        fh.write(bytes([b[0] ^ 1]))
-    f = fs_files.open_chunk(str(path), KEY, N)
-    assert f is not None
+    f = damaged(tmp_path / "chunk", payload)
     try:
         with pytest.raises(BadFile) as exc:
             fs_direct.read_resident(f, scattered(N, 3)[1], 3, at_once)
