@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -26,13 +27,32 @@ _GIVEN: collections.deque[int] = collections.deque(maxlen=256)  # ports handed o
 _given_lock = threading.Lock()  # guards _GIVEN
 
 
+def _below_ephemeral() -> tuple[int, int] | None:
+    """Ports under the kernel's ephemeral range (where outgoing connections take their own
+    port from), from 10000; None where that leaves fewer than 1000."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (10_000, low) if low - 10_000 >= 1000 else None
+
+
+_RANGE = _below_ephemeral()
+_rng = random.Random()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, and not one this process handed
     out lately: two calls in a row (a server's data plane and sidecar ports, neither bound yet)
-    never get the same port, as the kernel may hand back a port it just gave."""
+    never get the same port, as the kernel may hand back a port it just gave. Taken under the
+    ephemeral range where there is room: a server restarted on its port must find it free, and
+    an ephemeral port may meanwhile be any outgoing connection's own."""
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", 0 if _RANGE is None else _rng.randrange(*_RANGE)))
+            except OSError:
+                continue  # (in use: another one)
             port = int(s.getsockname()[1])
         with _given_lock:
             if port not in _GIVEN:
