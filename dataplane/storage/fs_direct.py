@@ -107,11 +107,13 @@ def read_resident(
     if total != f.header.nbytes:
         raise ValueError(f"destination of {total} bytes for a payload of {f.header.nbytes}")
     h = value_hasher(f.head, f.header)
-    parts = _split(_pieces(views), f.header.start, min(ways, total // MIN_PART) if submit else 1)
-    if len(parts) == 1:
-        if not _read(f, parts[0][1], h, parts[0][0]):
-            return False
-    elif submit is None or not Parts(f, parts).read(h, submit):
+    groups = _pieces(views)
+    parts = _split(groups, f.header.start, min(ways, total // MIN_PART)) if submit is not None else []
+    if len(parts) > 1 and submit is not None:
+        ok = Parts(f, parts).read(h, submit)
+    else:
+        ok = _read(f, groups, h, f.header.start)
+    if not ok:
         return False
     try:
         check_digest(f.head, f.header, h.intdigest())
