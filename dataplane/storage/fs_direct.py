@@ -24,7 +24,8 @@ once the RETRIEVE has answered.
 **Followed** (`fs_files.read_chunk` with a `Landing` on an I/O thread, `follow` on the
 request's): a cold file is read into a staging buffer (L1's) `STAGE_PIECE` bytes at a time,
 and the request's thread hashes each piece and copies it on into the views as it lands
-(`Landing` passes the progress), so the copy ends soon after the disk does. The views are
+(`Landing` passes the progress; `PIECE` bytes hashed, then copied from the core's caches), so
+the copy ends soon after the disk does. The views are
 written from the staging buffer only, by the follower, which stops at its deadline: a read
 that outlives it lands nowhere else.
 """
@@ -40,10 +41,10 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
+from dataplane.storage.fs_files import PIECE as PIECE  # (read, then hashed, at a time: here too)
 from dataplane.storage.fs_files import BadFile, Opened
 from dataplane.storage.remote_codec import RemoteValueError, check_digest, value_hasher
 
-PIECE = 1 << 20  # bytes read, then hashed, at a time: a core's L2 holds them
 MIN_PART = 8 << 20  # the least a thread copies of a payload read in parts (`Parts`)
 STAGE_PIECE = 4 << 20  # bytes a staged read reports at a time to the thread that follows it
 _IOV_MAX = 1024
@@ -314,9 +315,10 @@ def follow(landing: Landing, views: Sequence[memoryview] | None, deadline: float
         got = landing.wait(min(total, done + STAGE_PIECE), deadline)
         if got <= done:
             return False
-        piece = buf[done:got]
-        h.update(piece)
-        k = _copy(piece, done, spans, k)
+        for at in range(done, got, PIECE):  # hashed, then copied from the core's caches
+            piece = buf[at : min(got, at + PIECE)]
+            h.update(piece)
+            k = _copy(piece, at, spans, k)
         done = got
     try:
         check_digest(f.head, f.header, h.intdigest())

@@ -23,10 +23,16 @@ from dataplane.storage.remote_codec import (
     MAX_HEADER,
     Header,
     RemoteValueError,
-    check_hash,
+    check_digest,
     check_header,
     encode_header,
+    value_hasher,
 )
+
+# bytes read, then hashed, at a time: hashed while the core's L2 still holds them. A whole
+# 32 MiB chunk hashed after its read comes back from memory at a third of the speed: read and
+# checked in pieces of this size, a chunk file into L1 took 6.3 ms here against 8.0-8.4 ms
+PIECE = 256 << 10
 
 # what a failed disk call was, for the counters (`failure_kind`)
 FAILURE_KINDS = ("timeout", "no_space", "read_only", "vanished", "io", "error")
@@ -103,6 +109,12 @@ def open_chunk(path: str, key: bytes, nbytes: int | None) -> Opened | None:
     return Opened(fd, head, h, st.st_ino, st.st_mtime, st.st_size)
 
 
+class Hasher(Protocol):
+    """A running value hash (`remote_codec.value_hasher`)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+
 class Progress(Protocol):
     """Who follows a read as it lands (`fs_direct.Landing`): told the file and its buffer, then
     each piece of ``piece`` bytes as it lands (``add`` False: stop reading, nobody waits)."""
@@ -135,8 +147,9 @@ def read_chunk(
             return None
         try:
             if progress is None:
-                _read_exact(f.fd, dest, f.header)
-                check_hash(f.head, f.header, dest)
+                h = value_hasher(f.head, f.header)
+                _read_exact(f.fd, dest, f.header, PIECE, hashed=h)
+                check_digest(f.head, f.header, h.intdigest())
             else:
                 progress.started(f, dest)
                 _read_exact(f.fd, dest, f.header, progress.piece, progress.add)
@@ -148,15 +161,22 @@ def read_chunk(
 
 
 def _read_exact(
-    fd: int, dest: memoryview, h: Header, piece: int = 0, landed: Callable[[int], bool] | None = None
+    fd: int,
+    dest: memoryview,
+    h: Header,
+    piece: int = 0,
+    landed: Callable[[int], bool] | None = None,
+    hashed: Hasher | None = None,
 ) -> None:
-    """The payload into ``dest``: whole, or ``piece`` bytes a read, each told to ``landed``
-    (which may stop it)."""
+    """The payload into ``dest``: whole, or ``piece`` bytes a read, each hashed into ``hashed``
+    as it lands and told to ``landed`` (which may stop it)."""
     got, pos = 0, h.start
     while got < h.nbytes:
         n = os.preadv(fd, [dest[got : got + piece] if piece else dest[got:]], pos + got)
         if n == 0:  # shorter than its header says: cut while we read
             raise RemoteValueError("truncated", f"{got} payload bytes, header says {h.nbytes}")
+        if hashed is not None:
+            hashed.update(dest[got : got + n])
         got += n
         if landed is not None and not landed(n):
             return  # (abandoned: the rest is nobody's)
