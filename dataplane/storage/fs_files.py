@@ -136,8 +136,10 @@ def read_chunk(
     """The payload of ``path`` read into ``alloc(size)``'s buffer after every check, the
     file's modification time and its size; None when the file is not there (FileNotFoundError is a miss) or
     ``alloc`` has no room. BadFile when it fails a check (the buffer was written: the caller
-    gives it back), OSError when the disk fails. With ``progress``, the payload is read a piece
-    at a time, each reported, and not hashed here: whoever follows it checks it."""
+    gives it back), OSError when the disk fails. With ``progress``, what has landed is reported
+    as it lands (``progress.piece`` bytes or more at a time), and the value is checked here once
+    whole: a follower may copy the bytes on before they are checked, and learns the check from
+    this call. A read the follower gave up (``add`` False) stops unchecked."""
     f = open_chunk(path, key, nbytes)
     if f is None:
         return None
@@ -146,13 +148,11 @@ def read_chunk(
         if dest is None:
             return None
         try:
-            if progress is None:
-                h = value_hasher(f.head, f.header)
-                _read_exact(f.fd, dest, f.header, PIECE, hashed=h)
-                check_digest(f.head, f.header, h.intdigest())
-            else:
+            h = value_hasher(f.head, f.header)
+            if progress is not None:
                 progress.started(f, dest)
-                _read_exact(f.fd, dest, f.header, progress.piece, progress.add)
+            if _read_exact(f.fd, dest, f.header, h, progress):
+                check_digest(f.head, f.header, h.intdigest())
         except RemoteValueError as exc:
             raise BadFile(exc.kind, str(exc), f.ino) from None
         return dest, f.mtime, f.size
@@ -160,26 +160,22 @@ def read_chunk(
         os.close(f.fd)
 
 
-def _read_exact(
-    fd: int,
-    dest: memoryview,
-    h: Header,
-    piece: int = 0,
-    landed: Callable[[int], bool] | None = None,
-    hashed: Hasher | None = None,
-) -> None:
-    """The payload into ``dest``: whole, or ``piece`` bytes a read, each hashed into ``hashed``
-    as it lands and told to ``landed`` (which may stop it)."""
-    got, pos = 0, h.start
+def _read_exact(fd: int, dest: memoryview, h: Header, hashed: Hasher, progress: Progress | None) -> bool:
+    """The payload into ``dest``, `PIECE` bytes a read, each hashed into ``hashed`` as it lands
+    and reported to ``progress`` (every ``progress.piece`` bytes, and at the end): whether it
+    was read whole (False: the follower gave up; the rest is nobody's)."""
+    got, told, pos = 0, 0, h.start
     while got < h.nbytes:
-        n = os.preadv(fd, [dest[got : got + piece] if piece else dest[got:]], pos + got)
+        n = os.preadv(fd, [dest[got : got + PIECE]], pos + got)
         if n == 0:  # shorter than its header says: cut while we read
             raise RemoteValueError("truncated", f"{got} payload bytes, header says {h.nbytes}")
-        if hashed is not None:
-            hashed.update(dest[got : got + n])
+        hashed.update(dest[got : got + n])
         got += n
-        if landed is not None and not landed(n):
-            return  # (abandoned: the rest is nobody's)
+        if progress is not None and (got - told >= progress.piece or got == h.nbytes):
+            if not progress.add(got - told):
+                return False
+            told = got
+    return True
 
 
 def write_chunk(path: str, root: str, parts: Sequence[bytes | memoryview]) -> int:

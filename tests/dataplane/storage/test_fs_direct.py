@@ -146,6 +146,36 @@ def test_a_staged_read_is_followed_piece_by_piece_into_scattered_views(tmp_path:
     assert b"".join(bytes(v) for v in views) == data and bytes(staging) == data and out[0] is not None
 
 
+def test_a_damaged_file_followed_lands_whole_and_the_read_says_it_failed_its_check(tmp_path: Path) -> None:
+    n = 2 * fs_direct.STAGE_PIECE + 12_345
+    data = np.random.default_rng(6).integers(0, 256, n, dtype=np.uint8).tobytes()
+    path = tmp_path / "chunk"
+    write(path, data)
+    with open(path, "r+b") as f:  # one byte of the last piece flipped
+        f.seek(-7, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-7, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    staging = bytearray(n)
+    landing = fs_direct.Landing()
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            fs_files.read_chunk(str(path), KEY, n, lambda size: memoryview(staging), landing)
+        except BaseException as exc:
+            raised.append(exc)
+        finally:
+            landing.end()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    _, views = scattered(n, 41)
+    assert fs_direct.follow(landing, views, time.monotonic() + 30)  # (it copies; the read checks)
+    reader.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], BadFile) and raised[0].kind == "checksum"
+
+
 def test_a_follower_past_its_deadline_stops_and_the_reader_stops_after_it(tmp_path: Path) -> None:
     landing = fs_direct.Landing()
     assert not fs_direct.follow(landing, None, time.monotonic() + 0.05)  # nothing ever landed
