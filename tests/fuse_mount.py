@@ -120,7 +120,16 @@ class FuseMount:
             raise RuntimeError(f"the FUSE mount did not come up: {err.decode(errors='replace')}")
 
     def freeze(self) -> None:
+        """Stop the file system's process: from when this returns, every call into the mount
+        blocks in the kernel (a SIGSTOP lands asynchronously, thread by thread: waited for)."""
+        from tests.helpers import wait_until
+
         self.proc.send_signal(signal.SIGSTOP)
+        wait_until(self._stopped, 10, 0.001, what="the file system's process stopped")
+
+    def _stopped(self) -> bool:
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        return all(_state(t / "stat") in ("T", "t") for t in tasks.iterdir())
 
     def thaw(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
@@ -139,6 +148,14 @@ class FuseMount:
             self.proc.wait(10)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+def _state(stat: Path) -> str:
+    """A thread's state letter in its ``/proc/.../stat`` ("T": stopped); "" once it is gone."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 if __name__ == "__main__":
