@@ -216,11 +216,12 @@ class FileReads:
         give_back: Callable[[memoryview], None],
         views_for: Callable[[int], Sequence[memoryview] | None],
     ) -> tuple[memoryview, bool] | None:
-        """`get`, with the chunk checked and copied on into ``views_for(size)`` (the worker's
-        blocks) by this thread piece by piece as the I/O thread's read lands them, so the copy
-        ends soon after the disk does. (The buffer, whether the views got it too: False when
-        ``views_for`` gave none); None: a miss (counted). The views are written from the buffer
-        only, by this thread: a read past the deadline lands nowhere but the buffer."""
+        """`get`, with the chunk copied on into ``views_for(size)`` (the worker's blocks) by this
+        thread piece by piece as the I/O thread's read lands (and hashes) them, so the copy ends
+        soon after the disk does; the read's check decides whether they count. (The buffer,
+        whether the views got it too: False when ``views_for`` gave none); None: a miss
+        (counted). The views are written from the buffer only, by this thread: a read past the
+        deadline lands nowhere but the buffer."""
         if self.bypassed:
             return None
         path = chunk_path(self.root, scope, key)
