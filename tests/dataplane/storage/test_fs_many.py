@@ -19,10 +19,16 @@ from dataplane.storage.fs_direct import CopyGate
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.tiered import TieredStore
-from tests.dataplane.storage.test_tiered_fs import CHUNK, SCOPE, damage, key, store
+from tests.dataplane.storage.test_tiered_fs import SCOPE, damage, key, store
 from tests.fuse_mount import FuseMount
 from tests.helpers import wait_until
 from tests.page_cache import drop_from_page_cache
+
+# a chunk's bytes: past what the kernel's read-ahead lands while a read in place of a cold file
+# is tried (the header's read lands 16 KiB, and the try starts the next window: a 32 KiB file
+# was then read whole in place about once in 400 tries here)
+CHUNK = 256 << 10
+L1 = 4 << 20  # an L1's bytes: room for the few chunks of a test
 
 
 @pytest.fixture
@@ -36,8 +42,8 @@ def fs(tmp_path: Path) -> Iterator[FileTier]:
 
 def stored(fs: FileTier, root: Path, ids: range) -> tuple[list[bytes], list[torch.Tensor]]:
     """Chunks ``ids`` written to the tier, their files warm; their keys and bytes."""
-    t = TieredStore(1 << 20, fs=fs)
-    want = [store(t, i) for i in ids]
+    t = TieredStore(L1, fs=fs)
+    want = [store(t, i, CHUNK) for i in ids]
     assert fs.flush(10)
     keys = [key(i) for i in ids]
     for k in keys:
@@ -62,7 +68,7 @@ def test_warm_chunks_are_read_in_place_side_by_side_counted_once_then_promoted(
     fs: FileTier, tmp_path: Path
 ) -> None:
     keys, want = stored(fs, tmp_path, range(30, 36))
-    cold, dest = TieredStore(1 << 20, fs=fs), Dest(len(keys))
+    cold, dest = TieredStore(L1, fs=fs), Dest(len(keys))
     got = cold.acquire_into(keys, dest.into, scope=SCOPE, nbytes=CHUNK)
     assert got == [None] * len(keys)
     assert all(torch.equal(d, w) for d, w in zip(dest.bufs, want, strict=True))
@@ -84,7 +90,7 @@ def test_the_run_ends_at_a_cold_missing_or_damaged_chunk_counted_once(
         os.unlink(path)
     else:
         damage(path)
-    cold, dest = TieredStore(1 << 20, fs=fs), Dest(len(keys))
+    cold, dest = TieredStore(L1, fs=fs), Dest(len(keys))
     got = cold.acquire_into(keys, dest.into, scope=SCOPE, nbytes=CHUNK)
     s = fs.stats()
     assert got[:2] == [None, None] and all(torch.equal(dest.bufs[i], want[i]) for i in (0, 1))
@@ -108,7 +114,7 @@ def test_without_a_chunk_size_or_with_one_chunk_they_go_one_by_one(fs: FileTier,
         asked.append(i)
         return dest.into(i, n)
 
-    assert TieredStore(1 << 20, fs=fs).acquire_into(keys, into, scope=SCOPE) == [None] * 3
+    assert TieredStore(L1, fs=fs).acquire_into(keys, into, scope=SCOPE) == [None] * 3
     assert asked == [0, 1, 2] and all(torch.equal(d, w) for d, w in zip(dest.bufs, want, strict=True))
     assert fs.get_many_into(SCOPE, keys[:1], CHUNK, lambda i: dest.into(i, CHUNK)) == []
     assert fs.get_many_into(SCOPE, keys, CHUNK, lambda i: None) == []
@@ -123,7 +129,7 @@ def test_a_late_open_on_a_mount_that_stopped_answering_writes_nothing(tmp_path: 
         dest = Dest(len(keys))
         mount.freeze()  # every open now blocks in the kernel (a mount like this one reads
         # nothing in place anyway: the test above holds opens on a disk that does)
-        got = TieredStore(1 << 20, fs=fs).acquire_into(keys, dest.into, scope=SCOPE, nbytes=CHUNK)
+        got = TieredStore(L1, fs=fs).acquire_into(keys, dest.into, scope=SCOPE, nbytes=CHUNK)
         failures = fs.stats().get_failures
         assert got == [] and failures["timeout"] == 1 and sum(failures.values()) == 1
         mount.thaw()  # the opens return now, after the request answered
@@ -154,7 +160,7 @@ def test_opens_that_return_after_the_deadline_copy_nothing(
 
     monkeypatch.setattr(fs_files, "open_chunk", open_chunk)
     dest = Dest(len(keys))
-    got = TieredStore(1 << 20, fs=fs).acquire_into(keys, dest.into, scope=SCOPE, nbytes=CHUNK)
+    got = TieredStore(L1, fs=fs).acquire_into(keys, dest.into, scope=SCOPE, nbytes=CHUNK)
     assert got == [None] and torch.equal(dest.bufs[0], want[0])
     late.set()
     wait_until(lambda: fs.io.stalled_for() == 0 and fs.io.pending() == 0, 10, what="the late opens to end")

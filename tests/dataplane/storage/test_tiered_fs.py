@@ -35,10 +35,10 @@ def fs(tmp_path: Path) -> Iterator[FileTier]:
     t.join()
 
 
-def store(t: TieredStore, i: int) -> torch.Tensor:
-    buf = t.reserve(CHUNK)
+def store(t: TieredStore, i: int, size: int = CHUNK) -> torch.Tensor:
+    buf = t.reserve(size)
     assert buf is not None
-    buf.copy_(torch.full((CHUNK,), i, dtype=torch.uint8))
+    buf.copy_(torch.full((size,), i, dtype=torch.uint8))
     assert t.commit(key(i), buf, scope=SCOPE)
     return buf.clone()
 
