@@ -317,8 +317,7 @@ def follow(landing: Landing, views: Sequence[memoryview] | None, deadline: float
         got = landing.wait(min(total, done + STAGE_PIECE), deadline)
         if got <= done:
             return False
-        for at in range(done, got, PIECE):  # (a piece at a time: the reader takes the GIL between)
-            k = _copy(buf[at : min(got, at + PIECE)], at, spans, k)
+        k = _copy(buf[done:got], done, spans, k)
         done = got
     return True
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import xxhash
+
 from dataplane.storage.fs_layout import PAYLOAD_AT, tmp_path
 from dataplane.storage.remote_codec import (
     MAX_HEADER,
@@ -109,12 +111,6 @@ def open_chunk(path: str, key: bytes, nbytes: int | None) -> Opened | None:
     return Opened(fd, head, h, st.st_ino, st.st_mtime, st.st_size)
 
 
-class Hasher(Protocol):
-    """A running value hash (`remote_codec.value_hasher`)."""
-
-    def update(self, data: memoryview, /) -> None: ...
-
-
 class Progress(Protocol):
     """Who follows a read as it lands (`fs_direct.Landing`): told the file and its buffer, then
     each piece of ``piece`` bytes as it lands (``add`` False: stop reading, nobody waits)."""
@@ -160,7 +156,9 @@ def read_chunk(
         os.close(f.fd)
 
 
-def _read_exact(fd: int, dest: memoryview, h: Header, hashed: Hasher, progress: Progress | None) -> bool:
+def _read_exact(
+    fd: int, dest: memoryview, h: Header, hashed: xxhash.xxh3_64, progress: Progress | None
+) -> bool:
     """The payload into ``dest``, `PIECE` bytes a read, each hashed into ``hashed`` as it lands
     and reported to ``progress`` (every ``progress.piece`` bytes, and at the end): whether it
     was read whole (False: the follower gave up; the rest is nobody's)."""

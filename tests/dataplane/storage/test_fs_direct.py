@@ -75,15 +75,19 @@ def test_a_file_out_of_the_page_cache_is_refused_not_waited_for(
     assert fs_direct.read_resident(f, views) and b"".join(bytes(v) for v in views) == payload
 
 
-def damaged(path: Path, payload: bytes) -> Opened:
-    """``payload`` written to ``path`` with one bit of its last piece flipped, opened (its
-    header checks)."""
+def flipped(path: Path, payload: bytes) -> None:
+    """``payload`` written to ``path`` with one bit of its last piece flipped."""
     write(path, payload)
     with open(path, "r+b") as fh:
         fh.seek(-7, os.SEEK_END)
         b = fh.read(1)
         fh.seek(-7, os.SEEK_END)
         fh.write(bytes([b[0] ^ 1]))
+
+
+def damaged(path: Path, payload: bytes) -> Opened:
+    """`flipped`, opened (its header checks)."""
+    flipped(path, payload)
     f = fs_files.open_chunk(str(path), KEY, N)
     assert f is not None
     return f
@@ -150,12 +154,7 @@ def test_a_damaged_file_followed_lands_whole_and_the_read_says_it_failed_its_che
     n = 2 * fs_direct.STAGE_PIECE + 12_345
     data = np.random.default_rng(6).integers(0, 256, n, dtype=np.uint8).tobytes()
     path = tmp_path / "chunk"
-    write(path, data)
-    with open(path, "r+b") as f:  # one byte of the last piece flipped
-        f.seek(-7, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-7, os.SEEK_END)
-        f.write(bytes([b[0] ^ 1]))
+    flipped(path, data)
     staging = bytearray(n)
     landing = fs_direct.Landing()
     raised: list[BaseException] = []

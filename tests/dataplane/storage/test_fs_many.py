@@ -19,15 +19,12 @@ from dataplane.storage.fs_direct import CopyGate
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.fs_tier import FileTier
 from dataplane.storage.tiered import TieredStore
-from tests.dataplane.storage.test_tiered_fs import SCOPE, damage, key, store
+from tests.dataplane.storage.test_tiered_fs import COLD, SCOPE, damage, key, store
 from tests.fuse_mount import FuseMount
 from tests.helpers import wait_until
 from tests.page_cache import drop_from_page_cache
 
-# a chunk's bytes: past what the kernel's read-ahead lands while a read in place of a cold file
-# is tried (the header's read lands 16 KiB, and the try starts the next window: a 32 KiB file
-# was then read whole in place about once in 400 tries here)
-CHUNK = 256 << 10
+CHUNK = COLD  # (the tests drop files from the page cache)
 L1 = 4 << 20  # an L1's bytes: room for the few chunks of a test
 
 

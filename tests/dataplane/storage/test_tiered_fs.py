@@ -20,8 +20,10 @@ from tests.page_cache import drop_from_page_cache
 
 SCOPE = b"\x07" * 16
 CHUNK = 32 << 10
-# a cold file's chunk: past what the kernel's read-ahead lands while a read in place of it is
-# tried (a 32 KiB file landed whole then about once in 400 tries here, and was read in place)
+# a chunk whose file a test drops from the page cache: past what the kernel's read-ahead lands
+# while a read in place of it is tried (the header's read lands 16 KiB and the try starts the
+# next window: a 32 KiB file landed whole then about once in 400 tries here, and was read in
+# place)
 COLD = 256 << 10
 
 
