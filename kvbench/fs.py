@@ -12,7 +12,10 @@ end), on the file system the report names. Every server is fresh (no warm-up); a
   (``readinto`` a buffer allocated beforehand). *Fresh*: the file dropped from the page cache
   (``posix_fadvise(DONTNEED)``) right before each read, the server's and ours, with an
   ``O_DIRECT`` read beside them where the file system takes it. *Warm*: the file read once
-  first. Ratio: the plain read's time / RETRIEVE's (1.0: as fast as reading the file).
+  first, and beside the two the tier's own checked copy of it run in this process
+  (`fs_direct.read_resident` into the worker's blocks, on one thread, with no request around
+  it): with one chunk a request, the floor under a warm RETRIEVE. Ratio: the plain read's time / RETRIEVE's (1.0: as
+  fast as reading the file).
 - **Restart**: a directory of many small chunk files (written here in the tier's layout and
   format, their keys as a server computes them for the worker that then asks) and an empty
   one, servers started in turn: start to the first PING answered, to the first RETRIEVE
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.storage import fs_direct, fs_files
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
 from kvbench import report
@@ -129,12 +133,14 @@ def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
         plain.stop()
         a.stop()
     scope = scope_digest(MODEL, 1, 0, "bfloat16", ns.layers, HEADS, HEAD_DIM)
-    paths = [[chunk_path(str(d), scope, k) for k in chunk_keys(scope, p, CS)] for p in prompts]
+    keys = [chunk_keys(scope, p, CS) for p in prompts]
+    paths = [[chunk_path(str(d), scope, k) for k in ks] for ks in keys]
     for path in (p for ps in paths for p in ps):
         drop_cached(path)  # (written back first: a dirty page stays in the cache)
     b = launch(*with_fs)
     try:
-        why, status = _reads(ns, b, kind, list(zip(prompts, paths, strict=True)), cache, samples)
+        files = [(p, list(zip(ps, ks, strict=True))) for p, ps, ks in zip(prompts, paths, keys, strict=True)]
+        why, status = _reads(ns, b, kind, files, cache, samples)
     finally:
         b.stop()
     s = {k: [1e3 * x for x in v] for k, v in samples.items()}
@@ -153,6 +159,7 @@ def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
         "ratios": {
             "fresh": m["fresh_buffered_read"] / m["fresh_retrieve"],
             "warm": m["warm_buffered_read"] / m["warm_retrieve"],
+            "warm_floor": m["warm_buffered_read"] / m["warm_checked_copy"],
             "direct": None if direct is None else direct / m["fresh_retrieve"],
         },
         "direct_io": why,
@@ -250,11 +257,43 @@ def _retrieve(w: WorkerAdapter, prompt: np.ndarray) -> None:
         raise RuntimeError(f"bench fs: a RETRIEVE from disk missed ({got} tokens)")
 
 
+def _chunk_views(caches: list[torch.Tensor], chunks: int) -> list[list[memoryview]]:
+    """Each chunk's bytes in the worker's blocks (blocks 0, 1, ...: a prompt's), as the server
+    sees them for a read in place: per layer, K then V, one view of the chunk's run of blocks."""
+    planes = [layer[k].view(torch.uint8).numpy().data.cast("B") for layer in caches for k in (0, 1)]
+    unit = planes[0].nbytes // chunks  # (the worker holds the blocks of one prompt)
+    return [[p[j * unit : (j + 1) * unit] for p in planes] for j in range(chunks)]
+
+
+def _checked(files: list[tuple[str, bytes]], views: list[list[memoryview]], staging: memoryview) -> None:
+    """The tier's own checked read of each (warm) file into its chunk's views, as a RETRIEVE
+    does it without the request around it: in place (`fs_direct.read_resident`), or where the
+    file system refuses reads in place (a tmpfs), staged (`fs_files.read_chunk` into
+    ``staging``, then copied on into the views)."""
+    for (path, key), v in zip(files, views, strict=True):
+        nbytes = sum(x.nbytes for x in v)
+        f = fs_files.open_chunk(path, key, nbytes)
+        if f is None:
+            raise RuntimeError(f"bench fs: {path} is gone")
+        try:
+            placed = fs_direct.read_resident(f, v)
+        except fs_direct.Unsupported:
+            placed = fs_files.read_chunk(path, key, nbytes, lambda n: staging[:n]) is not None
+            at = 0
+            for x in v:
+                x[:] = staging[at : at + x.nbytes]
+                at += x.nbytes
+        finally:
+            os.close(f.fd)
+        if not placed:
+            raise RuntimeError(f"bench fs: {path} left the page cache before its checked copy")
+
+
 def _reads(
     ns: argparse.Namespace,
     b: BenchServer,
     kind: str,
-    files: list[tuple[np.ndarray, list[str]]],
+    files: list[tuple[np.ndarray, list[tuple[str, bytes]]]],
     stored: list[torch.Tensor],
     samples: dict[str, list[float]],
 ) -> tuple[str, dict[str, Any]]:
@@ -263,14 +302,17 @@ def _reads(
     readers' order rotates from one prompt to the next. Whether O_DIRECT worked; B's counters."""
     w, cache = _worker(b, ns.layers, False, ns.chunks_per_request)
     poll_fs(b, lambda f: bool(f["rebuilt"]), "rebuilt")  # (the scan of a few files: not beside the reads)
-    size = os.path.getsize(files[0][1][0])
+    first = files[0][1][0][0]
+    size = os.path.getsize(first)
     buf = memoryview(mmap.mmap(-1, size))
-    direct, why = _direct(files[0][1][0], size, kind)
+    direct, why = _direct(first, size, kind)
+    views = _chunk_views(cache, ns.chunks_per_request)
     samples.update({f"{c}_{k}": [] for c in ("fresh", "warm") for k in ("retrieve", "buffered_read")})
-    samples["fresh_direct_read"] = []
+    samples["fresh_direct_read"], samples["warm_checked_copy"] = [], []
     try:
-        for i, (prompt, paths) in enumerate(files):
+        for i, (prompt, chunk_files) in enumerate(files):
             when = "fresh" if i < ns.samples else "warm"
+            paths = [path for path, _ in chunk_files]
             steps: list[tuple[str, Callable[[], object]]] = [
                 (f"{when}_retrieve", partial(_retrieve, w, prompt)),
                 (f"{when}_buffered_read", partial(_read, paths, buf)),
@@ -278,6 +320,7 @@ def _reads(
             if when == "fresh" and direct is not None:
                 steps.append(("fresh_direct_read", partial(direct.read, paths)))
             if when == "warm":
+                steps.append(("warm_checked_copy", partial(_checked, chunk_files, views, buf)))
                 _read(paths, buf)  # the page cache hot
             turn = i % len(steps)
             for name, fn in steps[turn:] + steps[:turn]:

@@ -133,6 +133,8 @@ def check_fs(rep: dict[str, Any]) -> None:
     for when in ("fresh", "warm"):
         assert rep[f"{when}_ms"]["retrieve"] > 0 and rep[f"{when}_ms"]["buffered_read"] > 0
         assert len(rep["samples_ms"][f"{when}_retrieve"]) == n
+    floor = rep["warm_ms"]["checked_copy"]  # the tier's checked copy, in the benchmark's process
+    assert floor > 0 and len(rep["samples_ms"]["warm_checked_copy"]) == n and rep["ratios"]["warm_floor"] > 0
     direct = rep["fresh_ms"]["direct_read"]
     if rep["direct_io"] == "supported":
         assert direct > 0 and rep["ratios"]["direct"] > 0 and len(rep["samples_ms"]["fresh_direct_read"]) == n
