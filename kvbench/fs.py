@@ -14,8 +14,8 @@ end), on the file system the report names. Every server is fresh (no warm-up); a
   ``O_DIRECT`` read beside them where the file system takes it. *Warm*: the file read once
   first, and beside the two the tier's own checked copy of it run in this process
   (`fs_direct.read_resident` into the worker's blocks, on one thread, with no request around
-  it): with one chunk a request, the floor under a warm RETRIEVE. Ratio: the plain read's time / RETRIEVE's (1.0: as
-  fast as reading the file).
+  it): with one chunk a request, the floor under a warm RETRIEVE. Ratio: the plain read's
+  time / RETRIEVE's (1.0: as fast as reading the file).
 - **Restart**: a directory of many small chunk files (written here in the tier's layout and
   format, their keys as a server computes them for the worker that then asks) and an empty
   one, servers started in turn: start to the first PING answered, to the first RETRIEVE

@@ -20,7 +20,7 @@ def fs_tables(rep: dict[str, Any]) -> list[Table]:
         ["fresh: RETRIEVE vs the O_DIRECT read", "", _x(x["direct"])],
         ["warm: buffered read of the file", f"{wm['buffered_read']:.1f}", ""],
         ["warm: RETRIEVE, page cache -> L1 -> worker", f"{wm['retrieve']:.1f}", _x(x["warm"])],
-        ["warm: its checked copy alone, one thread, no request", f"{wm['checked_copy']:.1f}", _x(x["warm_floor"])],
+        ["warm: its checked copy alone, no request", f"{wm['checked_copy']:.1f}", _x(x["warm_floor"])],
     ]
     r = rep["restart"]
     restart = [
