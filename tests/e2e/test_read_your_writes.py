@@ -55,10 +55,10 @@ class Ref(NamedTuple):
 class References:
     """The reference outputs of PROMPTS, each computed when a test first asks for it, by an
     engine with vLLM's own prefix caching on (its first pass the miss, its second the hit): a
-    prefill of 2,900 tokens takes ~25 s on a core without AVX-512, and a test asks for a
-    prompt's only when it got that far. Between uses the engine is stopped (SIGSTOP of its
-    process group), so that it takes nothing from engine a, which shares its core; ask only
-    while engines a and b are idle."""
+    prefill of 2,900 tokens took ~35 s on a core without AVX-512 (the 20 of all ten prompts, up
+    front, 13 minutes), and a test asks for a prompt's only when it got that far. Between uses
+    the engine is stopped (SIGSTOP of its process group), so that it takes nothing from engine
+    a, which shares its core; ask only while engines a and b are idle."""
 
     def __init__(self, engine: EngineProcess) -> None:
         self.engine = engine
