@@ -119,7 +119,7 @@ class L1Public(BaseModel):
     )
     evictions: int = Field(description="chunks evicted, for any reason")
     evictions_by_reason: dict[str, int] = Field(
-        description="capacity: the least recently used, to make room; tenant_share: a tenant's own, "
+        description="capacity: the next in l1_eviction's order, to make room; tenant_share: a tenant's own, "
         "to keep it within l1_tenant_share"
     )
     arena: ArenaPublic | None = Field(None, description="the region L1's buffers are carved from")

@@ -59,7 +59,7 @@ class DataPlaneStateCollector(Collector):
             "kvwarden_l1_capacity_bytes", "L1 capacity in bytes.", value=stats.capacity_bytes
         )
         yield CounterMetricFamily(
-            "kvwarden_l1_evictions", "Chunks evicted from L1 (LRU).", value=stats.evictions
+            "kvwarden_l1_evictions", "Chunks evicted from L1 (in l1_eviction's order).", value=stats.evictions
         )
         yield from l1_metrics(stats)
         yield GaugeMetricFamily(
@@ -85,7 +85,7 @@ def l1_metrics(stats: L1Stats) -> Iterator[Metric]:
     )
     by_reason = CounterMetricFamily(
         "kvwarden_l1_evictions_by_reason",
-        "Chunks evicted from L1 by reason: capacity (the least recently used, to make room), "
+        "Chunks evicted from L1 by reason: capacity (the next in l1_eviction's order, to make room), "
         "tenant_share (a tenant's own, to keep it within l1_tenant_share).",
         labels=["reason"],
     )
