@@ -44,9 +44,12 @@ import numpy as np
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.memory.copies import ChunkMap
+from dataplane.memory.kvmemory import MappedKV
 from dataplane.storage import fs_direct, fs_files
 from dataplane.storage.fs_layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.wire.messages import MemoryKind
 from kvbench import report
 from kvbench.fs_restart import BS, CS, drop_cached, poll_fs, restart
 from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
@@ -259,10 +262,15 @@ def _retrieve(w: WorkerAdapter, prompt: np.ndarray) -> None:
 
 def _chunk_views(caches: list[torch.Tensor], chunks: int) -> list[list[memoryview]]:
     """Each chunk's bytes in the worker's blocks (blocks 0, 1, ...: a prompt's), as the server
-    sees them for a read in place: per layer, K then V, one view of the chunk's run of blocks."""
-    planes = [layer[k].view(torch.uint8).numpy().data.cast("B") for layer in caches for k in (0, 1)]
-    unit = planes[0].nbytes // chunks  # (the worker holds the blocks of one prompt)
-    return [[p[j * unit : (j + 1) * unit] for p in planes] for j in range(chunks)]
+    maps them for a read in place (`MappedKV.chunk_views` of the chunk's `ChunkMap` entry)."""
+    nb = caches[0].shape[1]
+    layers = [c.view(2, nb * BS, HEADS * HEAD_DIM) for c in caches]
+    kv = MappedKV(MemoryKind.SHM, caches[0].dtype, len(layers), nb, BS, HEADS, HEAD_DIM, layers, None)
+    where = ChunkMap(np.arange(nb), BS, nb, chunks, CS)
+    views = [kv.chunk_views(where[j]) for j in range(chunks)]
+    if any(v is None for v in views):
+        raise RuntimeError("bench fs: the worker's blocks do not map for a read in place")
+    return [v for v in views if v is not None]
 
 
 def _checked(files: list[tuple[str, bytes]], views: list[list[memoryview]], staging: memoryview) -> None:
