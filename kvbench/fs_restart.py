@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.storage.fs_files import file_header
-from dataplane.storage.fs_layout import chunk_path
+from dataplane.storage.fs.chunk_file import file_header
+from dataplane.storage.fs.layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
 from kvbench.procs import BenchServer, launch_pinged, wait_http
 

@@ -36,7 +36,15 @@ from dataplane.storage.evict import POLICIES
 from kvbench import report
 from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
 from kvbench.results import add_output_args, finish, resolve
-from kvbench.trace_data import BLOCK_TOKENS, Request, Shape, generate, load, prompt_tokens, unique_full_blocks
+from kvbench.trace_data import (
+    BLOCK_TOKENS,
+    TraceRequest,
+    TraceShape,
+    generate,
+    load,
+    prompt_tokens,
+    unique_full_blocks,
+)
 from kvbench.trace_sim import simulate
 
 BS, HEADS, HEAD_DIM = 16, 1, 16
@@ -77,7 +85,9 @@ def run_trace(ns: argparse.Namespace) -> int:
         return 2
     try:
         reqs = (
-            load(ns.trace, ns.limit) if ns.trace is not None else generate(Shape(ns.generate, seed=ns.seed))
+            load(ns.trace, ns.limit)
+            if ns.trace is not None
+            else generate(TraceShape(ns.generate, seed=ns.seed))
         )
     except (OSError, ValueError) as exc:
         print(f"bench trace: {exc}", file=sys.stderr)
@@ -100,7 +110,7 @@ def run_trace(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _capacity(ns: argparse.Namespace, reqs: list[Request], share: float, cap: int) -> dict[str, Any]:
+def _capacity(ns: argparse.Namespace, reqs: list[TraceRequest], share: float, cap: int) -> dict[str, Any]:
     lru, opt = simulate(reqs, cap, "lru"), simulate(reqs, cap, "optimum")
     sim = lru if ns.policy == "lru" else simulate(reqs, cap, ns.policy)
     gb = (cap * CHUNK_BYTES + CHUNK_BYTES // 2) / (1 << 30)  # exactly `cap` chunks
@@ -125,7 +135,7 @@ def _capacity(ns: argparse.Namespace, reqs: list[Request], share: float, cap: in
     }
 
 
-def _replay(ns: argparse.Namespace, server: BenchServer, reqs: list[Request]) -> dict[str, Any]:
+def _replay(ns: argparse.Namespace, server: BenchServer, reqs: list[TraceRequest]) -> dict[str, Any]:
     longest = max(r.input_length for r in reqs)
     n_blocks = -(-longest // BS) + 1
     caches = allocate_kv_caches(1, n_blocks, BS, HEADS, HEAD_DIM, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Request traces for `kvwarden bench trace`: the Mooncake format read from a file, and a generator.
+"""TraceRequest traces for `kvwarden bench trace`: the Mooncake format read from a file, and a generator.
 
 A trace is JSON lines, one request each (the Mooncake traces' format, FAST'25 release)::
 
@@ -10,7 +10,7 @@ names the whole prefix up to its end, ``BLOCK_TOKENS`` tokens a block, the last 
 (`block_tokens`), so two requests sharing a prefix of ids share those tokens, and a replay
 through a real server finds exactly the prefixes the trace shares.
 
-`generate` makes traces of the same format for users without one; its knobs (`Shape`):
+`generate` makes traces of the same format for users without one; its knobs (`TraceShape`):
 
 - ``conversations``: multi-turn chats; each turn repeats the whole conversation so far (its
   ids) and adds the user's new message and the last answer (``turn_blocks`` new blocks);
@@ -37,7 +37,7 @@ VOCAB = 32_000
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class TraceRequest:
     timestamp_ms: int
     input_length: int
     output_length: int
@@ -49,9 +49,9 @@ class Request:
         return min(len(self.hash_ids), self.input_length // BLOCK_TOKENS)
 
 
-def load(path: Path, limit: int | None = None) -> list[Request]:
+def load(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The requests of a trace file; ValueError naming the line and the problem."""
-    out: list[Request] = []
+    out: list[TraceRequest] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -64,7 +64,7 @@ def load(path: Path, limit: int | None = None) -> list[Request]:
     return out
 
 
-def _request(line: str, where: str) -> Request:
+def _request(line: str, where: str) -> TraceRequest:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -83,7 +83,7 @@ def _request(line: str, where: str) -> Request:
         raise ValueError(
             f"{where}: input_length {il} does not fit {len(ids)} blocks of {BLOCK_TOKENS} tokens"
         )
-    return Request(int(ts), il, int(ol), tuple(ids))
+    return TraceRequest(int(ts), il, int(ol), tuple(ids))
 
 
 def block_tokens(block_id: int) -> np.ndarray:
@@ -91,12 +91,12 @@ def block_tokens(block_id: int) -> np.ndarray:
     return np.random.default_rng(block_id).integers(1, VOCAB, BLOCK_TOKENS, dtype=np.int64)
 
 
-def prompt_tokens(r: Request) -> np.ndarray:
+def prompt_tokens(r: TraceRequest) -> np.ndarray:
     """The token ids of ``r``'s prompt (``input_length`` of them)."""
     return np.concatenate([block_tokens(b) for b in r.hash_ids])[: r.input_length]
 
 
-def dump(reqs: list[Request], path: Path) -> None:
+def dump(reqs: list[TraceRequest], path: Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in reqs:
             row = {
@@ -109,7 +109,7 @@ def dump(reqs: list[Request], path: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Shape:
+class TraceShape:
     """The generator's knobs (see the module's docstring)."""
 
     requests: int = 2_000
@@ -126,7 +126,7 @@ class Shape:
     seed: int = 0
 
 
-def generate(shape: Shape) -> list[Request]:
+def generate(shape: TraceShape) -> list[TraceRequest]:
     """A trace of ``shape.requests`` requests (see the module's docstring)."""
     rng = np.random.default_rng(shape.seed)
     ids = iter(range(1, 1 << 62))
@@ -157,14 +157,14 @@ def generate(shape: Shape) -> list[Request]:
     for ts, blocks in events[: shape.requests]:
         tail = int(rng.integers(1, BLOCK_TOKENS + 1))  # the last block is partial
         il = (len(blocks) - 1) * BLOCK_TOKENS + tail
-        out.append(Request(int(ts), il, int(rng.integers(1, 1024)), tuple(blocks)))
+        out.append(TraceRequest(int(ts), il, int(rng.integers(1, 1024)), tuple(blocks)))
     return out
 
 
-def unique_full_blocks(reqs: list[Request]) -> int:
+def unique_full_blocks(reqs: list[TraceRequest]) -> int:
     return len({b for r in reqs for b in r.hash_ids[: r.full_blocks]})
 
 
-def iter_full(reqs: list[Request]) -> Iterator[tuple[int, ...]]:
+def iter_full(reqs: list[TraceRequest]) -> Iterator[tuple[int, ...]]:
     for r in reqs:
         yield r.hash_ids[: r.full_blocks]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from dataplane.storage.evict import LFUDAOrder
-from kvbench.trace_data import BLOCK_TOKENS, Request
+from kvbench.trace_data import BLOCK_TOKENS, TraceRequest
 
 NEVER = 1 << 62
 
@@ -50,7 +50,7 @@ class SimResult:
         return self.hit_tokens / self.tokens if self.tokens else 0.0
 
 
-def simulate(reqs: Sequence[Request], capacity: int, policy: str = "lru") -> SimResult:
+def simulate(reqs: Sequence[TraceRequest], capacity: int, policy: str = "lru") -> SimResult:
     """The replay of ``reqs`` through a cache of ``capacity`` chunks."""
     if policy == "lru":
         return _replay(reqs, capacity, _LRU())
@@ -61,7 +61,7 @@ def simulate(reqs: Sequence[Request], capacity: int, policy: str = "lru") -> Sim
     raise ValueError(f"policy {policy!r}: lru, lfuda or optimum")
 
 
-def _count(r: Request, held: int, res: SimResult) -> None:
+def _count(r: TraceRequest, held: int, res: SimResult) -> None:
     res.requests += 1
     res.blocks += r.full_blocks
     res.hit_blocks += held
@@ -105,7 +105,7 @@ class _LFUDA:
         return None if v is None else int.from_bytes(v)
 
 
-def _replay(reqs: Sequence[Request], capacity: int, order: _LRU | _LFUDA) -> SimResult:
+def _replay(reqs: Sequence[TraceRequest], capacity: int, order: _LRU | _LFUDA) -> SimResult:
     """The server's sequence of touches, pins and evictions, in ``order``."""
     cache: set[int] = set()
     res = SimResult(0, 0, 0, 0, 0, 0)
@@ -147,7 +147,7 @@ def _k(b: int) -> bytes:
     return b.to_bytes(8)
 
 
-def _next_uses(reqs: Sequence[Request]) -> list[list[int]]:
+def _next_uses(reqs: Sequence[TraceRequest]) -> list[list[int]]:
     """For each request and each of its full blocks: the index of the next request that asks
     for that block (`NEVER`: none)."""
     last: dict[int, int] = {}
@@ -160,7 +160,7 @@ def _next_uses(reqs: Sequence[Request]) -> list[list[int]]:
     return out
 
 
-def _optimum(reqs: Sequence[Request], capacity: int) -> SimResult:
+def _optimum(reqs: Sequence[TraceRequest], capacity: int) -> SimResult:
     nxt = _next_uses(reqs)
     cache: dict[int, tuple[int, int]] = {}  # block -> (next use, depth)
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block): furthest first, deeper first

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
-    from dataplane.storage.fs_tier import FileTier
+    from dataplane.storage.fs import FileTier
     from dataplane.storage.remote import RemoteBackend
 
 
@@ -50,7 +50,7 @@ class Backend(Protocol):
 
 
 class LocalTier(Protocol):
-    """The local CPU tier as the monitor drives it (`dataplane.storage.l1.L1Store`)."""
+    """The local CPU tier as the monitor drives it (`dataplane.storage.l1.store.L1Store`)."""
 
     hot_cache: bool
 

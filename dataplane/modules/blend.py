@@ -42,7 +42,7 @@ from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.server_driven import ServerDrivenTransferModule
 from dataplane.storage.keys import blend_keys
-from dataplane.storage.tenants import tenant_of
+from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (
     BlendRegister,

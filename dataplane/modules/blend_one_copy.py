@@ -21,7 +21,7 @@ from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferMod
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import blend_keys
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.tenants import tenant_of
+from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MAX_POOL_CHUNKS, BlendAcquire, BlendReserve, MsgType
 from dataplane.wire.replies import BlendAcquired, Reserved

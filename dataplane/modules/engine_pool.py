@@ -38,7 +38,7 @@ from dataplane.modules.leases import Leases
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.tenants import tenant_of
+from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import InvalidLayout, LimitExceeded, RequestError
 from dataplane.wire.messages import (
     EngineRegister,

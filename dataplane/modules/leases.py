@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.tenants import NO_TENANT
+from dataplane.storage.l1.tenants import NO_TENANT
 from dataplane.wire.errors import LimitExceeded, NotRegistered, RequestError
 
 MAX_LEASES = 16  # open at once per instance
@@ -40,7 +40,7 @@ class Lease:
     bufs: list[torch.Tensor] = field(default_factory=list)  # reserved, not yet committed
     pinned: list[bytes] = field(default_factory=list)  # to release
     opened: float = 0.0
-    mark: int = 0  # its keys' mark in L1's in-flight index (`dataplane.storage.inflight`)
+    mark: int = 0  # its keys' mark in L1's in-flight index (`dataplane.storage.l1.inflight`)
     scope: bytes = b""  # its keys' scope (where lower tiers file them)
 
     def abort(self, l1: L1Store, worker_may_write: bool = False) -> None:

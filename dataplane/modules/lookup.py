@@ -1,7 +1,7 @@
 """The lookup module: LOOKUP answers how many prefix tokens the server holds for an instance;
 LOOKUP_SCOPE the same for a scope named by its fields (an engine's scheduler, which registers
 no memory), the prefix every rank of the scope holds. Both also answer how many tokens after
-those are being stored now (`dataplane.storage.inflight`): a scheduler may hold the request back
+those are being stored now (`dataplane.storage.l1.inflight`): a scheduler may hold the request back
 until they land. LOOKUP_WAITED is such a scheduler's report of a wait, counted in /metrics."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.tenants import tenant_of
+from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import NotRegistered
 from dataplane.wire.messages import Lookup, LookupScope, LookupWaited, MsgType
 from dataplane.wire.replies import Hits, Noted, ScopeHits

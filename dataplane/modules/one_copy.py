@@ -1,6 +1,6 @@
 """One-copy engine-driven transfers: the worker writes into, and reads out of, L1's arena.
 
-When L1's arena is a server-owned segment (`dataplane.storage.arena`), ENGINE_REGISTER also
+When L1's arena is a server-owned segment (`dataplane.storage.l1.arena`), ENGINE_REGISTER also
 names it, and an engine-driven worker maps it. Then a STORE is ENGINE_RESERVE (the server pins
 the prompt's chunks already held and hands out L1 buffers, as arena offsets, for the others)
 followed by ENGINE_COMMIT (it publishes them); a RETRIEVE is ENGINE_ACQUIRE (it pins the held
@@ -21,7 +21,7 @@ from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferMod
 from dataplane.modules.leases import Lease, reserve_into
 from dataplane.storage.keys import chunk_keys
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.tenants import tenant_of
+from dataplane.storage.l1.tenants import tenant_of
 from dataplane.storage.tiered import TieredStore
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (

@@ -37,7 +37,7 @@ from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.transfer_common import TransferModule
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.tenants import tenant_of
+from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import MsgType, Register, Retrieve, Store, Transfer, TransferMode
 from dataplane.wire.replies import Registered, Retrieved, StoreCounts

@@ -25,7 +25,7 @@ from dataplane.memory.budget import DescriptorReserve
 from dataplane.memory.copies import CopySplitter
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.tenants import NO_TENANT
+from dataplane.storage.l1.tenants import NO_TENANT
 from dataplane.wire.replies import StoreCounts
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class TransferModule(Generic[E]):
         scope: bytes = b"",
     ) -> StoreCounts:
         """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes, as
-        ``tenant``'s chunks (`dataplane.storage.tenants`).
+        ``tenant``'s chunks (`dataplane.storage.l1.tenants`).
 
         ``prefix``: keys before these (already stored) that must not be evicted meanwhile.
         Lookups see the missing chunks as being stored until each is committed (or, should

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from dataplane.health.base import FallbackPolicy
 from dataplane.server.token_file import read_token_file
 from dataplane.storage.evict import Eviction
-from dataplane.storage.redis_client import CLUSTER_SCHEME, parse_cluster_url
+from dataplane.storage.remote.redis_client import CLUSTER_SCHEME, parse_cluster_url
 from dataplane.wire.protocol import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_MAX_FRAME_BYTES,

@@ -24,9 +24,9 @@ from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.modules.base import ServerInfo
 from dataplane.server.config import Settings
 from dataplane.server.router_lookup import TierHits
-from dataplane.storage.fs_stats import FsStats
-from dataplane.storage.l1_stats import L1Stats
-from dataplane.storage.tenants import TenantStats
+from dataplane.storage.fs.stats import FsStats
+from dataplane.storage.l1.stats import L1Stats
+from dataplane.storage.l1.tenants import TenantStats
 
 __all__ = [
     "CheckResult",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataplane.events.publisher import KVEventPublisher
 from dataplane.events.sink import EventSink
 from dataplane.server.config import Settings
-from dataplane.storage.fs_tier import FileTier
+from dataplane.storage.fs import FileTier
 from dataplane.storage.remote import RemoteBackend
 from dataplane.storage.tiered import TieredStore
 

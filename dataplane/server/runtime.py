@@ -44,11 +44,12 @@ from dataplane.server.factory import new_server
 from dataplane.server.kv_events import build_events
 from dataplane.server.loop import Server
 from dataplane.server.router_lookup import TierHits, lookup_hashes, lookup_tiers
-from dataplane.storage.arena import Arena
-from dataplane.storage.fs_stats import FsStats
-from dataplane.storage.fs_tier import FileTier
-from dataplane.storage.l1_stats import L1Stats
-from dataplane.storage.remote import DURATION_BUCKETS, RemoteBackend
+from dataplane.storage.fs import FileTier
+from dataplane.storage.fs.stats import FsStats
+from dataplane.storage.l1.arena import Arena
+from dataplane.storage.l1.stats import L1Stats
+from dataplane.storage.lower import DURATION_BUCKETS
+from dataplane.storage.remote import RemoteBackend
 from dataplane.storage.tiered import TieredStore
 from dataplane.wire.messages import TransferMode
 

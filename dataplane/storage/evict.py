@@ -1,5 +1,5 @@
 """Eviction orders besides LRU (which is the order of L1's, and the file tier's, own table), for
-L1 (`l1_eviction`) and the file tier (`fs_eviction`, `dataplane.storage.fs_index`).
+L1 (`l1_eviction`) and the file tier (`fs_eviction`, `dataplane.storage.fs.index`).
 
 ``lfuda``: least frequently used with dynamic ageing (GreedyDual with a chunk's reads as its
 worth). A chunk's priority is ``age + reads``: ``age`` is the priority of the last chunk evicted

@@ -39,11 +39,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from dataplane.storage.arena import Arena
-from dataplane.storage.fs_tier import FileTier
+from dataplane.storage.fs import FileTier
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.l1.arena import Arena
+from dataplane.storage.l1.tenants import NO_TENANT
 from dataplane.storage.remote import RemoteBackend
-from dataplane.storage.tenants import NO_TENANT
 
 logger = logging.getLogger(__name__)
 

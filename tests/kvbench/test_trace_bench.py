@@ -14,8 +14,8 @@ import pytest
 from kvbench import trace
 from kvbench.trace_data import (
     BLOCK_TOKENS,
-    Request,
-    Shape,
+    TraceRequest,
+    TraceShape,
     dump,
     generate,
     load,
@@ -26,13 +26,13 @@ from kvbench.trace_sim import simulate
 from tests.helpers import ROOT, subprocess_env
 
 
-def req(ids: list[int], tail: int = BLOCK_TOKENS, ts: int = 0) -> Request:
-    return Request(ts, (len(ids) - 1) * BLOCK_TOKENS + tail, 1, tuple(ids))
+def req(ids: list[int], tail: int = BLOCK_TOKENS, ts: int = 0) -> TraceRequest:
+    return TraceRequest(ts, (len(ids) - 1) * BLOCK_TOKENS + tail, 1, tuple(ids))
 
 
 def test_a_trace_file_round_trips_and_bad_lines_are_named(tmp_path: Path) -> None:
-    reqs = generate(Shape(requests=50, conversations=5, seed=3))
-    assert reqs == generate(Shape(requests=50, conversations=5, seed=3))  # deterministic
+    reqs = generate(TraceShape(requests=50, conversations=5, seed=3))
+    assert reqs == generate(TraceShape(requests=50, conversations=5, seed=3))  # deterministic
     p = tmp_path / "t.jsonl"
     dump(reqs, p)
     assert load(p) == reqs and load(p, limit=7) == reqs[:7]
@@ -79,7 +79,7 @@ def test_lfuda_keeps_the_prefix_read_most_where_lru_keeps_the_latest() -> None:
 
 
 def test_the_optimum_bounds_lru_at_every_capacity_of_a_generated_trace() -> None:
-    reqs = generate(Shape(requests=400, conversations=30, seed=1))
+    reqs = generate(TraceShape(requests=400, conversations=30, seed=1))
     u = unique_full_blocks(reqs)
     last = -1.0
     for share in (0.02, 0.05, 0.1, 0.25, 0.5, 1.0):

@@ -14,7 +14,8 @@ Refused credentials raise `IrrecoverableException`.
 from __future__ import annotations
 
 from dataplane.health.base import Backend, Components, FallbackPolicy, HealthCheck, IrrecoverableException
-from dataplane.storage.remote import OK, TIMEOUT, RemoteAuthError
+from dataplane.storage.lower import OK, TIMEOUT
+from dataplane.storage.remote import RemoteAuthError
 
 
 class RemoteBackendHealthCheck(HealthCheck):

@@ -25,7 +25,7 @@ from dataplane.memory.shm import Segment
 from dataplane.modules.leases import MAX_LEASES
 from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
-from dataplane.storage import arena as arena_module
+from dataplane.storage.l1 import arena as arena_module
 from dataplane.wire.messages import EngineRegister, KVFormat, Message
 from dataplane.wire.replies import StoreCounts
 from tests.helpers import free_port, wait_until

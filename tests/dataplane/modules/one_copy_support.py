@@ -22,8 +22,8 @@ from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
 from dataplane.modules.one_copy import DirectTransferModule
-from dataplane.storage.arena import Arena
 from dataplane.storage.l1 import L1Store
+from dataplane.storage.l1.arena import Arena
 from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (

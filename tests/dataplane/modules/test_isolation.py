@@ -24,10 +24,10 @@ from dataplane.client.keys import (
     merge_spans,
     mm_spans,
 )
-from dataplane.client.vllm_state import Scope, ScopeLookup
+from dataplane.client.vllm.state import Scope, ScopeLookup
 from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
-from dataplane.storage import arena as arena_module
+from dataplane.storage.l1 import arena as arena_module
 from dataplane.wire.messages import KeyContext, KVFormat
 from tests.helpers import free_port
 

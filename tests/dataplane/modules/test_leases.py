@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dataplane.modules.leases import MAX_LEASES
-from dataplane.storage.l1 import QUARANTINE_S, L1Store
+from dataplane.storage.l1.store import QUARANTINE_S, L1Store
 from dataplane.wire.errors import LimitExceeded, NotRegistered, RequestError
 from dataplane.wire.messages import Ping, Unregister
 from dataplane.wire.replies import Unregistered

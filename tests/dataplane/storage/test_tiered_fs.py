@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataplane.storage.fs_layout import chunk_path
-from dataplane.storage.fs_tier import FileTier
+from dataplane.storage.fs import FileTier
+from dataplane.storage.fs.layout import chunk_path
 from dataplane.storage.tiered import TieredStore
 from tests.helpers import wait_until
 from tests.page_cache import drop_from_page_cache

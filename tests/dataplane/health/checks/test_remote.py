@@ -11,7 +11,8 @@ from dataplane.health.base import Components, FallbackPolicy, IrrecoverableExcep
 from dataplane.health.checks.remote import RemoteBackendHealthCheck
 from dataplane.health.monitor import HealthMonitor
 from dataplane.storage.l1 import L1Store
-from dataplane.storage.remote import OK, OTHER_ERROR, TIMEOUT, RemoteBackend
+from dataplane.storage.lower import OK, OTHER_ERROR, TIMEOUT
+from dataplane.storage.remote import RemoteBackend
 from tests.helpers import wait_until
 from tests.redis_server import RedisServer
 

@@ -1,0 +1,397 @@
+"""kvwarden as vLLM's KV connector (v1 API): the only module that imports vLLM.
+
+    --kv-transfer-config '{"kv_connector": "KVWardenConnector",
+        "kv_connector_module_path": "dataplane.client.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvwarden.url": "tcp://127.0.0.1:5555"}}'
+
+Scheduler side (the engine core): one LOOKUP_SCOPE per new request decides how many whole chunks
+of its prompt to load (never its last token); each step's plan says which requests load and
+which store new full chunks. A prefix this engine is still saving is copied from the saved
+request's blocks at once (`dataplane.client.vllm.wait.OwnSaves.source`); one being stored by
+another worker, or by a save that cannot be copied from, is waited for ("not decided yet",
+asked again on later steps, up to ``kvwarden.lookup_wait_s``) and loaded once it lands. Worker side:
+loads run before the forward pass (``start_load_kv``); stores go to a thread after it
+(``wait_for_save``), and a finished request keeps its blocks until its stores are over
+(``request_finished`` / ``get_finished``). A load that comes back short names its blocks
+(``get_block_ids_with_load_errors``) so vLLM recomputes them.
+With no server, or a server that dies, requests recompute; the worker registers, or registers
+again, when the server is back. Chunks are keyed on what vLLM's own prefix cache keys its blocks
+on (``request_key``: the cache salt, the LoRA adapter with a digest of its files, multimodal
+inputs, prompt embeddings), carried to the workers in the plan; a request with anything else
+in its block keys is neither loaded nor stored. The planning and the worker's threads need no vLLM:
+`dataplane.client.vllm.state` and `dataplane.client.vllm.worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from dataplane.client.adapter import WorkerAdapter
+from dataplane.client.keys import (
+    UninterpretableKey,
+    adapter_namespace,
+    embeds_spans,
+    key_context,
+    mm_spans,
+)
+from dataplane.client.vllm.events import EventRelay, engine_names
+from dataplane.client.vllm.settings import connector_settings
+from dataplane.client.vllm.state import (
+    UNCACHED,
+    Plan,
+    Planner,
+    RequestKey,
+    Scope,
+    ScopeLookup,
+    Uncached,
+)
+from dataplane.client.vllm.wait import OwnSaves, Waits
+from dataplane.client.vllm.worker import BlockCopier, Registrar, Saver, load
+from dataplane.memory.kvmemory import DTYPE_NAMES
+from dataplane.wire.messages import KVFormat
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def scope_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scope:
+    """The scope every worker of this engine registers, from the configuration alone."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvwarden: models with {len(groups)} KV cache groups are not supported (one)")
+    spec = groups[0].kv_cache_spec
+    if spec.dtype not in DTYPE_NAMES:
+        raise ValueError(f"kvwarden: KV cache dtype {spec.dtype} is not supported")
+    name = vllm_config.model_config.served_model_name or vllm_config.model_config.model
+    cpu = vllm_config.device_config.device_type == "cpu"
+    return Scope(
+        str(name[0] if isinstance(name, list) else name),
+        vllm_config.parallel_config.tensor_parallel_size,
+        DTYPE_NAMES[spec.dtype],
+        len(groups[0].layer_names),
+        spec.num_kv_heads,
+        spec.head_size,
+        KVFormat.VLLM_CPU if cpu else KVFormat.TOKEN_MAJOR,
+        spec.block_size,
+    )
+
+
+FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
+
+# the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that
+# request_key folds in; a request whose block keys carry any other kind is never cached
+KNOWN_EXTRA_KEYS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
+_said: set[str] = set()  # the reasons already logged (once each)
+
+
+def _uncached(why: str) -> RequestKey:
+    kind = " ".join(why.split()[:2])  # "adapter path", "multimodal input", "unknown extra"
+    if kind not in _said:
+        _said.add(kind)
+        logger.warning("kvwarden: requests recompute, neither loaded nor stored: %s", why)
+    return UNCACHED
+
+
+def request_key(request: Request, block_size: int) -> RequestKey:
+    """The key context of a request, from what vLLM keys its blocks on: ``UNCACHED`` when any
+    of it cannot be named (logged once for each kind of reason)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    n = request.num_prompt_tokens
+    if n > 0:  # the kinds of extra key vLLM folds into the first block, as it computes them
+        extra, _ = generate_block_hash_extra_keys(request, 0, min(block_size, n), 0)
+        kinds = {
+            k[0] if isinstance(k, tuple) and k and isinstance(k[0], str) else repr(k) for k in extra or ()
+        }
+        if kinds - KNOWN_EXTRA_KEYS:
+            return _uncached(f"unknown extra keys: block keys carry {sorted(kinds - KNOWN_EXTRA_KEYS)}")
+    try:
+        lora = request.lora_request
+        adapter = b""
+        if lora is not None:
+            path = lora.lora_path
+            if not path:
+                raise UninterpretableKey(f"adapter: {lora.lora_name!r} has no local path")
+            adapter = adapter_namespace(lora.lora_name, path)
+        spans = mm_spans(
+            (f.identifier, f.mm_position.offset, f.mm_position.length) for f in request.mm_features
+        )
+        if request.prompt_embeds is not None:
+            spans += embeds_spans(request.prompt_embeds, block_size)
+        return key_context(request.cache_salt, adapter, spans)
+    except UninterpretableKey as exc:
+        return _uncached(str(exc))
+
+
+def prompt_of(token_ids: Sequence[int] | None, embeds: torch.Tensor | None) -> Sequence[int] | None:
+    """The prompt's token ids; prompt embeddings' positions hold token 0 (their spans key them)."""
+    if token_ids is not None:
+        return token_ids
+    return [0] * int(embeds.shape[0]) if embeds is not None else None
+
+
+class KVWardenConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+
+class KVWardenWorkerMetadata(KVConnectorWorkerMetadata):
+    """A step's saves that are over (their sequence numbers, once per rank)."""
+
+    def __init__(self, saved: list[int]) -> None:
+        self.saved = saved
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVWardenWorkerMetadata)
+        return KVWardenWorkerMetadata(self.saved + other.saved)
+
+
+class KVWardenConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError(
+                "kvwarden: pipeline parallel engines are not supported (pipeline_parallel_size 1)"
+            )
+        self._cfg = connector_settings(self._kv_transfer_config.kv_connector_extra_config)
+        self._scope = scope_of(vllm_config, kv_cache_config)
+        self._block_size = self._scope.block_size
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "kvwarden: kv_load_failure_policy is %r: a load cut short (the server killed while "
+                "it copies) fails its request; set it to 'recompute' to recompute instead",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
+        self._lookup: ScopeLookup | None = None
+        self._planner: Planner | None = None
+        self._adapter: WorkerAdapter | None = None
+        self._registrar: Registrar | None = None
+        self._saver: Saver | None = None
+        self._copier: BlockCopier | None = None  # a prefix still being saved, copied block to block
+        self._planned: set[str] = set()  # requests this worker was asked to store
+        self._load_errors: set[int] = set()
+        self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
+        if role == KVConnectorRole.SCHEDULER:
+            cfg = self._cfg
+            lookup = ScopeLookup(
+                cfg["kvwarden.url"], self._scope, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
+            )
+            self._lookup = lookup
+            waits = Waits(cfg["kvwarden.lookup_wait_s"], lookup.report_wait)
+            own = OwnSaves(self._scope.world_size)
+            self._planner = Planner(lookup.find, self._block_size, waits, own)
+            self._planner.chunk_size = lambda: lookup.chunk_size
+            if cfg["kvwarden.kv_events_endpoint"] is not None:
+                self._relay = EventRelay(cfg["kvwarden.kv_events_endpoint"], cfg["kvwarden.kv_events_topic"])
+                self._relay.start()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that never happens is a later miss
+
+    # ------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches = list(kv_caches.values())
+        mode, kv_format = self._layout(caches)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        s = self._scope
+        adapter = WorkerAdapter(
+            self._cfg["kvwarden.url"],
+            s.model_name,
+            s.world_size,
+            get_tensor_model_parallel_rank(),
+            heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"],
+            transfer_mode=mode,
+            request_timeout=self._cfg["kvwarden.request_timeout_s"],
+        )
+        registrar = Registrar(adapter, caches, kv_format.value, self._cfg["kvwarden.retry_s"])
+        registrar.start()
+        registrar.wait(self._cfg["kvwarden.connect_wait_s"])
+        if registrar.error is not None:
+            registrar.join()
+            adapter.close()
+            raise ValueError(f"kvwarden: registration refused: {registrar.error}") from registrar.error
+        self._adapter, self._registrar = adapter, registrar
+        self._copier = BlockCopier(caches, 0 if kv_format == KVFormat.VLLM_CPU else 1)
+        self._saver = Saver(adapter)
+        self._saver.start()
+
+    def _layout(self, caches: list[torch.Tensor]) -> tuple[str, KVFormat]:
+        """The transfer mode and format of vLLM's tensors, checked against the scope the
+        scheduler looks up (a mismatch would make every lookup miss)."""
+        first, s = caches[0], self._scope
+        if first.dim() == 4 and first.device.type == "cpu":
+            kv_format, heads, bs, head_dim = (
+                KVFormat.VLLM_CPU,
+                first.shape[1],
+                first.shape[2],
+                first.shape[3] // 2,
+            )
+        elif first.dim() == 5 and first.shape[0] == 2:
+            kv_format, heads, bs, head_dim = (
+                KVFormat.TOKEN_MAJOR,
+                first.shape[3],
+                first.shape[2],
+                first.shape[4],
+            )
+        else:
+            raise ValueError(
+                f"kvwarden: KV cache tensors of shape {list(first.shape)} are not a layout it knows"
+            )
+        seen = (DTYPE_NAMES.get(first.dtype), len(caches), int(heads), int(head_dim), kv_format, int(bs))
+        want = (s.dtype, s.num_layers, s.heads, s.head_dim, s.kv_format, s.block_size)
+        if seen != want:
+            raise ValueError(
+                f"kvwarden: the KV tensors (dtype, layers, heads, head dim, format, block) {seen} "
+                f"differ from the engine's configuration {want}"
+            )
+        mode = self._cfg["kvwarden.transfer_mode"]
+        if mode == "auto":
+            mode = "server_driven" if first.device.type == "cuda" else "engine_driven"
+        return mode, kv_format
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVWardenConnectorMetadata)
+        for job in meta.plan.loads:
+            self._load_errors |= load(self._adapter, job, self._block_size, self._copier)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are whole before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return None  # stores take whole chunks after the forward pass
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVWardenConnectorMetadata)
+        if meta.plan.saves and self._saver is not None:
+            self._planned |= {s.req_id for s in meta.plan.saves}
+            self._saver.submit(meta.plan.saves)
+        if meta.plan.flush_saves and self._saver is not None:
+            self._saver.drain(FLUSH_S)  # a step with nothing to compute: requests wait for these
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVWardenConnectorMetadata)
+        if kv_connector_metadata.plan.preempted and self._saver is not None:
+            self._saver.drain(self._cfg["kvwarden.request_timeout_s"])  # their blocks are reused next
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._saver is None:
+            return None, None
+        done = self._saver.finished(finished_req_ids, self._planned)
+        self._planned -= done
+        return done or None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        saved = self._saver.take_done() if self._saver is not None else []
+        return KVWardenWorkerMetadata(saved) if saved else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.stop()
+            self._saver.join(self._cfg["kvwarden.request_timeout_s"])
+        if self._registrar is not None:
+            self._registrar.stop()
+            self._registrar.join()
+        if self._adapter is not None:
+            self._adapter.close()
+        if self._lookup is not None:
+            self._lookup.close()
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay.join()
+
+    # ---------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._planner is not None
+        p, rid = self._planner, request.request_id
+        key = p.keys[rid] if rid in p.keys else request_key(request, self._block_size)
+        if rid not in p.names and not isinstance(key, Uncached):
+            p.names[rid] = engine_names(request, self._block_size)
+        prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
+        return p.matched(rid, prompt, num_computed_tokens, key), False
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVWardenWorkerMetadata) and self._planner is not None:
+            self._planner.own.done(meta.saved)  # those saves landed or failed: not on their way
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._planner is not None
+        prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
+        self._planner.allocated(request.request_id, prompt, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._planner is not None
+        so = scheduler_output
+        new = [
+            (
+                r.req_id,
+                prompt_of(r.prompt_token_ids, r.prompt_embeds),
+                list(r.block_ids[0]),
+                r.num_computed_tokens,
+                so.num_scheduled_tokens[r.req_id],
+            )
+            for r in so.scheduled_new_reqs
+        ]
+        c = so.scheduled_cached_reqs
+        cached = [
+            (
+                req_id,
+                None if c.new_block_ids[i] is None else list(c.new_block_ids[i][0]),  # type: ignore[index]
+                req_id in c.resumed_req_ids,
+                c.num_computed_tokens[i],
+                so.num_scheduled_tokens[req_id],
+            )
+            for i, req_id in enumerate(c.req_ids)
+        ]
+        plan = self._planner.plan(new, cached, bool(so.preempted_req_ids), so.preempted_req_ids)
+        if so.total_num_scheduled_tokens == 0 and len(self._planner.waits):
+            if len(self._planner.own):
+                plan.flush_saves = True  # the worker finishes this engine's saves (`Plan`)
+            elif (idle := self._planner.waits.idle_s()) > 0:
+                time.sleep(idle)  # waiting for another engine's stores: do not spin (`Waits.idle_s`)
+        return KVWardenConnectorMetadata(plan)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return () if self._relay is None else self._relay.take()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._planner is not None
+        return self._planner.finished(request.request_id), None

@@ -1,0 +1,72 @@
+"""The kvwarden keys of vLLM's ``kv_connector_extra_config``: their types, defaults and checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODES = ("auto", "engine_driven", "server_driven")
+_KEYS = {
+    "kvwarden.url": str,
+    "kvwarden.transfer_mode": str,
+    "kvwarden.connect_wait_s": float,
+    "kvwarden.retry_s": float,
+    "kvwarden.lookup_timeout_s": float,
+    "kvwarden.request_timeout_s": float,
+    "kvwarden.heartbeat_interval_s": float,
+    "kvwarden.lookup_wait_s": float,
+    "kvwarden.kv_events_endpoint": str,
+    "kvwarden.kv_events_topic": str,
+}
+_MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
+_DEFAULTS: dict[str, Any] = {
+    "kvwarden.url": "tcp://127.0.0.1:5555",
+    "kvwarden.transfer_mode": "auto",
+    "kvwarden.connect_wait_s": 5.0,  # at engine start, for a server that is starting too
+    "kvwarden.retry_s": 2.0,
+    "kvwarden.lookup_timeout_s": 1.0,
+    "kvwarden.request_timeout_s": 30.0,
+    "kvwarden.heartbeat_interval_s": 5.0,
+    # how long a request may wait for its prefix being stored (by this engine or another) to
+    # land rather than recompute it; 0: never wait
+    "kvwarden.lookup_wait_s": 1.0,
+    # the server's kv_events_endpoint (as this engine reaches it): its events join the engine's
+    # own (`dataplane.client.vllm.events.EventRelay`); none: not forwarded
+    "kvwarden.kv_events_endpoint": None,
+    "kvwarden.kv_events_topic": "",
+}
+
+
+def connector_settings(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``kv_connector_extra_config``'s kvwarden keys, checked (ValueError naming the key)."""
+    out = dict(_DEFAULTS)
+    for key, value in (extra or {}).items():
+        if not key.startswith("kvwarden."):
+            continue
+        if key not in _KEYS:
+            raise ValueError(f"kv_connector_extra_config: unknown key {key!r} (known: {', '.join(_KEYS)})")
+        try:
+            out[key] = _KEYS[key](value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}]: {value!r} is not a {_KEYS[key].__name__}"
+            ) from None
+        if _KEYS[key] is float and not (out[key] > 0 or (key in _MAY_BE_ZERO and out[key] == 0)):
+            bound = ">= 0" if key in _MAY_BE_ZERO else "> 0"
+            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be {bound}, got {value!r}")
+        if _KEYS[key] is float and not out[key] < float("inf"):
+            raise ValueError(f"kv_connector_extra_config[{key!r}]: must be finite, got {value!r}")
+    ep = out["kvwarden.kv_events_endpoint"]
+    if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.kv_events_endpoint']: {ep!r} is not a ZMQ endpoint"
+        )
+    if ep is None and out["kvwarden.kv_events_topic"]:
+        raise ValueError(
+            "kv_connector_extra_config['kvwarden.kv_events_topic'] needs kvwarden.kv_events_endpoint"
+        )
+    if out["kvwarden.transfer_mode"] not in MODES:
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.transfer_mode']: {out['kvwarden.transfer_mode']!r}; "
+            f"use {', '.join(MODES)}"
+        )
+    return out

@@ -1,0 +1,341 @@
+"""The parts of kvwarden's vLLM connector that need no vLLM: what the scheduler plans and what the
+worker carries out (`dataplane.client.vllm` is the glue vLLM calls).
+
+Scheduler side: ``ScopeLookup`` asks the server how much of a prompt it holds and how much more
+is being stored (LOOKUP_SCOPE: the scheduler registers no memory, it names the scope its workers
+register) and ``Planner`` turns vLLM's scheduling decisions into ``Plan``: which requests load
+which whole chunks before the forward pass, which store new full chunks after it. A request
+whose prefix is on its way waits for it (`dataplane.client.vllm.wait`). Worker side: ``Registrar`` registers
+the worker's KV memory, now or, when the server is not there yet, in the background until it
+is; ``Saver`` stores on a thread of its own (``kvwarden-vllm-saver``) so the step does not wait
+for it, and says which finished requests' blocks may be freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dataplane.client.channel import Channel
+from dataplane.client.vllm.wait import LookupFound, OwnSaves, Source, Waits
+from dataplane.wire.blocks import EngineBlocks
+from dataplane.wire.errors import KVWardenError, RequestError
+from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScope, LookupWaited
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a worker's ENGINE_REGISTER carries, as the scheduler can know it from the config."""
+
+    model_name: str
+    world_size: int
+    dtype: str
+    num_layers: int
+    heads: int
+    head_dim: int
+    kv_format: KVFormat
+    block_size: int
+
+
+class ScopeLookup:
+    """LOOKUP_SCOPE for the scheduler. Never stalls it: a request waits at most ``timeout_s``,
+    and after a failure the next ``retry_s`` seconds answer 0 without asking (one WARNING per
+    outage, one INFO when answers come back), unless the channel makes a new connection in
+    them: a server back from a restart is asked at once (its first answer also teaches the chunk
+    size, without which no store is planned). ``_lock`` guards ``chunk_size``, ``_down_until``,
+    ``_down_conns`` and ``_down``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        scope: Scope,
+        timeout_s: float = 1.0,
+        retry_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scope = scope
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._chan = Channel(self._ctx, endpoint, reconnect_wait_s=min(0.05, timeout_s))
+        self._lock = threading.Lock()  # guards chunk_size, _down_until, _down_conns, _down
+        self.chunk_size: int | None = None
+        self._down_until = 0.0
+        self._down_conns = 0  # the channel's connections at the last failure
+        self._down = False
+
+    def find(self, token_ids: np.ndarray, key: KeyContext | None = None) -> LookupFound:
+        """Tokens of ``token_ids``' prefix that every rank's chunks hold under ``key``, and how
+        many more are being stored (nothing, unanswered, when unsure)."""
+        if self._resting():
+            return LookupFound(0, 0, answered=False)
+        s = self.scope
+        msg = LookupScope(
+            s.model_name,
+            s.world_size,
+            s.dtype,
+            s.num_layers,
+            s.heads,
+            s.head_dim,
+            s.kv_format,
+            s.block_size,
+            np.asarray(token_ids, dtype=np.int64),
+            key,
+        )
+        try:
+            reply = self._chan.request(msg, self.timeout_s)
+        except RequestError:
+            raise  # a request the server refuses is a bug to see, not an outage
+        except KVWardenError as exc:
+            self._failed(exc)
+            return LookupFound(0, 0, answered=False)
+        with self._lock:
+            self.chunk_size = reply.chunk_size
+            back, self._down = self._down, False
+        if back:
+            logger.info("kvwarden: lookups answered again")
+        return LookupFound(reply.hit_tokens, reply.pending_tokens)
+
+    def hit_tokens(self, token_ids: np.ndarray, key: KeyContext | None = None) -> int:
+        return self.find(token_ids, key).hit
+
+    def report_wait(self, waited_s: float, outcome: str) -> None:
+        """Tell the server how a wait ended (its /metrics); an outage loses the report."""
+        if self._resting():
+            return
+        try:
+            self._chan.request(LookupWaited(min(waited_s, MAX_WAIT_S), outcome), self.timeout_s)
+        except RequestError:
+            raise
+        except KVWardenError as exc:
+            self._failed(exc)
+
+    def _resting(self) -> bool:
+        """Whether the server is not asked now: within ``retry_s`` of a failure, and no new
+        connection since."""
+        with self._lock:
+            if self._clock() >= self._down_until:
+                return False
+            conns = self._down_conns
+        if self._chan.poll_connections() == conns:
+            return True
+        with self._lock:
+            self._down_until = 0.0  # a new connection: the server is back, ask it
+        return False
+
+    def _failed(self, exc: KVWardenError) -> None:
+        conns = self._chan.connections
+        with self._lock:
+            self._down_until = self._clock() + self.retry_s
+            self._down_conns = conns
+            first, self._down = not self._down, True
+        if first:
+            logger.warning("kvwarden: lookups answer 0 (recompute) until the server is back: %s", exc)
+
+    def close(self) -> None:
+        self._chan.close()
+        self._ctx.term()
+
+
+@dataclass
+class Load:
+    """Before the forward pass: write the held prefix ``tokens`` into ``blocks``."""
+
+    req_id: str
+    tokens: np.ndarray
+    blocks: np.ndarray
+    key: KeyContext | None = None  # the request's salt, adapter, ... (`dataplane.client.keys`)
+    # blocks of this engine that hold the same KV (a save of the same prefix still on its way):
+    # the worker copies them block to block instead of asking the server
+    source: np.ndarray | None = None
+
+
+@dataclass
+class Save:
+    """After the forward pass: store the full chunks of ``tokens`` (from ``blocks``)."""
+
+    req_id: str
+    tokens: np.ndarray
+    blocks: np.ndarray
+    key: KeyContext | None = None
+    seq: int = 0  # reported back to the scheduler when the save is over (`OwnSaves`)
+    names: EngineBlocks | None = None  # vLLM's names of the blocks, for kvwarden's KV events
+
+
+class Uncached:
+    """A request whose KV depends on something no key can name: it neither loads nor stores."""
+
+
+UNCACHED = Uncached()
+RequestKey = KeyContext | None | Uncached
+
+
+@dataclass
+class Plan:
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
+    preempted: bool = False  # blocks of some request go back this step: no save may still read them
+    # nothing else to do this step while requests wait for this engine's own saves: the worker
+    # finishes them before it answers (its thread sleeps meanwhile rather than spin on the core
+    # the saves run on), so they land, and are reported, a step sooner
+    flush_saves: bool = False
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray  # the prompt
+    blocks: list[int]
+    key: KeyContext | None
+    saved: int = 0  # prompt tokens kvwarden holds or has been asked to store
+    load: int = 0  # tokens to load before the first forward pass
+    saving: bool = False  # a Save was planned: its blocks wait for the worker's word
+    source: Source | None = None  # where the load may copy from (`OwnSaves.source`)
+
+
+class Planner:
+    """The scheduler's bookkeeping (called on vLLM's scheduler thread only). Loads and stores
+    are whole chunks of the prompt; a load never covers the prompt's last token (vLLM must
+    compute at least one). Each request's key context is the one ``matched`` was given: a
+    request never seen there, or ``UNCACHED``, neither loads nor stores. A request whose prefix
+    is being stored (`dataplane.client.vllm.wait`) is answered None by ``matched`` until it
+    lands or ``waits.bound_s`` passes."""
+
+    def __init__(
+        self,
+        lookup: Callable[[np.ndarray, KeyContext | None], LookupFound],
+        block_size: int,
+        waits: Waits | None = None,
+        own: OwnSaves | None = None,
+    ) -> None:
+        self.lookup = lookup
+        self.block_size = block_size
+        self.chunk_size: Callable[[], int | None] = lambda: None
+        self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
+        self.own = own if own is not None else OwnSaves()
+        self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
+        self._sources: dict[str, Source] = {}  # req id -> the own save its hit copies from
+        self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
+        self.names: dict[str, EngineBlocks | None] = {}  # req id -> vLLM's names of its blocks
+        self._reqs: dict[str, _Request] = {}
+
+    def matched(
+        self, req_id: str, prompt: Sequence[int] | None, computed: int, key: RequestKey = None
+    ) -> int | None:
+        """Tokens beyond ``computed`` that kvwarden will load; None: not decided yet (chunks of
+        the prompt are being stored), ask again on a later step."""
+        self.keys[req_id] = key
+        if not prompt or isinstance(key, Uncached):
+            return 0
+        hit = self._hits.get(req_id)
+        if hit is None:
+            if self.waits.too_soon(req_id):
+                return None
+            decided = self._decide(req_id, np.asarray(prompt, dtype=np.int64), key)
+            if decided is None:
+                return None
+            hit = self._hits[req_id] = decided
+        return max(0, hit - computed)
+
+    def _decide(self, req_id: str, tokens: np.ndarray, key: KeyContext | None) -> int | None:
+        """The hit, or None: wait. A prefix this engine is saving is copied from the saved
+        request's blocks at once, without asking the server when it covers all that could be
+        loaded, else when it covers at least what the server holds."""
+
+        def limit() -> int:  # (the chunk size is learnt from the server's first answer)
+            cs = self.chunk_size()
+            return 0 if cs is None else (len(tokens) - 1) // cs * cs
+
+        cs, most = self.chunk_size(), limit()
+        src = self.own.source(tokens, key) if most and len(self.own) else None
+        local = 0 if src is None or cs is None else min(src.tokens // cs * cs, most)
+        if local and local == most:
+            found = LookupFound(local)  # it covers all that could load: the server is not asked
+        else:
+            found = self.lookup(tokens[: len(tokens) - 1], key)
+            cs, most = self.chunk_size(), limit()
+        if src is not None and local and local >= found.hit:
+            self._sources[req_id] = src
+            return self.waits.decide(req_id, LookupFound(local), 0, most)  # (ends a wait, if any)
+        own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
+        return self.waits.decide(req_id, found, own, most)
+
+    def allocated(self, req_id: str, prompt: Sequence[int] | None, external: int) -> None:
+        """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found."""
+        hit = self._hits.get(req_id, 0)
+        key = self.keys.get(req_id)
+        src = self._sources.pop(req_id, None)
+        if external > 0 and prompt and hit and not isinstance(key, Uncached):
+            self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key, load=hit, source=src)
+
+    def plan(
+        self,
+        new: list[tuple[str, Sequence[int] | None, list[int], int, int]],
+        cached: list[tuple[str, list[int] | None, bool, int, int]],
+        preempted: bool,
+        preempted_ids: Iterable[str] = (),
+    ) -> Plan:
+        """``new``: (req id, prompt, block ids, computed, scheduled); ``cached``: (req id, new
+        block ids, resumed, computed, scheduled); ``preempted_ids``: requests whose blocks went
+        back to vLLM this step (never copied from again)."""
+        out = Plan(preempted=preempted)
+        self.own.no_source(preempted_ids)
+        for req_id, prompt, blocks, computed, scheduled in new:
+            r = self._reqs.get(req_id)
+            if r is None:
+                key = self.keys.get(req_id, UNCACHED)  # none known: never stored under a guess
+                if not prompt or isinstance(key, Uncached):
+                    continue
+                r = self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key)
+            r.blocks = list(blocks)
+            if r.load:
+                blocks_ = np.asarray(r.blocks, dtype=np.int64)
+                src = r.source
+                if src is not None and (preempted or not self.own.holds(src.seq)):
+                    src = None  # its blocks may have gone back: the server's copy, if it landed
+                copy = None if src is None else src.blocks[: -(-r.load // self.block_size)]
+                out.loads.append(Load(req_id, r.tokens[: r.load], blocks_, r.key, copy))
+                r.saved, r.load, r.source = r.load, 0, None
+            self._save(out, req_id, r, computed + scheduled)
+        for req_id, new_blocks, resumed, computed, scheduled in cached:
+            r = self._reqs.get(req_id)
+            if r is None:
+                continue
+            if resumed:
+                r.blocks = list(new_blocks or [])
+            elif new_blocks:
+                r.blocks.extend(new_blocks)
+            self._save(out, req_id, r, computed + scheduled)
+        return out
+
+    def _save(self, out: Plan, req_id: str, r: _Request, done: int) -> None:
+        cs = self.chunk_size()
+        if cs is None:
+            return
+        full = min(done, len(r.tokens)) // cs * cs
+        if full > r.saved:
+            n_blocks = -(-full // self.block_size)
+            blocks = np.asarray(r.blocks[:n_blocks], dtype=np.int64)
+            seq = self.own.add(r.tokens[:full], r.key, req_id, blocks)
+            out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key, seq, self.names.get(req_id)))
+            r.saved, r.saving = full, True
+
+    def finished(self, req_id: str) -> bool:
+        """The request is done: True when a save was planned for it (its blocks are freed once
+        the worker says the save is over)."""
+        self._hits.pop(req_id, None)
+        self._sources.pop(req_id, None)
+        self.keys.pop(req_id, None)
+        self.names.pop(req_id, None)
+        self.waits.forget(req_id)
+        r = self._reqs.pop(req_id, None)
+        return r is not None and r.saving

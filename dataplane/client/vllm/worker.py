@@ -1,0 +1,243 @@
+"""The worker side of kvwarden's vLLM connector, without vLLM: registration that outlives a
+missing server, stores off the step's path, loads that say which blocks they could not fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from dataplane.client.adapter import WorkerAdapter
+from dataplane.client.vllm.state import Load, Save
+from dataplane.memory.copies import _MAX_RUNS, slot_runs
+from dataplane.wire.errors import KVWardenError, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class Registrar:
+    """Registers the worker's KV memory (thread ``kvwarden-vllm-register``), retrying every
+    ``retry_s`` while the server cannot be reached, so an engine may start before its server.
+    A refusal (the layout, the chunk size) is final: ``error`` holds it and nothing retries.
+    ``_cond`` guards ``registered``, ``error`` and ``_stopped``."""
+
+    def __init__(
+        self, adapter: WorkerAdapter, caches: Sequence[torch.Tensor], kv_format: str, retry_s: float
+    ) -> None:
+        self.adapter = adapter
+        self.caches = list(caches)
+        self.kv_format = kv_format
+        self.retry_s = retry_s
+        self._cond = threading.Condition()
+        self.registered = False
+        self.error: Exception | None = None
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvwarden-vllm-register", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Until registered, refused or ``timeout_s``; True when registered."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.registered or self.error is not None, timeout_s)
+            return self.registered
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def join(self, timeout_s: float = 10.0) -> bool:
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        warned = False
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+            try:
+                self.adapter.register_kv_caches(self.caches, self.kv_format)
+            except (RequestError, ValueError) as exc:  # refused: retrying cannot help
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                logger.error("kvwarden: registration refused: %s", exc)
+                return
+            except KVWardenError as exc:
+                if not warned:
+                    logger.warning(
+                        "kvwarden: server not reachable (%s): requests recompute until it is; retrying "
+                        "every %gs",
+                        exc,
+                        self.retry_s,
+                    )
+                    warned = True
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._stopped, self.retry_s):
+                        return
+                continue
+            with self._cond:
+                self.registered = True
+                self._cond.notify_all()
+            if warned:
+                logger.info("kvwarden: registered with the server")
+            return
+
+
+class Saver:
+    """Stores planned chunks on thread ``kvwarden-vllm-saver`` while the engine steps on.
+
+    A request whose chunks are being stored keeps its blocks (the scheduler holds them) until
+    ``finished`` reports it. Every save over, stored or failed, is reported by its sequence
+    number (``take_done``), so the scheduler stops counting it as on its way. ``_cond``
+    guards ``_queue``, ``_pending``, ``_asked``, ``_done``, ``_busy`` and ``_stopped``."""
+
+    def __init__(self, adapter: WorkerAdapter) -> None:
+        self.adapter = adapter
+        self._cond = threading.Condition()
+        self._queue: deque[Save] = deque()
+        self._pending: dict[str, int] = {}  # req id -> saves queued or running
+        self._asked: set[str] = set()  # finished requests whose saves were planned
+        self._done: list[int] = []  # sequence numbers of saves over, not yet reported
+        self._busy = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.stored_chunks = 0
+        self.failed = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvwarden-vllm-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, saves: Sequence[Save]) -> None:
+        with self._cond:
+            for s in saves:
+                self._queue.append(s)
+                self._pending[s.req_id] = self._pending.get(s.req_id, 0) + 1
+            self._cond.notify_all()
+
+    def finished(self, finished_req_ids: set[str], planned: set[str]) -> set[str]:
+        """Of the finished requests whose saves were planned (``planned``: every request this
+        worker was asked to save, ever), those whose saves are over."""
+        with self._cond:
+            self._asked |= finished_req_ids & planned
+            done = {r for r in self._asked if not self._pending.get(r)}
+            self._asked -= done
+            return done
+
+    def take_done(self) -> list[int]:
+        """The saves over since the last call (their sequence numbers)."""
+        with self._cond:
+            done, self._done = self._done, []
+            return done
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued save is over (blocks about to be reused); True if so."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def join(self, timeout_s: float = 30.0) -> bool:
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stopped)
+                if not self._queue:
+                    return  # stopped, and nothing left to store
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                self._store(job)
+            finally:
+                with self._cond:
+                    self._pending[job.req_id] -= 1
+                    if not self._pending[job.req_id]:
+                        del self._pending[job.req_id]
+                    if job.seq:
+                        self._done.append(job.seq)
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _store(self, job: Save) -> None:
+        if self.adapter.registration is None:
+            return  # not registered (yet): nothing to store into
+        try:
+            r = self.adapter.store_detail(job.tokens, job.blocks, job.key, job.names)
+        except (KVWardenError, ValueError) as exc:
+            self.failed += 1
+            logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)
+            return
+        self.stored_chunks += r.stored
+
+
+class BlockCopier:
+    """Copies whole blocks of the worker's KV caches onto other blocks of the same caches: a
+    prefix this engine is still saving, into the blocks of a request with that prefix. Runs of
+    consecutive blocks move as one slice (one pass over the bytes); many runs, or a GPU, as
+    one indexed copy per layer."""
+
+    MAX_RUNS = _MAX_RUNS
+
+    def __init__(self, caches: Sequence[torch.Tensor], block_dim: int) -> None:
+        self.caches = list(caches)
+        self.block_dim = block_dim
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray) -> None:
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks for {len(dst)} blocks")
+        runs = slot_runs(src, dst)
+        dim = self.block_dim
+        if len(runs) > self.MAX_RUNS or self.caches[0].device.type != "cpu":
+            device = self.caches[0].device
+            s, d = torch.from_numpy(src).to(device), torch.from_numpy(dst).to(device)
+            for t in self.caches:
+                t.index_copy_(dim, d, t.index_select(dim, s))
+            return
+        for t in self.caches:
+            for to, start, n in runs:
+                t.narrow(dim, to, n).copy_(t.narrow(dim, start, n))
+
+
+def load(
+    adapter: WorkerAdapter | None, job: Load, block_size: int, copy: BlockCopier | None = None
+) -> set[int]:
+    """Write ``job``'s prefix into its blocks: copied from this worker's own blocks when the job
+    names them (``job.source``), else retrieved. Returns the blocks it could not fill (empty
+    when all came; all of them with no adapter or an unregistered one). A miss is not an error:
+    the scheduler recomputes those blocks."""
+    if job.source is not None and copy is not None:
+        copy(job.source, job.blocks[: len(job.source)])
+        return set()
+    want = len(job.tokens)
+    got = 0
+    if adapter is not None and adapter.registration is not None:
+        try:
+            got = adapter.retrieve(job.tokens, job.blocks, job.key)
+        except (KVWardenError, ValueError) as exc:
+            logger.warning("kvwarden: load of request %s failed: %s", job.req_id, exc)
+    if got >= want:
+        return set()
+    first = got // block_size
+    last = -(-want // block_size)
+    return {int(b) for b in np.asarray(job.blocks[first:last])}

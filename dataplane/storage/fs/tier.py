@@ -1,0 +1,294 @@
+"""The file tier: chunks in files under ``fs_path`` (local NVMe, or a directory a fleet shares),
+between L1 and the remote tier; they survive restarts (`layout` has the layout).
+
+- **Index**: what this server knows is on disk (key -> scope and size), in least-recently-used
+  order, and the bytes it adds up to. At start it is empty and the server serves at once; the
+  writer thread rebuilds it from a scan (sweeping stale temporary files), and rescans every
+  `RESCAN_S` to learn what other servers of a shared directory wrote or removed. A key not in
+  the index is looked for on disk (one ``stat``), so a restart or another server's write is a
+  hit before any scan has seen it.
+- **Writes** are behind: `put` queues (bounded in bytes; more is dropped and counted, as for
+  the remote tier) and the thread ``kvwarden-fs-writer`` (start/stop/join) writes each chunk
+  whole under a temporary name and renames it in place, first evicting (LRU) until it fits
+  under ``capacity_bytes``; the writer waits for the first scan, so the cap holds across
+  restarts. A file another server removed is simply gone; one it replaced is the same chunk.
+- **Reads** (`reads`: `get`, `get_into`, `held`) run on the I/O threads (`disk.DiskPool`)
+  with a deadline (past it: a miss), but for the copy of a read in place, which never waits on
+  the disk (`resident`). A file that fails its check is counted, removed and never served.
+- **Health**: `ping` / `probe` round-trip a probe file; failed disk calls trip the check as
+  failed remote reads do; ``bypassed`` (local_cpu fallback) makes every call a miss or a drop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dataplane.events.sink import NO_EVENTS, EventSink
+from dataplane.events.vllm_format import MEDIUM_DISK
+from dataplane.storage.fs import chunk_file, resident
+from dataplane.storage.fs.disk import DiskPool, DiskTimeout
+from dataplane.storage.fs.index import FileIndex
+from dataplane.storage.fs.layout import ScanCounts, chunk_path, scan
+from dataplane.storage.fs.reads import FileReads
+from dataplane.storage.fs.stats import FsCounters, FsStats
+from dataplane.storage.lower import OK, OTHER_ERROR, TIMEOUT
+
+logger = logging.getLogger(__name__)
+
+RESCAN_S = 300.0  # how often the index is checked against the directory
+
+
+@dataclass
+class _FileWrite:
+    scope: bytes
+    key: bytes
+    payload: memoryview
+    done: Callable[[], None] | None
+
+
+class FileTier(FileReads):
+    name = "fs"
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        timeout_s: float = 1.0,
+        queue_bytes: int = 256 << 20,
+        io_threads: int = 4,
+        health_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        eviction: str = "lru",
+    ) -> None:
+        if capacity_bytes <= 0 or queue_bytes <= 0 or timeout_s <= 0:
+            raise ValueError("capacity_bytes, queue_bytes and timeout_s must be > 0")
+        self.root = os.path.abspath(path)
+        if not os.path.isdir(self.root):
+            raise ValueError(f"fs_path {path!r}: not a directory (create it, or mount the volume there)")
+        self.url = self.root  # (how checks and /status name it)
+        self.capacity_bytes = capacity_bytes
+        self.queue_limit = queue_bytes
+        self.health_timeout_s = health_timeout_s or timeout_s
+        self.io = DiskPool(io_threads, timeout_s, clock=clock)
+        self.index = FileIndex(eviction)  # (ValueError names an unknown policy)
+        self.counters = FsCounters()
+        self._clock = clock
+        self._lock = threading.Lock()  # leaf: guards _queue, _queued_bytes, _writing_since, _rebuilt_at
+        self._queue: collections.deque[_FileWrite] = collections.deque()
+        self._queued_bytes = 0
+        self._writing_since = 0.0  # when the write in progress started (0: none)
+        self._rebuilt_at: float | None = None  # when the first scan ended
+        self._started_at = clock()
+        self.bypassed = False
+        self.in_place = resident.supported()  # reads in place (`FileReads.get_into`) are tried
+        self.events: EventSink = NO_EVENTS  # KV events: told of each file written and removed
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("FileTier already started")
+        self.io.start()
+        self._thread = threading.Thread(target=self._run, name="kvwarden-fs-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the writer (what is still queued is dropped, counted ``stopped``) and the I/O threads."""
+        self._stop.set()
+        self._wake.set()
+        self.io.stop()
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.io.join(timeout_s)
+        for w in self._take_all():
+            self.counters.dropped("stopped")
+            _done(w)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.io.is_alive()
+
+    # ---------------------------------------------------------------- writes
+    def put(
+        self, scope: bytes, key: bytes, payload: memoryview, done: Callable[[], None] | None = None
+    ) -> bool:
+        """Queue a write (never waits on the disk). ``payload`` must stay unchanged until
+        ``done`` is called. False: dropped (queue full, bypassed, stopped), counted."""
+        w = _FileWrite(scope, key, payload.cast("B"), done)
+        reason = None
+        with self._lock:
+            if self.bypassed:
+                reason = "bypassed"
+            elif self._stop.is_set():
+                reason = "stopped"
+            elif self._queued_bytes + w.payload.nbytes > self.queue_limit:
+                reason = "full"
+            else:
+                self._queue.append(w)
+                self._queued_bytes += w.payload.nbytes
+        if reason is not None:
+            self.counters.dropped(reason)
+            _done(w)
+            return False
+        self._wake.set()
+        return True
+
+    def _run(self) -> None:
+        self._rescan()
+        with self._lock:
+            self._rebuilt_at = self._clock()
+        next_scan = self._clock() + RESCAN_S
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_scan - self._clock()))
+            self._wake.clear()
+            while not self._stop.is_set():
+                with self._lock:
+                    if not self._queue:
+                        break
+                    w = self._queue.popleft()
+                    self._queued_bytes -= w.payload.nbytes
+                    self._writing_since = self._clock()
+                try:
+                    self._write(w)
+                finally:
+                    with self._lock:
+                        self._writing_since = 0.0
+                    _done(w)
+            if self._clock() >= next_scan and not self._stop.is_set():
+                self._rescan()
+                next_scan = self._clock() + RESCAN_S
+
+    def _write(self, w: _FileWrite) -> None:
+        if self.bypassed or w.key in self.index:  # (bypassed meanwhile; or on disk already)
+            return
+        header = chunk_file.file_header(w.key, w.payload)
+        size = len(header) + w.payload.nbytes
+        if size > self.capacity_bytes:
+            self.counters.dropped("full")
+            return
+        self._evict(size)
+        path = chunk_path(self.root, w.scope, w.key)
+        try:
+            self._timed_here("put", lambda: chunk_file.write_chunk(path, self.root, (header, w.payload)))
+        except OSError as exc:
+            self._failed("put", exc)
+            return
+        self.counters.add(puts=1, bytes_written=size)
+        self.index.learn(w.scope, w.key, size)
+        self.events.stored(w.key, MEDIUM_DISK)
+
+    def _evict(self, room: int) -> None:
+        """Remove files, in the index's order (`fs_eviction`), until ``room`` more bytes fit under
+        the cap."""
+        for key, f in self.index.victims(room, self.capacity_bytes):
+            try:
+                gone = not chunk_file.remove(chunk_path(self.root, f.scope, key))
+            except OSError as exc:
+                self._failed("put", exc)
+                continue
+            self.counters.add(evictions=1, evicted_gone=int(gone))
+            self.events.removed(key, MEDIUM_DISK)
+
+    def _rescan(self) -> None:
+        """Match the index to the directory (`FileIndex.merge`), then keep the cap."""
+        counts = ScanCounts()
+        found = list(scan(self.root, counts, self._stop.is_set))
+        if self._stop.is_set():
+            return
+        self.index.merge(found)
+        self.counters.add(swept=counts.swept, scan_errors=counts.errors)
+        self._evict(0)
+        with self._lock:
+            first = self._rebuilt_at is None
+        if first:
+            n, used = self.index.sizes()
+            what = (n, used, self.root, counts.swept)
+            logger.info("fs tier: %d chunk files, %d bytes, under %s (%d stale temporary files swept)", *what)
+
+    # ---------------------------------------------------------------- health
+    def probe(self) -> bool:
+        """A probe file written, read back equal and removed within the health timeout."""
+        return self.ping()[1] == OK
+
+    def ping(self) -> tuple[float, int]:
+        """(latency in seconds, code: 0 ok, -1 past the health timeout, -2 any other failure):
+        a probe round trip, or -1 while a disk call has not returned for longer than the timeout."""
+        t0 = time.perf_counter()
+        if self.stalled_for() > self.health_timeout_s:
+            code = TIMEOUT
+        else:
+            try:
+                code = (
+                    OK
+                    if self.io.call(lambda: chunk_file.probe(self.root), timeout_s=self.health_timeout_s)
+                    else OTHER_ERROR
+                )
+            except DiskTimeout:
+                code = TIMEOUT
+            except OSError:
+                code = OTHER_ERROR
+        latency = time.perf_counter() - t0
+        self.counters.pinged(latency, code)
+        return latency, code
+
+    def stalled_for(self) -> float:
+        """How long the oldest disk call in progress (a read or the writer's) has run."""
+        with self._lock:
+            since = self._writing_since
+        writer = self._clock() - since if since else 0.0
+        return max(writer, self.io.stalled_for())
+
+    def withdraw_events(self) -> None:
+        self.events.removed_all(MEDIUM_DISK)
+
+    def take_failed_gets(self) -> int:
+        """Failed disk calls since the last call (the health check's per-round count)."""
+        return self.counters.take_failed()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (polling, up to ``timeout_s``) until the queue is written: tests and shutdown."""
+        deadline = time.monotonic() + timeout_s
+        pause = threading.Event()
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not self._writing_since and self._rebuilt_at is not None:
+                    return True
+            pause.wait(0.005)
+        return False
+
+    def stats(self) -> FsStats:
+        stalled = self.stalled_for()
+        files, used = self.index.sizes()
+        with self._lock:
+            rebuilt, depth, qbytes = self._rebuilt_at, len(self._queue), self._queued_bytes
+        return self.counters.snapshot(
+            root=self.root,
+            capacity_bytes=self.capacity_bytes,
+            policy=self.index.policy,
+            files=files,
+            used_bytes=used,
+            rebuilt=rebuilt is not None,
+            rebuild_seconds=None if rebuilt is None else rebuilt - self._started_at,
+            queue_depth=depth,
+            queue_bytes=qbytes,
+            stalled_seconds=stalled,
+        )
+
+    def _take_all(self) -> list[_FileWrite]:
+        with self._lock:
+            out, self._queue, self._queued_bytes = list(self._queue), collections.deque(), 0
+        return out
+
+
+def _done(w: _FileWrite) -> None:
+    if w.done is not None:
+        w.done()

@@ -1,0 +1,14 @@
+"""The remote tier: chunks in a Redis (or Valkey, or Redis Cluster) that many servers share.
+
+Door: `RemoteBackend` and its snapshot `RemoteStats` (`backend`), `RemoteAuthError`. Inside:
+`redis_client` (clients made with one try per call, URLs redacted, failures sorted by kind).
+
+It may import `dataplane.events` and, of storage, only `codec` and `lower`: never the wire, L1
+or the file tier (import-linter keeps it so).
+"""
+
+from __future__ import annotations
+
+from dataplane.storage.remote.backend import RemoteAuthError, RemoteBackend, RemoteStats
+
+__all__ = ["RemoteAuthError", "RemoteBackend", "RemoteStats"]

@@ -1,0 +1,386 @@
+"""The remote tier: chunks in a Redis (or Valkey) that many kvwarden servers share.
+
+A chunk is stored under ``<prefix><key hex>`` in the format of `codec` (a header that binds
+key, layout and a hash of the whole value, then the bytes). Chunk keys already bind the model,
+world size, rank and layout (`dataplane.storage.keys`), so servers on different hosts serving the
+same model find each other's chunks.
+
+- **Reads** (`get`, `count_prefix`) run on the caller's thread, each bounded by
+  ``timeout_s`` (the socket timeout of every send and receive; no retries). A value that fails a
+  check of `codec` is a miss, counted by kind, and never returned.
+- **Writes** go through a write-behind queue bounded in bytes, drained by the thread
+  ``kvwarden-remote-writer`` (start/stop/join). `put` never waits on Redis: when the queue is
+  full or the backend is bypassed, the write is dropped and counted. Each write is one
+  MULTI/EXEC of SET header + APPEND payload: atomic, one round trip, and the payload is sent from
+  the caller's buffer without being copied into one value first.
+- **Failures** are counted by kind (timeout, connection, auth, error; never a plain miss);
+  ``failed_gets`` since the health monitor last took them is what trips its threshold.
+- The password never leaves this object: the URL is kept without it (`redact`), and errors are
+  reported by kind and exception type, not by the client's message.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import redis
+
+from dataplane.events.sink import NO_EVENTS, EventSink
+from dataplane.events.vllm_format import MEDIUM_EXTERNAL
+from dataplane.storage.codec import RemoteValueError, check_layout, decode, encode_header
+from dataplane.storage.lower import DROP_REASONS, DURATION_BUCKETS, OK, OPS, OTHER_ERROR, TIMEOUT
+from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, ping_all, redact
+
+FAILURE_KINDS = ("timeout", "connection", "auth", "no_space", "error")
+
+
+class RemoteAuthError(RuntimeError):
+    """Redis refused the credentials: retrying cannot help."""
+
+
+@dataclass
+class RemoteStats:
+    """Counters of one backend (a snapshot is a copy)."""
+
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    get_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
+    put_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
+    bad_values: dict[str, int] = field(default_factory=dict)  # codec kinds
+    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    queue_depth: int = 0
+    queue_bytes: int = 0
+    ping_latency_s: float = 0.0
+    ping_code: int = OK
+    ping_successes: int = 0
+    ping_errors: int = 0
+    # op -> counts per bucket of DURATION_BUCKETS (+Inf last), and the sum of the durations
+    durations: dict[str, list[int]] = field(
+        default_factory=lambda: {op: [0] * (len(DURATION_BUCKETS) + 1) for op in OPS}
+    )
+    duration_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
+
+
+@dataclass
+class _RedisWrite:
+    key: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    payload: memoryview
+    done: Callable[[], None] | None
+
+
+class RemoteBackend:
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        password: str | None = None,
+        timeout_s: float = 1.0,
+        prefix: str = "kvwarden:",
+        queue_bytes: int = 256 << 20,
+        health_timeout_s: float | None = None,
+    ) -> None:
+        if timeout_s <= 0 or queue_bytes <= 0 or (health_timeout_s is not None and health_timeout_s <= 0):
+            raise ValueError(
+                f"timeout_s, queue_bytes and health_timeout_s must be > 0, got {timeout_s}, "
+                f"{queue_bytes}, {health_timeout_s}"
+            )
+        self.url = redact(url)
+        self.timeout_s = timeout_s
+        self.prefix = prefix
+        self.queue_limit = queue_bytes
+        self._client = Lazy(lambda: make_client(url, password, timeout_s))
+        # PING and the probe go through a client of their own: bounded by the health timeout,
+        # and never queued behind the data path's connections
+        self._health = Lazy(lambda: make_client(url, password, health_timeout_s or timeout_s))
+        self.on_burst: Callable[[], None] | None = None  # called when failed reads reach burst_at
+        self.burst_at = 0
+        self._lock = threading.Lock()  # leaf: guards _stats, _queue, _queued_bytes, _inflight, _failed_gets
+        self._stats = RemoteStats()
+        self._queue: collections.deque[_RedisWrite] = collections.deque()
+        self._queued_bytes = 0
+        self._inflight = 0  # writes popped and not yet done
+        self._failed_gets = 0
+        self.bypassed = False
+        self.events: EventSink = NO_EVENTS  # KV events: told of each chunk written
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("RemoteBackend already started")
+        self._thread = threading.Thread(target=self._drain, name="kvwarden-remote-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the writer; writes still queued are dropped (counted ``stopped``)."""
+        self._stop.set()
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for w in self._take_all():
+            self._count_drop("stopped")
+            _release(w)
+
+    def close(self) -> None:
+        self._client.close()
+        self._health.close()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ----------------------------------------------------------------- reads
+    def redis_key(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    def get(self, key: bytes, dtype: str, shape: Sequence[int] | None) -> memoryview | None:
+        """The payload stored under ``key`` (checked: right key, layout and hash), or None: a
+        miss, a bad value (counted by kind) or a failure (counted; bounded by timeout_s)."""
+        if self.bypassed:
+            return None
+        t0 = time.perf_counter()
+        try:
+            value = self._client().get(self.redis_key(key))
+        except redis.RedisError as exc:
+            self._count_get_failure(failure_kind(exc))
+            return None
+        finally:
+            self._took("get", time.perf_counter() - t0)
+        with self._lock:
+            self._stats.gets += 1
+            if value is None:
+                self._stats.misses += 1
+                return None
+        try:
+            _, _, payload = decode(key, value, dtype, shape)  # type: ignore[arg-type]  # (bytes)
+        except RemoteValueError as exc:
+            with self._lock:
+                self._stats.misses += 1
+                self._stats.bad_values[exc.kind] = self._stats.bad_values.get(exc.kind, 0) + 1
+            return None
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.bytes_read += payload.nbytes
+        return payload
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are held (one pipelined round trip; 0 on a
+        failure, counted)."""
+        if self.bypassed or not keys:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            pipe = self._client().pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.redis_key(k))
+            found = pipe.execute()
+        except redis.RedisError as exc:
+            self._count_get_failure(failure_kind(exc))
+            return 0
+        finally:
+            self._took("exists", time.perf_counter() - t0)
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def ping(self) -> tuple[float, int]:
+        """(latency in seconds, error code: 0 ok, -1 timeout, -2 any other error)."""
+        t0 = time.perf_counter()
+        code = OK
+        try:
+            ping_all(self._health())
+        except redis.RedisError as exc:
+            kind = failure_kind(exc)
+            if kind == "auth":
+                raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
+            code = TIMEOUT if kind == "timeout" else OTHER_ERROR
+        latency = time.perf_counter() - t0
+        with self._lock:
+            self._stats.ping_latency_s, self._stats.ping_code = latency, code
+            if code == OK:
+                self._stats.ping_successes += 1
+            else:
+                self._stats.ping_errors += 1
+        return latency, code
+
+    def probe(self) -> bool:
+        """Put random bytes under a probe key, read them back: True when they round-trip equal
+        (bounded by the health timeout; the key expires after a minute)."""
+        key, data = f"{self.prefix}probe:{os.urandom(8).hex()}", os.urandom(64)
+        try:
+            self._health().set(key, data, px=60_000)
+            back = self._health().get(key)
+            self._health().delete(key)
+        except redis.RedisError as exc:
+            if failure_kind(exc) == "auth":
+                raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
+            return False
+        return back == data
+
+    def withdraw_events(self) -> None:
+        self.events.removed_all(MEDIUM_EXTERNAL)
+
+    def take_failed_gets(self) -> int:
+        """Failed blocking reads since the last call (the health monitor's per-round count)."""
+        with self._lock:
+            n, self._failed_gets = self._failed_gets, 0
+            return n
+
+    # ---------------------------------------------------------------- writes
+    def put(
+        self,
+        key: bytes,
+        dtype: str,
+        shape: Sequence[int],
+        payload: memoryview,
+        done: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue a write (never waits on Redis). ``payload`` must stay unchanged until ``done``
+        is called (by the writer once sent or failed, or here when the write is dropped).
+        False: dropped (queue full, bypassed, stopped), counted."""
+        if not payload.contiguous:
+            raise ValueError("payload must be a contiguous buffer")
+        check_layout(dtype, shape, payload.nbytes)
+        # the header (a hash of the whole payload, ~2 ms for 32 MiB) is made by the writer
+        w = _RedisWrite(key, dtype, tuple(shape), payload, done)
+        reason = None
+        with self._lock:
+            if self.bypassed:
+                reason = "bypassed"
+            elif self._stop.is_set():
+                reason = "stopped"
+            elif self._queued_bytes + payload.nbytes > self.queue_limit:
+                reason = "full"
+            else:
+                self._queue.append(w)
+                self._queued_bytes += payload.nbytes
+        if reason is not None:
+            self._count_drop(reason)
+            _release(w)
+            return False
+        self._wake.set()
+        return True
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stop.is_set():
+                with self._lock:
+                    if not self._queue:
+                        break
+                    w = self._queue.popleft()
+                    self._queued_bytes -= w.payload.nbytes
+                    self._inflight += 1
+                try:
+                    self._write(w)
+                finally:
+                    _release(w)
+                    with self._lock:
+                        self._inflight -= 1
+
+    def _write(self, w: _RedisWrite) -> None:
+        t0 = time.perf_counter()
+        try:
+            pipe = self._client().pipeline(transaction=True)
+            header = encode_header(w.key, w.dtype, w.shape, w.payload)
+            name = self.redis_key(w.key)
+            pipe.set(name, header)
+            pipe.append(name, w.payload)
+            pipe.execute()
+        except Exception as exc:  # counted: the writer never dies of one write
+            kind = failure_kind(exc)
+            with self._lock:
+                self._stats.put_failures[kind] += 1
+            return
+        finally:
+            self._took("put", time.perf_counter() - t0)
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.bytes_written += len(header) + w.payload.nbytes
+        self.events.stored(w.key, MEDIUM_EXTERNAL)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (polling, up to ``timeout_s``) until the queue is empty: tests and shutdown."""
+        deadline = time.monotonic() + timeout_s
+        pause = threading.Event()
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not self._inflight:
+                    return True
+            pause.wait(0.005)
+        return False
+
+    # ---------------------------------------------------------------- helpers
+    def stats(self) -> RemoteStats:
+        with self._lock:
+            s = self._stats
+            return RemoteStats(
+                s.gets,
+                s.hits,
+                s.misses,
+                s.bytes_read,
+                s.puts,
+                s.bytes_written,
+                dict(s.get_failures),
+                dict(s.put_failures),
+                dict(s.bad_values),
+                dict(s.drops),
+                len(self._queue),
+                self._queued_bytes,
+                s.ping_latency_s,
+                s.ping_code,
+                s.ping_successes,
+                s.ping_errors,
+                {op: list(c) for op, c in s.durations.items()},
+                dict(s.duration_sums),
+            )
+
+    def _take_all(self) -> list[_RedisWrite]:
+        with self._lock:
+            out = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            return out
+
+    def _took(self, op: str, seconds: float) -> None:
+        i = bisect.bisect_left(DURATION_BUCKETS, seconds)
+        with self._lock:
+            self._stats.durations[op][i] += 1
+            self._stats.duration_sums[op] += seconds
+
+    def _count_get_failure(self, kind: str) -> None:
+        with self._lock:
+            self._stats.get_failures[kind] += 1
+            self._failed_gets += 1
+            burst = self._failed_gets == self.burst_at
+        if burst and self.on_burst is not None:
+            self.on_burst()  # the health monitor: a round now, not at the end of its interval
+
+    def _count_drop(self, reason: str) -> None:
+        with self._lock:
+            self._stats.drops[reason] += 1
+
+
+def _release(w: _RedisWrite) -> None:
+    if w.done is not None:
+        w.done()

@@ -1,0 +1,354 @@
+"""The vLLM connector's parts that need no vLLM, against a real server where they talk to one:
+vLLM's CPU block layout moved whole (``vllm_cpu``), LOOKUP_SCOPE, the scheduler's planning, the
+worker's registration that waits for a server, its stores off the step, its loads that name
+the blocks they could not fill, and the connector's settings."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from dataplane.client import WorkerAdapter
+from dataplane.client.vllm.settings import connector_settings
+from dataplane.client.vllm.state import (
+    UNCACHED,
+    Load,
+    Plan,
+    Planner,
+    Save,
+    Scope,
+    ScopeLookup,
+)
+from dataplane.client.vllm.wait import LookupFound
+from dataplane.client.vllm.worker import Registrar, Saver, load
+from dataplane.memory.blockkv import BlockKV
+from dataplane.wire.errors import InvalidLayout
+from dataplane.wire.messages import KeyContext, KVFormat
+from tests.helpers import FakeClock, ServerProcess, wait_until
+
+CS = 32  # the server's chunk size in these tests
+BS = 16  # vLLM's block size here: two blocks a chunk
+LAYERS, HEADS, HD, NB = 2, 2, 8, 24
+
+
+def vllm_cpu_caches(seed: int = 0) -> list[torch.Tensor]:
+    """vLLM's CPU layout: per layer [num_blocks, heads, block_size, 2 * head_dim], all layers
+    views of one buffer."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(LAYERS, NB, HEADS, BS, 2 * HD, generator=g).to(torch.bfloat16)
+    return list(buf.unbind(0))
+
+
+def scope(model: str = "m", fmt: KVFormat = KVFormat.VLLM_CPU, world: int = 1) -> Scope:
+    return Scope(model, world, "bfloat16", LAYERS, HEADS, HD, fmt, BS)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> ServerProcess:
+    srv = ServerProcess(tmp_path, "--chunk-size", str(CS))
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+def worker(srv: ServerProcess, model: str = "m") -> WorkerAdapter:
+    return WorkerAdapter(srv.endpoint, model, transfer_mode="engine_driven", heartbeat_interval=1.0)
+
+
+# ------------------------------------------------------------------------------ the layout
+
+
+def test_block_kv_moves_whole_blocks_byte_exact() -> None:
+    src, dst = vllm_cpu_caches(1), vllm_cpu_caches(2)
+    a, b = BlockKV.of_vllm_cpu(src), BlockKV.of_vllm_cpu(dst)
+    assert (a.block_size, a.heads, a.head_dim, a.num_blocks) == (BS, HEADS, HD, NB)
+    slots = np.concatenate([np.arange(5 * BS, 6 * BS), np.arange(2 * BS, 3 * BS)])  # blocks 5, 2
+    buf = torch.empty(a.chunk_nbytes(len(slots)), dtype=torch.uint8)
+    a.gather(slots, buf)
+    out = np.concatenate([np.arange(7 * BS, 8 * BS), np.arange(0, BS)])  # into blocks 7, 0
+    b.scatter(out, buf)
+    for layer in range(LAYERS):
+        assert torch.equal(dst[layer][7], src[layer][5]) and torch.equal(dst[layer][0], src[layer][2])
+    assert torch.equal(dst[0][1], vllm_cpu_caches(2)[0][1])  # nothing else written
+
+
+def test_block_kv_refuses_partial_blocks_and_other_shapes() -> None:
+    kv = BlockKV.of_vllm_cpu(vllm_cpu_caches())
+    buf = torch.empty(kv.chunk_nbytes(BS), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="whole blocks of 16 tokens"):
+        kv.gather(np.arange(3, 3 + BS), buf)
+    with pytest.raises(ValueError, match=r"\[num_blocks, heads, block_size, 2 \* head_dim\]"):
+        BlockKV.of_vllm_cpu([torch.zeros(4, 2, 16, 7)])
+
+
+# ------------------------------------------------------------------- server: the format
+
+
+def test_vllm_cpu_chunks_round_trip_and_are_looked_up_by_scope(server: ServerProcess) -> None:
+    src, dst = vllm_cpu_caches(1), vllm_cpu_caches(2)
+    tokens = np.arange(100, 100 + 3 * CS + 5)
+    with worker(server) as w:
+        w.register_kv_caches(src, "vllm_cpu")
+        assert w.store_detail(tokens, np.arange(NB)).stored == 3
+    lookup = ScopeLookup(server.endpoint, scope())
+    try:
+        assert lookup.hit_tokens(tokens) == 3 * CS and lookup.chunk_size == CS
+        assert lookup.hit_tokens(tokens[: 2 * CS + 1]) == 2 * CS
+        # another model, format or world size is another scope: nothing there
+        for other in (scope("n"), scope(fmt=KVFormat.TOKEN_MAJOR), scope(world=2)):
+            elsewhere = ScopeLookup(server.endpoint, other)
+            assert elsewhere.hit_tokens(tokens) == 0
+            elsewhere.close()
+    finally:
+        lookup.close()
+    blocks = np.arange(NB)[::-1].copy()
+    with worker(server) as w:
+        w.register_kv_caches(dst, "vllm_cpu")
+        assert w.retrieve(tokens, blocks) == 3 * CS
+    for layer in range(LAYERS):
+        for i in range(3 * CS // BS):
+            assert torch.equal(dst[layer][blocks[i]], src[layer][i])
+
+
+def test_a_token_major_worker_is_never_served_vllm_cpu_chunks(server: ServerProcess) -> None:
+    tokens = np.arange(2 * CS)
+    with worker(server) as w:
+        w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
+        assert w.store(tokens, np.arange(NB))
+        assert w.lookup(tokens) == 2 * CS
+    same_dims = list(torch.zeros(LAYERS, 2, NB, BS, HEADS, HD, dtype=torch.bfloat16).unbind(0))
+    with worker(server) as w:
+        w.register_kv_caches(same_dims)  # token_major: the same model, dtype, layers, heads, head dim
+        assert w.lookup(tokens) == 0 and w.retrieve(tokens, np.arange(NB)) == 0
+
+
+def test_a_block_size_that_does_not_divide_the_chunk_is_refused_at_registration(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, "--chunk-size", "40")
+    srv.wait_ready()
+    try:
+        with (
+            worker(srv) as w,
+            pytest.raises(InvalidLayout, match=r"chunk_size 40 is not a multiple of .* 16"),
+        ):
+            w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
+    finally:
+        srv.stop()
+
+
+def test_kv_format_is_checked_by_the_client() -> None:
+    w = WorkerAdapter("tcp://127.0.0.1:1", "m")
+    try:
+        with pytest.raises(ValueError, match="kv_format 'nhd'"):
+            w.register_kv_caches(vllm_cpu_caches(), "nhd")
+        with pytest.raises(ValueError, match="server_driven workers register token_major memory"):
+            w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
+    finally:
+        w.close()
+
+
+# -------------------------------------------------------------- the scheduler's lookups
+
+
+def test_scope_lookup_answers_zero_at_once_while_the_server_is_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    srv = ServerProcess(tmp_path, "--chunk-size", str(CS))
+    srv.stop()
+    clock = FakeClock()
+    lookup = ScopeLookup(srv.endpoint, scope(), timeout_s=0.5, retry_s=5.0, clock=clock)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert lookup.hit_tokens(np.arange(2 * CS)) == 0  # no server: a miss
+            assert lookup.hit_tokens(np.arange(2 * CS)) == 0  # within retry_s: not even asked
+        assert sum("until the server is back" in r.message for r in caplog.records) == 1
+        srv = ServerProcess(
+            tmp_path / "again", "--chunk-size", str(CS), port=srv.port, http_port=srv.http_port
+        )
+        srv.wait_ready()
+        with worker(srv) as w:
+            w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
+            w.store(np.arange(2 * CS), np.arange(NB))
+        # still within retry_s (the clock stands still), but the channel connects again: asked
+        caplog.set_level(logging.INFO, logger="dataplane.client.vllm.state")
+        wait_until(lambda: lookup.hit_tokens(np.arange(2 * CS)) == 2 * CS, 10, what="a lookup answered")
+        assert lookup.chunk_size == CS
+        assert sum("answered again" in r.message for r in caplog.records) == 1
+    finally:
+        lookup.close()
+        srv.stop()
+
+
+def test_scope_lookup_keeps_resting_on_a_server_that_holds_its_connection_but_never_answers() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    frozen = ctx.socket(zmq.ROUTER)  # takes the connection, never answers
+    port = frozen.bind_to_random_port("tcp://127.0.0.1")
+    clock = FakeClock()
+    lookup = ScopeLookup(f"tcp://127.0.0.1:{port}", scope(), timeout_s=0.3, retry_s=5.0, clock=clock)
+    try:
+        assert not lookup.find(np.arange(2 * CS)).answered  # connected, no reply in time
+        assert wait_until(lambda: frozen.poll(0), 5, what="the request to reach the frozen peer")
+        frozen.recv_multipart()
+        t0 = time.monotonic()
+        for _ in range(5):  # no new connection: within retry_s, not asked (no wait at all)
+            assert not lookup.find(np.arange(2 * CS)).answered
+        assert time.monotonic() - t0 < 0.3
+        assert not frozen.poll(100)  # nothing more was sent
+        clock.advance(5.0)
+        assert not lookup.find(np.arange(2 * CS)).answered  # past retry_s: asked again
+        assert frozen.poll(1000)
+    finally:
+        lookup.close()
+        frozen.close(linger=0)
+        ctx.term()
+
+
+def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new() -> None:
+    asked: list[int] = []
+
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> LookupFound:
+        asked.append(len(tokens))
+        return LookupFound(len(tokens) // CS * CS)  # the server holds everything asked for
+
+    p = Planner(hits, BS)
+    p.chunk_size = lambda: CS
+    prompt = list(range(3 * CS))  # exactly 3 chunks: the last token must be computed
+    assert p.matched("a", prompt, 0) == 2 * CS
+    assert p.matched("a", prompt, 0) == 2 * CS and asked == [3 * CS - 1]  # one LOOKUP a request
+    assert p.matched("a", prompt, 2 * CS) == 0  # vLLM already has them
+    p.allocated("a", prompt, 2 * CS)
+    blocks = list(range(10, 16))
+    plan = p.plan([("a", prompt, blocks, 2 * CS, CS)], [], False)
+    (ld,) = plan.loads
+    assert len(ld.tokens) == 2 * CS and list(ld.blocks) == blocks
+    (sv,) = plan.saves  # the third chunk, computed this step, is stored; the loaded two are held
+    assert len(sv.tokens) == 3 * CS and list(sv.blocks) == blocks
+    assert p.finished("a") is True  # a store is planned: its blocks wait for the worker
+    # chunked prefill: stores follow what has been computed, whole chunks only
+    p.matched("b", list(range(5000, 5000 + 3 * CS)), 0)
+    plan = p.plan([("b", list(range(5000, 5000 + 3 * CS)), [1, 2], 0, CS + 3)], [], False)
+    assert [len(s.tokens) for s in plan.saves] == [CS]
+    plan = p.plan([], [("b", [3, 4, 5, 6], False, CS + 3, 2 * CS - 3)], False)
+    assert [len(s.tokens) for s in plan.saves] == [3 * CS] and list(plan.saves[0].blocks) == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
+    assert p.finished("c") is False  # never seen
+
+
+def test_planner_carries_each_requests_key_context_and_never_caches_an_uncached_one() -> None:
+    asked: list[KeyContext | None] = []
+
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> LookupFound:
+        asked.append(key)
+        return LookupFound(len(tokens) // CS * CS)
+
+    p = Planner(hits, BS)
+    p.chunk_size = lambda: CS
+    prompt, blocks = list(range(3 * CS)), list(range(6))
+    ctx = KeyContext(b"tenant-a")
+    assert p.matched("a", prompt, 0, ctx) == 2 * CS and asked == [ctx]
+    p.allocated("a", prompt, 2 * CS)
+    plan = p.plan([("a", prompt, blocks, 2 * CS, CS)], [], False)
+    assert [ld.key for ld in plan.loads] == [ctx] and [sv.key for sv in plan.saves] == [ctx]
+    # a request whose KV no key can name: no LOOKUP, no load, no store
+    assert p.matched("u", prompt, 0, UNCACHED) == 0 and asked == [ctx]
+    p.allocated("u", prompt, 0)
+    assert p.plan([("u", prompt, blocks, 0, 3 * CS)], [], False) == Plan()
+    assert p.finished("u") is False
+    # one that was never looked up has no known context: it is not stored under a guessed one
+    assert p.plan([("x", prompt, blocks, 0, 3 * CS)], [], False) == Plan()
+    assert p.finished("a") is True and "a" not in p.keys
+
+
+# ------------------------------------------------------------------ the worker's threads
+
+
+def test_registrar_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, "--chunk-size", str(CS))
+    srv.stop()
+    w = worker(srv)
+    reg = Registrar(w, vllm_cpu_caches(), "vllm_cpu", retry_s=0.2)
+    reg.start()
+    try:
+        assert reg.wait(0.5) is False and reg.error is None
+        srv = ServerProcess(tmp_path / "up", "--chunk-size", str(CS), port=srv.port, http_port=srv.http_port)
+        srv.wait_ready()
+        assert reg.wait(30.0) is True
+        assert w.store(np.arange(CS), np.arange(NB))
+    finally:
+        reg.stop()
+        assert reg.join()
+        w.close()
+        srv.stop()
+
+
+def test_registrar_takes_a_refusal_as_final(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, "--chunk-size", "40")
+    srv.wait_ready()
+    w = worker(srv)
+    reg = Registrar(w, vllm_cpu_caches(), "vllm_cpu", retry_s=0.2)
+    reg.start()
+    try:
+        assert reg.wait(30.0) is False
+        assert isinstance(reg.error, InvalidLayout)
+        assert reg.join(5.0)  # it stopped trying
+    finally:
+        w.close()
+        srv.stop()
+
+
+def test_saver_stores_off_the_step_and_frees_only_what_it_was_asked_to(server: ServerProcess) -> None:
+    with worker(server) as w:
+        w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
+        saver = Saver(w)
+        saver.start()
+        try:
+            tokens = np.arange(2 * CS)
+            saver.submit([Save("a", tokens, np.arange(4))])
+            assert saver.drain(30.0)
+            assert w.lookup(tokens) == 2 * CS and saver.stored_chunks == 2
+            assert saver.finished(set(), {"a"}) == set()  # not finished yet: blocks stay
+            assert saver.finished({"a", "z"}, {"a"}) == {"a"}  # z was never saved: not ours
+            assert saver.finished(set(), {"a"}) == set()  # reported once
+        finally:
+            saver.stop()
+            assert saver.join()
+
+
+def test_a_load_that_comes_back_short_names_the_blocks_to_recompute(server: ServerProcess) -> None:
+    with worker(server) as w:
+        w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
+        tokens = np.arange(3 * CS)
+        assert w.store(tokens[:CS], np.arange(NB))  # only the first chunk is held
+        blocks = np.array([9, 8, 7, 6, 5, 4])
+        assert load(w, Load("r", tokens, blocks), BS) == {7, 6, 5, 4}
+        assert load(w, Load("r", tokens[:CS], blocks), BS) == set()
+    unregistered = worker(server)
+    try:
+        assert load(unregistered, Load("r", tokens, blocks), BS) == set(blocks.tolist())
+    finally:
+        unregistered.close()
+
+
+def test_connector_settings_name_the_bad_key() -> None:
+    cfg = connector_settings({"kvwarden.url": "tcp://h:1", "other.key": 1})
+    assert cfg["kvwarden.url"] == "tcp://h:1" and cfg["kvwarden.transfer_mode"] == "auto"
+    with pytest.raises(ValueError, match=r"unknown key 'kvwarden\.urll'"):
+        connector_settings({"kvwarden.urll": "x"})
+    with pytest.raises(ValueError, match=r"\['kvwarden.retry_s'\]: must be > 0"):
+        connector_settings({"kvwarden.retry_s": 0})
+    with pytest.raises(ValueError, match="'gpu_direct'; use auto, engine_driven, server_driven"):
+        connector_settings({"kvwarden.transfer_mode": "gpu_direct"})
+    with pytest.raises(ValueError, match="'soon' is not a float"):
+        connector_settings({"kvwarden.connect_wait_s": "soon"})
