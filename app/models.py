@@ -133,6 +133,18 @@ class L1Public(BaseModel):
     )
 
 
+class SpacePublic(BaseModel):
+    """A lower tier's room for writes: out of space (a full disk, Redis answering OOM) is no
+    outage. Its writes stop (dropped, counted), what it holds is still served, and its health
+    check warns; writes resume once there is room again."""
+
+    out_of_space: bool = Field(description="true while its writes are stopped for want of space")
+    reason: str = Field(description="what refused the write that started it ('' while there is room)")
+    seconds: float = Field(description="how long it has been out of space (0 while there is room)")
+    episodes: int = Field(description="times it ran out of space since start")
+    dropped_writes: int = Field(description="writes dropped for want of space in the current or last episode")
+
+
 class RemotePublic(BaseModel):
     url: str = Field(description="the remote tier's URL, without its password")
     bypassed: bool
@@ -146,7 +158,10 @@ class RemotePublic(BaseModel):
     put_failures: int
     queue_depth: int = Field(description="writes waiting in the write-behind queue")
     queue_bytes: int
-    dropped_writes: int = Field(description="writes dropped: queue full, backend bypassed, shutdown")
+    dropped_writes: int = Field(
+        description="writes dropped: queue full, backend bypassed, shutdown, out of space"
+    )
+    space: SpacePublic = Field(description="room for writes (Redis answering OOM stops them)")
 
 
 class FsPublic(BaseModel):
@@ -172,7 +187,10 @@ class FsPublic(BaseModel):
     evictions: int = Field(description="files removed to keep the cap")
     queue_depth: int = Field(description="writes waiting in the write-behind queue")
     queue_bytes: int
-    dropped_writes: int = Field(description="writes dropped: queue full, tier bypassed, shutdown")
+    dropped_writes: int = Field(
+        description="writes dropped: queue full, tier bypassed, shutdown, out of space"
+    )
+    space: SpacePublic = Field(description="room for writes (a full disk stops them)")
     stalled_seconds: float = Field(description="how long the oldest disk call in progress has run")
     ping_latency_seconds: float = Field(description="the last health probe's round trip")
     ping_error_code: int = Field(description="the last health probe: 0 ok, -1 timeout or stuck, -2 other")

@@ -131,6 +131,12 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Remote tier out of space (Redis answering OOM)",
+        "none",
+        "stat",
+        [("kvwarden_remote_out_of_space", "{{instance}} {{backend}}")],
+    ),
+    (
         "Write-behind queue and drops",
         "bytes",
         "timeseries",
@@ -147,10 +153,14 @@ FS_LATENCY = f"sum by (op, le) (rate(kvwarden_fs_duration_seconds_bucket[{RI}]))
 # the file tier (series only with fs_path)
 FS_PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     (
-        "File tier bypassed / index rebuilt",
+        "File tier bypassed / out of space / index rebuilt",
         "none",
         "stat",
-        [("kvwarden_fs_bypassed", "bypassed {{instance}}"), ("kvwarden_fs_rebuilt", "rebuilt {{instance}}")],
+        [
+            ("kvwarden_fs_bypassed", "bypassed {{instance}}"),
+            ("kvwarden_fs_out_of_space", "out of space {{instance}}"),
+            ("kvwarden_fs_rebuilt", "rebuilt {{instance}}"),
+        ],
     ),
     (
         "File tier used vs capacity",
@@ -349,6 +359,19 @@ SCENARIOS: dict[str, tuple[list[tuple[str, str]], list[tuple[str, list[dict[str,
             (f'kvwarden_fs_dropped_writes_total{{{B}, reason="full"}}', "3x6"),
         ],
         [("1m", []), ("3m", [{"instance": "kv-a:8080", "reason": "full"}])],
+    ),
+    "KVWardenOutOfSpace": (
+        [
+            (f"kvwarden_fs_out_of_space{{{A}}}", "0 0 1x8"),
+            (f"kvwarden_remote_out_of_space{{{A}, {R}}}", "0 0 0 0 1x6"),
+            (f"kvwarden_fs_out_of_space{{{B}}}", "0 1 0 1 0 1 0 1 0 1"),  # brief episodes: quiet
+            (f"kvwarden_remote_out_of_space{{{B}, {R}}}", "0x10"),
+        ],
+        [
+            ("3m", []),
+            ("5m", [{**LA, "backend": "fs"}]),
+            ("7m", [{**LA, "backend": "fs"}, {**LA, "backend": "redis"}]),
+        ],
     ),
     "KVWardenScrapeDown": (
         [(f"up{{{A}}}", "1 0x5"), (f"up{{{B}}}", "1x6")],

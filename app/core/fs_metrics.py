@@ -60,6 +60,12 @@ def _gauges(s: FsStats, bypassed: bool) -> tuple[tuple[str, str, float], ...]:
         ),
         ("kvwarden_fs_bypassed", "1 while the file tier is bypassed (local_cpu fallback).", float(bypassed)),
         (
+            "kvwarden_fs_out_of_space",
+            "1 while the file tier's writes are stopped because its disk is full (ENOSPC, EDQUOT); "
+            "its files are still served.",
+            float(s.space.out_of_space),
+        ),
+        (
             "kvwarden_fs_write_queue_depth",
             "Writes waiting in the file tier's write-behind queue.",
             s.queue_depth,
@@ -99,6 +105,11 @@ def _counters(s: FsStats) -> tuple[tuple[str, str, float], ...]:
         ("kvwarden_fs_written_bytes", "Bytes written to the file tier (headers included).", s.bytes_written),
         ("kvwarden_fs_evictions", "Chunk files removed to keep the cap (LRU).", s.evictions),
         ("kvwarden_fs_swept_files", "Stale temporary files removed (writers killed mid-write).", s.swept),
+        (
+            "kvwarden_fs_out_of_space_episodes",
+            "Times the file tier's disk ran out of space since start.",
+            s.space.episodes,
+        ),
     )
 
 
@@ -125,7 +136,8 @@ def _breakdowns(
     yield failures
     dropped = CounterMetricFamily(
         "kvwarden_fs_dropped_writes",
-        "Writes to the file tier dropped, by reason (full: the queue; bypassed; stopped).",
+        "Writes to the file tier dropped, by reason (full: the queue; bypassed; stopped; no_space: "
+        "the disk is full).",
         labels=["reason"],
     )
     for reason, n in drops.items():

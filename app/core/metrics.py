@@ -136,6 +136,12 @@ def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
         ),
         ("kvwarden_remote_write_queue_depth", "Writes waiting in the write-behind queue.", r.queue_depth),
         ("kvwarden_remote_write_queue_bytes", "Bytes waiting in the write-behind queue.", r.queue_bytes),
+        (
+            "kvwarden_remote_out_of_space",
+            "1 while writes to the remote tier are stopped because Redis answers OOM (maxmemory, "
+            "noeviction); reads go on.",
+            float(r.space.out_of_space),
+        ),
     )
     for name, doc, value in gauges:
         g = GaugeMetricFamily(name, doc, labels=["backend"])
@@ -158,8 +164,13 @@ def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
         ("kvwarden_remote_written_bytes", "Bytes written to the remote tier.", r.bytes_written),
         (
             "kvwarden_remote_dropped_writes",
-            "Writes dropped (queue full, bypassed, shutdown).",
+            "Writes dropped (queue full, bypassed, shutdown, out of space).",
             r.dropped_writes,
+        ),
+        (
+            "kvwarden_remote_out_of_space_episodes",
+            "Times the remote tier ran out of space (Redis answering OOM) since start.",
+            r.space.episodes,
         ),
     )
     for name, doc, value in counters:

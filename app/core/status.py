@@ -20,7 +20,7 @@ from pydantic_core import to_json
 from app.core.health import HealthChecker, HealthReport
 
 if TYPE_CHECKING:
-    from dataplane.server.facade import CheckResult, ContextEntry, DataPlaneView, L1Stats
+    from dataplane.server.facade import CheckResult, ContextEntry, DataPlaneView, L1Stats, SpaceState
 
 # Building the document is pure Python, and a thread waiting for the GIL gets it only after the
 # switch interval (0.5 ms in `serve`) unless the holder lets go: PING, answered on the loop thread,
@@ -133,6 +133,7 @@ def fs_view(dp: DataPlaneView) -> dict[str, Any] | None:
         "stalled_seconds": s.stalled_seconds,
         "ping_latency_seconds": s.ping_latency_s,
         "ping_error_code": s.ping_code,
+        "space": space_view(s.space),
     }
 
 
@@ -154,6 +155,17 @@ def remote_view(dp: DataPlaneView) -> dict[str, Any] | None:
         "queue_depth": r.queue_depth,
         "queue_bytes": r.queue_bytes,
         "dropped_writes": r.dropped_writes,
+        "space": space_view(r.space),
+    }
+
+
+def space_view(s: SpaceState) -> dict[str, Any]:
+    return {
+        "out_of_space": s.out_of_space,
+        "reason": s.reason,
+        "seconds": round(s.seconds, 3),
+        "episodes": s.episodes,
+        "dropped_writes": s.dropped,
     }
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from dataplane.storage.fs import FileTier
+    from dataplane.storage.lower import SpaceState
     from dataplane.storage.remote import RemoteBackend
 
 
@@ -47,6 +48,8 @@ class Backend(Protocol):
     def take_failed_gets(self) -> int: ...
 
     def withdraw_events(self) -> None: ...
+
+    def space_state(self) -> SpaceState: ...
 
 
 class LocalTier(Protocol):
@@ -109,6 +112,11 @@ class HealthCheck(abc.ABC):
         """Why the last check failed ("" when it passed)."""
         return ""
 
+    def warning(self) -> str:
+        """Asked after a check that passed: why what it watches serves degraded ("" when it
+        serves fully). A warning is reported as ``warn`` and leaves the server healthy."""
+        return ""
+
 
 Status = Literal["pass", "warn", "fail"]
 
@@ -116,7 +124,8 @@ Status = Literal["pass", "warn", "fail"]
 @dataclass(frozen=True, slots=True)
 class CheckResult:
     """One check's latest result. ``status``: ``pass``; ``warn``, failing while its backend is
-    bypassed under the local_cpu policy (the server still serves); ``fail``."""
+    bypassed under the local_cpu policy, or passing with a warning (a tier out of space): the
+    server still serves; ``fail``."""
 
     name: str
     status: Status

@@ -7,6 +7,8 @@ applies the fallback policies.
   and L1 is switched to hot-cache mode. The hot-cache setting is saved once, at the first bypass;
   when the last bypassed backend recovers it is restored, and if it was off L1 is emptied: the
   chunks written during the outage are not served as if the remote tier held them.
+- A check that passes with a warning (`HealthCheck.warning`: a tier out of space) is ``warn``
+  and leaves the server healthy.
 - A check that raises counts as failed; `IrrecoverableException` stops the monitor for good,
   the server unhealthy, with one error line. `mark_init_failed` (storage or modules could not
   start) makes the server unhealthy for good and the monitor never starts.
@@ -28,7 +30,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from dataplane.health.base import CheckResult, Components, FallbackPolicy, HealthCheck, IrrecoverableException
+from dataplane.health.base import (
+    CheckResult,
+    Components,
+    FallbackPolicy,
+    HealthCheck,
+    IrrecoverableException,
+    Status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +220,7 @@ class HealthMonitor:
                 continue
             try:
                 ok = bool(chk.check())
-                reason = "" if ok else chk.reason()
+                reason = chk.warning() if ok else chk.reason()
             except IrrecoverableException as exc:
                 with self._lock:
                     self._irrecoverable = f"{name}: {exc}"
@@ -238,7 +247,9 @@ class HealthMonitor:
     def _record(
         self, chk: HealthCheck, name: str, ok: bool, *, skipped: bool = False, reason: str = ""
     ) -> None:
-        r = CheckResult(name, "pass" if ok else "fail", reason, chk.component_type, skipped=skipped)
+        """A check's result: ``reason`` is why it failed, or, when it passed, its warning."""
+        status: Status = "fail" if not ok else "warn" if reason else "pass"
+        r = CheckResult(name, status, reason, chk.component_type, skipped=skipped)
         with self._lock:
             self._results[name] = r
 

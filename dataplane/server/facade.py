@@ -27,6 +27,7 @@ from dataplane.server.router_lookup import TierHits
 from dataplane.storage.fs.stats import FsStats
 from dataplane.storage.l1.stats import L1Stats
 from dataplane.storage.l1.tenants import TenantStats
+from dataplane.storage.lower import SpaceState
 
 __all__ = [
     "CheckResult",
@@ -41,6 +42,7 @@ __all__ = [
     "MonitorState",
     "RemoteState",
     "ServerInfo",
+    "SpaceState",
     "Status",
     "TenantStats",
     "TierHits",
@@ -70,6 +72,7 @@ class RemoteState:
     queue_depth: int
     queue_bytes: int
     dropped_writes: int
+    space: SpaceState  # writes stopped while Redis answers OOM
     failures: tuple[tuple[str, str, int], ...] = ()  # (op: get or put, kind, count)
     # (op, upper bounds in seconds, counts per bucket with +Inf last, sum of seconds)
     durations: tuple[tuple[str, tuple[float, ...], tuple[int, ...], float], ...] = ()

@@ -195,6 +195,7 @@ class DataPlane:
             s.queue_depth,
             s.queue_bytes,
             sum(s.drops.values()),
+            s.space,
             tuple(
                 (op, kind, n)
                 for op, by in (("get", s.get_failures), ("put", s.put_failures))

@@ -42,6 +42,15 @@ class SpaceState:
     episodes: int  # episodes since start, the current one included
     dropped: int  # writes dropped for want of space in the current (or last) episode
 
+    def describe(self) -> str:
+        """The health check's reason while out of space ("" while there is room)."""
+        if not self.out_of_space:
+            return ""
+        return (
+            f"out of space for {self.seconds:.0f} s ({self.reason}): writes stopped, "
+            f"{self.dropped} dropped; reads go on"
+        )
+
 
 class WriteSpace:
     """Whether a tier's store has room for writes, as episodes (see the module's docstring).
@@ -114,13 +123,3 @@ class WriteSpace:
             since = self._since
             seconds = 0.0 if since is None else max(0.0, self._clock() - since)
             return SpaceState(since is not None, self._reason, seconds, self._episodes, self._dropped)
-
-    def describe(self) -> str:
-        """The health check's reason while out of space ("" while there is room)."""
-        s = self.state()
-        if not s.out_of_space:
-            return ""
-        return (
-            f"out of space for {s.seconds:.0f} s ({s.reason}): writes stopped, {s.dropped} dropped; "
-            "reads go on"
-        )

@@ -8,7 +8,8 @@
 3. Redis PING, bounded by ``health_ping_timeout``: latency and error code (0 ok, -1 timeout,
    -2 any other error, no connection included) are recorded; healthy iff the code is 0.
 
-Refused credentials raise `IrrecoverableException`.
+Refused credentials raise `IrrecoverableException`. A backend out of space (Redis answering OOM:
+``maxmemory`` with ``noeviction``) passes with a warning (``warn``): writes stop, reads go on.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class RemoteBackendHealthCheck(HealthCheck):
 
     def reason(self) -> str:
         return self._reason
+
+    def warning(self) -> str:
+        return self.backend.space_state().describe()
 
     def check(self) -> bool:
         try:

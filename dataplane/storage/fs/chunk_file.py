@@ -245,6 +245,16 @@ def touch(path: str) -> None:
         os.utime(path)
 
 
+def free_bytes(root: str) -> int | None:
+    """Bytes an unprivileged writer may still use under ``root`` (None: the file system does
+    not say). A quota (EDQUOT) is not seen here: only a write finds it."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def probe(root: str) -> bool:
     """Write a probe file under ``root``, read it back and remove it: True when equal."""
     path = os.path.join(root, f".probe.{os.getpid()}.{threading.get_ident()}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataplane.storage.fs.chunk_file import FAILURE_KINDS
-from dataplane.storage.lower import DROP_REASONS, DURATION_BUCKETS, OPS
+from dataplane.storage.lower import DROP_REASONS, DURATION_BUCKETS, OPS, SpaceState
 
 __all__ = ["DURATION_BUCKETS", "OPS", "FsCounters", "FsStats"]
 
@@ -39,7 +39,7 @@ class FsStats:
     get_failures: dict[str, int]  # by kind (chunk_file.FAILURE_KINDS)
     put_failures: dict[str, int]
     bad_files: dict[str, int]  # by kind (codec.VALUE_ERROR_KINDS)
-    drops: dict[str, int]  # writes dropped, by reason (full, bypassed, stopped)
+    drops: dict[str, int]  # writes dropped, by reason (lower.DROP_REASONS)
     queue_depth: int
     queue_bytes: int
     stalled_seconds: float  # how long the oldest disk call in progress has run
@@ -47,6 +47,7 @@ class FsStats:
     ping_code: int
     durations: dict[str, list[int]]  # op -> counts per bucket of DURATION_BUCKETS (+Inf last)
     duration_sums: dict[str, float]
+    space: SpaceState  # writes stopped while the disk is full (`lower.WriteSpace`)
     duration_buckets: tuple[float, ...] = DURATION_BUCKETS  # the upper bounds (+Inf after them)
 
 
@@ -94,9 +95,12 @@ class FsCounters:
             self.drops[reason] += 1
 
     def failed(self, op: str, kind: str) -> None:
-        """A failed disk call (``op``: get or put) of ``kind``."""
+        """A failed disk call (``op``: get or put) of ``kind``; all but ``no_space`` count toward
+        the health check (a full disk answers: it is not an outage)."""
         with self._lock:
             (self.get_failures if op == "get" else self.put_failures)[kind] += 1
+            if kind == "no_space":
+                return
             self._failed += 1
             burst = self._failed == self.burst_at
         if burst and self.on_burst is not None:

@@ -15,13 +15,20 @@ between L1 and the remote tier; they survive restarts (`layout` has the layout).
 - **Reads** (`reads`: `get`, `get_into`, `held`) run on the I/O threads (`disk.DiskPool`)
   with a deadline (past it: a miss), but for the copy of a read in place, which never waits on
   the disk (`resident`). A file that fails its check is counted, removed and never served.
-- **Health**: `ping` / `probe` round-trip a probe file; failed disk calls trip the check as
-  failed remote reads do; ``bypassed`` (local_cpu fallback) makes every call a miss or a drop.
+- **Out of space** (ENOSPC, EDQUOT: a full disk, or a shared one that other data filled) is not
+  an outage (`lower.WriteSpace`): writes stop (dropped, counted ``no_space``, one warning), the
+  files on disk are still served, and the tier stays healthy, degraded. Writes resume when the
+  tier's own eviction removes files, or when a health round's probe file is written and the disk
+  has room for the write that failed.
+- **Health**: `ping` / `probe` round-trip a probe file; failed disk calls (never for want of
+  space) trip the check as failed remote reads do; ``bypassed`` (local_cpu fallback) makes every
+  call a miss or a drop.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import threading
@@ -32,12 +39,13 @@ from dataclasses import dataclass
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_DISK
 from dataplane.storage.fs import chunk_file, resident
+from dataplane.storage.fs.chunk_file import failure_kind
 from dataplane.storage.fs.disk import DiskPool, DiskTimeout
 from dataplane.storage.fs.index import FileIndex
 from dataplane.storage.fs.layout import ScanCounts, chunk_path, scan
 from dataplane.storage.fs.reads import FileReads
 from dataplane.storage.fs.stats import FsCounters, FsStats
-from dataplane.storage.lower import OK, OTHER_ERROR, TIMEOUT
+from dataplane.storage.lower import OK, OTHER_ERROR, TIMEOUT, SpaceState, WriteSpace
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,7 @@ class FileTier(FileReads):
         self.io = DiskPool(io_threads, timeout_s, clock=clock)
         self.index = FileIndex(eviction)  # (ValueError names an unknown policy)
         self.counters = FsCounters()
+        self.space = WriteSpace(f"fs tier {self.root}", clock)  # writes stop while the disk is full
         self._clock = clock
         self._lock = threading.Lock()  # leaf: guards _queue, _queued_bytes, _writing_since, _rebuilt_at
         self._queue: collections.deque[_FileWrite] = collections.deque()
@@ -130,13 +139,15 @@ class FileTier(FileReads):
                 reason = "bypassed"
             elif self._stop.is_set():
                 reason = "stopped"
+            elif self.space.out:
+                reason = "no_space"
             elif self._queued_bytes + w.payload.nbytes > self.queue_limit:
                 reason = "full"
             else:
                 self._queue.append(w)
                 self._queued_bytes += w.payload.nbytes
         if reason is not None:
-            self.counters.dropped(reason)
+            self._dropped(reason)
             _done(w)
             return False
         self._wake.set()
@@ -170,6 +181,9 @@ class FileTier(FileReads):
     def _write(self, w: _FileWrite) -> None:
         if self.bypassed or w.key in self.index:  # (bypassed meanwhile; or on disk already)
             return
+        if self.space.out:  # (queued before the disk filled)
+            self._dropped("no_space")
+            return
         header = chunk_file.file_header(w.key, w.payload)
         size = len(header) + w.payload.nbytes
         if size > self.capacity_bytes:
@@ -181,6 +195,9 @@ class FileTier(FileReads):
             self._timed_here("put", lambda: chunk_file.write_chunk(path, self.root, (header, w.payload)))
         except OSError as exc:
             self._failed("put", exc)
+            if failure_kind(exc) == "no_space":
+                self.space.ran_out(f"{_errname(exc)} writing a chunk file of {size} bytes", need=size)
+                self._dropped("no_space")
             return
         self.counters.add(puts=1, bytes_written=size)
         self.index.learn(w.scope, w.key, size)
@@ -189,6 +206,7 @@ class FileTier(FileReads):
     def _evict(self, room: int) -> None:
         """Remove files, in the index's order (`fs_eviction`), until ``room`` more bytes fit under
         the cap."""
+        removed = 0
         for key, f in self.index.victims(room, self.capacity_bytes):
             try:
                 gone = not chunk_file.remove(chunk_path(self.root, f.scope, key))
@@ -197,6 +215,9 @@ class FileTier(FileReads):
                 continue
             self.counters.add(evictions=1, evicted_gone=int(gone))
             self.events.removed(key, MEDIUM_DISK)
+            removed += int(not gone)
+        if removed:
+            self.space.freed(f"{removed} chunk files evicted")
 
     def _rescan(self) -> None:
         """Match the index to the directory (`FileIndex.merge`), then keep the cap."""
@@ -221,24 +242,37 @@ class FileTier(FileReads):
 
     def ping(self) -> tuple[float, int]:
         """(latency in seconds, code: 0 ok, -1 past the health timeout, -2 any other failure):
-        a probe round trip, or -1 while a disk call has not returned for longer than the timeout."""
+        a probe round trip, or -1 while a disk call has not returned for longer than the timeout.
+        A disk too full for the probe file answers: 0, and writes stop (`space`); a probe file
+        written while they are stopped, with room for the write that failed, resumes them."""
         t0 = time.perf_counter()
         if self.stalled_for() > self.health_timeout_s:
             code = TIMEOUT
         else:
             try:
-                code = (
-                    OK
-                    if self.io.call(lambda: chunk_file.probe(self.root), timeout_s=self.health_timeout_s)
-                    else OTHER_ERROR
-                )
+                ok, free = self.io.call(self._probe, timeout_s=self.health_timeout_s)
+                code = OK if ok else OTHER_ERROR
+                if ok and self.space.out and (free is None or free >= self.space.need()):
+                    room = "unknown" if free is None else f"{free}"
+                    self.space.freed(f"the probe file was written, {room} bytes free")
             except DiskTimeout:
                 code = TIMEOUT
-            except OSError:
+            except OSError as exc:
                 code = OTHER_ERROR
+                if failure_kind(exc) == "no_space":
+                    self.space.ran_out(f"{_errname(exc)} writing the probe file")
+                    code = OK  # the disk answers: out of space, not an outage
         latency = time.perf_counter() - t0
         self.counters.pinged(latency, code)
         return latency, code
+
+    def _probe(self) -> tuple[bool, int | None]:
+        """A probe file's round trip and, when it made one, the bytes the disk has free."""
+        ok = chunk_file.probe(self.root)
+        return ok, chunk_file.free_bytes(self.root) if ok else None
+
+    def space_state(self) -> SpaceState:
+        return self.space.state()
 
     def stalled_for(self) -> float:
         """How long the oldest disk call in progress (a read or the writer's) has run."""
@@ -281,12 +315,22 @@ class FileTier(FileReads):
             queue_depth=depth,
             queue_bytes=qbytes,
             stalled_seconds=stalled,
+            space=self.space.state(),
         )
+
+    def _dropped(self, reason: str) -> None:
+        self.counters.dropped(reason)
+        if reason == "no_space":
+            self.space.dropped()
 
     def _take_all(self) -> list[_FileWrite]:
         with self._lock:
             out, self._queue, self._queued_bytes = list(self._queue), collections.deque(), 0
         return out
+
+
+def _errname(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, "OSError") + (f" ({exc.strerror})" if exc.strerror else "")
 
 
 def _done(w: _FileWrite) -> None:

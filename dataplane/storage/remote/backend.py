@@ -13,8 +13,13 @@ same model find each other's chunks.
   full or the backend is bypassed, the write is dropped and counted. Each write is one
   MULTI/EXEC of SET header + APPEND payload: atomic, one round trip, and the payload is sent from
   the caller's buffer without being copied into one value first.
-- **Failures** are counted by kind (timeout, connection, auth, error; never a plain miss);
-  ``failed_gets`` since the health monitor last took them is what trips its threshold.
+- **Failures** are counted by kind (timeout, connection, auth, no_space, error; never a plain
+  miss); ``failed_gets`` since the health monitor last took them is what trips its threshold.
+- **Out of space** (Redis answering OOM: ``maxmemory`` with ``noeviction``) is not an outage
+  (`lower.WriteSpace`): writes stop (dropped, counted ``no_space``, one warning), reads go on,
+  and the backend stays healthy, degraded. A health round whose PING finds room again for the
+  write that failed (``maxmemory`` raised, keys deleted) and whose probe key is written resumes
+  them.
 - The password never leaves this object: the URL is kept without it (`redact`), and errors are
   reported by kind and exception type, not by the client's message.
 """
@@ -34,8 +39,17 @@ import redis
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_EXTERNAL
 from dataplane.storage.codec import RemoteValueError, check_layout, decode, encode_header
-from dataplane.storage.lower import DROP_REASONS, DURATION_BUCKETS, OK, OPS, OTHER_ERROR, TIMEOUT
-from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, ping_all, redact
+from dataplane.storage.lower import (
+    DROP_REASONS,
+    DURATION_BUCKETS,
+    OK,
+    OPS,
+    OTHER_ERROR,
+    TIMEOUT,
+    SpaceState,
+    WriteSpace,
+)
+from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, ping_all, redact, room
 
 FAILURE_KINDS = ("timeout", "connection", "auth", "no_space", "error")
 
@@ -69,6 +83,7 @@ class RemoteStats:
         default_factory=lambda: {op: [0] * (len(DURATION_BUCKETS) + 1) for op in OPS}
     )
     duration_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
+    space: SpaceState = field(default_factory=lambda: SpaceState(False, "", 0.0, 0, 0))
 
 
 @dataclass
@@ -114,6 +129,7 @@ class RemoteBackend:
         self._inflight = 0  # writes popped and not yet done
         self._failed_gets = 0
         self.bypassed = False
+        self.space = WriteSpace(f"remote tier {self.url}")  # writes stop while Redis answers OOM
         self.events: EventSink = NO_EVENTS  # KV events: told of each chunk written
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -203,11 +219,14 @@ class RemoteBackend:
         return n
 
     def ping(self) -> tuple[float, int]:
-        """(latency in seconds, error code: 0 ok, -1 timeout, -2 any other error)."""
+        """(latency in seconds, error code: 0 ok, -1 timeout, -2 any other error). While writes
+        are stopped for want of space, a PING answered also asks whether there is room again."""
         t0 = time.perf_counter()
         code = OK
         try:
             ping_all(self._health())
+            if self.space.out:
+                self._retry_space()
         except redis.RedisError as exc:
             kind = failure_kind(exc)
             if kind == "auth":
@@ -224,17 +243,39 @@ class RemoteBackend:
 
     def probe(self) -> bool:
         """Put random bytes under a probe key, read them back: True when they round-trip equal
-        (bounded by the health timeout; the key expires after a minute)."""
+        (bounded by the health timeout; the key expires after a minute). A Redis that answers
+        OOM answers: True, and writes stop (`space`)."""
         key, data = f"{self.prefix}probe:{os.urandom(8).hex()}", os.urandom(64)
         try:
             self._health().set(key, data, px=60_000)
             back = self._health().get(key)
             self._health().delete(key)
         except redis.RedisError as exc:
-            if failure_kind(exc) == "auth":
+            kind = failure_kind(exc)
+            if kind == "auth":
                 raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
+            if kind == "no_space":
+                self.space.ran_out("OOM on the probe key")
+                return True
             return False
         return back == data
+
+    def _retry_space(self) -> None:
+        """Writes resume once Redis has room for the write that failed and takes a probe key
+        (RedisError: the PING's failure)."""
+        left = room(self._health())
+        if left is not None and left < max(self.space.need(), 1):
+            return
+        key = f"{self.prefix}probe:{os.urandom(8).hex()}"
+        try:
+            self._health().set(key, b"room", px=60_000)
+        except redis.exceptions.OutOfMemoryError:
+            return
+        self._health().delete(key)
+        self.space.freed("Redis has room again" if left is None else f"Redis has {left} bytes of room")
+
+    def space_state(self) -> SpaceState:
+        return self.space.state()
 
     def withdraw_events(self) -> None:
         self.events.removed_all(MEDIUM_EXTERNAL)
@@ -268,6 +309,8 @@ class RemoteBackend:
                 reason = "bypassed"
             elif self._stop.is_set():
                 reason = "stopped"
+            elif self.space.out:
+                reason = "no_space"
             elif self._queued_bytes + payload.nbytes > self.queue_limit:
                 reason = "full"
             else:
@@ -299,6 +342,9 @@ class RemoteBackend:
                         self._inflight -= 1
 
     def _write(self, w: _RedisWrite) -> None:
+        if self.space.out:  # (queued before Redis filled)
+            self._count_drop("no_space")
+            return
         t0 = time.perf_counter()
         try:
             pipe = self._client().pipeline(transaction=True)
@@ -311,6 +357,9 @@ class RemoteBackend:
             kind = failure_kind(exc)
             with self._lock:
                 self._stats.put_failures[kind] += 1
+            if kind == "no_space":
+                self.space.ran_out(f"OOM writing a chunk of {w.payload.nbytes} bytes", need=w.payload.nbytes)
+                self._count_drop("no_space")
             return
         finally:
             self._took("put", time.perf_counter() - t0)
@@ -353,6 +402,7 @@ class RemoteBackend:
                 s.ping_errors,
                 {op: list(c) for op, c in s.durations.items()},
                 dict(s.duration_sums),
+                self.space.state(),
             )
 
     def _take_all(self) -> list[_RedisWrite]:
@@ -379,6 +429,8 @@ class RemoteBackend:
     def _count_drop(self, reason: str) -> None:
         with self._lock:
             self._stats.drops[reason] += 1
+        if reason == "no_space":
+            self.space.dropped()
 
 
 def _release(w: _RedisWrite) -> None:

@@ -1,7 +1,7 @@
 """Redis clients for the remote tier: a standalone server (``redis://``, ``rediss://``) or a
 Redis Cluster (``redis+cluster://host:port[,host:port...]``), made with one try per call (no
 retries: the bound is the timeout), made lazily (`Lazy`); URLs shown without their password
-(`redact`); failures sorted into kinds (`failure_kind`)."""
+(`redact`); failures sorted into kinds (`failure_kind`); the room Redis has left (`room`)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def failure_kind(exc: BaseException) -> str:
         return "timeout"
     if isinstance(exc, redis.ConnectionError | ConnectionError | OSError):
         return "connection"
+    if isinstance(exc, rexc.OutOfMemoryError):  # maxmemory reached, noeviction: out of space
+        return "no_space"
     return "error"
 
 
@@ -111,3 +113,16 @@ def ping_all(client: Client) -> None:
         client.ping(target_nodes=RedisCluster.PRIMARIES)
     else:
         client.ping()
+
+
+def room(client: Client) -> int | None:
+    """Bytes Redis may still take before ``maxmemory`` (the least over a cluster's nodes; None:
+    no limit, or it does not say)."""
+    info: Any = client.info("memory")
+    nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
+    left = [
+        int(n["maxmemory"]) - int(n["used_memory"])
+        for n in nodes
+        if int(n.get("maxmemory", 0) or 0) > 0 and "used_memory" in n
+    ]
+    return min(left) if left else None
