@@ -1,0 +1,100 @@
+"""The file tier on a real file system that fills up (a small tmpfs this test mounts; skipped
+only where mounting is not permitted): a full disk stops writes, never reads, and never fails
+the health check; writes resume once a probe finds room for the write that failed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dataplane.health.base import Components
+from dataplane.health.monitor import HealthMonitor
+from dataplane.storage.fs import FileTier
+from dataplane.storage.lower import OK
+from tests.dataplane.storage.fs.test_tier import CHUNK, SCOPE, files, key, payload, read
+from tests.helpers import mounted_tmpfs
+
+
+def fill(mount: Path, left: int) -> Path:
+    """A file that takes all but ``left`` bytes of ``mount``'s free space."""
+    st = os.statvfs(mount)
+    free = st.f_bavail * st.f_frsize
+    filler = mount / "filler"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(1, free - left))
+    finally:
+        os.close(fd)
+    return filler
+
+
+@pytest.fixture
+def mount() -> Iterator[Path]:
+    with mounted_tmpfs("4m") as d:
+        yield d
+
+
+@pytest.fixture
+def tier(mount: Path) -> Iterator[FileTier]:
+    root = mount / "fs"
+    root.mkdir()
+    t = FileTier(str(root), 1 << 30, timeout_s=5.0)
+    t.start()
+    yield t
+    t.stop()
+    t.join()
+
+
+def put(t: FileTier, i: int) -> bool:
+    return t.put(SCOPE, key(i), memoryview(payload(i)))
+
+
+def test_a_full_disk_stops_writes_keeps_reads_and_the_check_only_warns(mount: Path, tier: FileTier) -> None:
+    assert put(tier, 0) and tier.flush(10)
+    filler = fill(mount, CHUNK + 40 * 1024)  # room for one more chunk file, not two
+    for i in range(1, 6):
+        assert put(tier, i)
+    assert tier.flush(10)
+    s = tier.stats()
+    assert s.space.out_of_space and "ENOSPC" in s.space.reason and s.space.episodes == 1
+    assert s.puts == 2 and s.put_failures["no_space"] == 1  # the one write that found no room
+    assert s.drops["no_space"] == 4  # it, and the three queued behind it: none tried the disk
+    assert len(files(Path(tier.root))) == 2 and not list(Path(tier.root).rglob("*.tmp"))
+    assert not put(tier, 6) and tier.stats().drops["no_space"] == 5  # refused at once now
+    assert tier.take_failed_gets() == 0  # nothing toward the health check's threshold
+    assert read(tier, 0) == payload(0) and read(tier, 1) == payload(1)  # what it holds is served
+    assert read(tier, 2) is None  # never written: a miss, not a wrong chunk
+
+    # the probe file fits, but not the write that failed: still out of space, no flapping
+    assert tier.ping()[1] == OK and tier.stats().space.out_of_space
+    monitor = HealthMonitor(Components(fs_tiers={"fs": tier}), ping_interval=60)
+    assert monitor.run_round() and monitor.is_healthy()
+    (result,) = monitor.results()
+    assert result.status == "warn" and result.name.startswith("fs_tier:")
+    assert "out of space" in result.reason and "reads go on" in result.reason
+
+    filler.unlink()  # space frees: the next round's probe finds room and writes resume
+    assert monitor.run_round() and monitor.results()[0].status == "pass"
+    assert not tier.stats().space.out_of_space
+    assert put(tier, 7) and tier.flush(10) and read(tier, 7) == payload(7)
+    assert tier.stats().space.episodes == 1
+
+
+def test_a_disk_too_full_for_the_probe_file_is_out_of_space_not_an_outage(
+    mount: Path, tier: FileTier
+) -> None:
+    assert put(tier, 0) and tier.flush(10)
+    filler = fill(mount, 0)
+    code = tier.ping()[1]
+    s = tier.stats()
+    assert code == OK and s.ping_code == OK and s.space.out_of_space and "probe file" in s.space.reason
+    assert not put(tier, 1)  # writes stop before any is tried
+    assert read(tier, 0) == payload(0)
+    monitor = HealthMonitor(Components(fs_tiers={"fs": tier}), ping_interval=60)
+    assert monitor.run_round() and monitor.results()[0].status == "warn"
+    filler.unlink()
+    assert tier.ping()[1] == OK and not tier.stats().space.out_of_space
+    assert put(tier, 1) and tier.flush(10) and read(tier, 1) == payload(1)
