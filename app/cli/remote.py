@@ -123,12 +123,20 @@ def _remote_line(r: dict[str, Any] | None) -> str:
         return "none"
     ping = {0: "ok", -1: "TIMEOUT"}.get(int(r.get("ping_error_code", 0)), "ERROR")
     return (
-        f"{r['url']}{'  BYPASSED' if r['bypassed'] else ''}  ping "
+        f"{r['url']}{'  BYPASSED' if r['bypassed'] else ''}{_space(r)}  ping "
         f"{r.get('ping_latency_seconds', 0.0) * 1e3:.1f} ms {ping}  hits {r.get('hits', 0)}  "
         f"misses {r.get('misses', 0)} (bad values {r.get('bad_values', 0)})  failures get "
         f"{r.get('get_failures', 0)} put {r.get('put_failures', 0)}  write queue "
         f"{r.get('queue_depth', 0)} ({_bytes(r.get('queue_bytes', 0))}), dropped {r.get('dropped_writes', 0)}"
     )
+
+
+def _space(tier: dict[str, Any]) -> str:
+    """``  OUT OF SPACE (<seconds> s: <reason>)`` while a tier's writes are stopped, else ""."""
+    s = tier.get("space") or {}
+    if not s.get("out_of_space"):
+        return ""
+    return f"  OUT OF SPACE ({s.get('seconds', 0):.0f} s: {s.get('reason', '')}; writes stopped, reads go on)"
 
 
 def _fs_line(f: dict[str, Any] | None) -> str:
@@ -137,7 +145,7 @@ def _fs_line(f: dict[str, Any] | None) -> str:
     probe = {0: "ok", -1: "TIMEOUT"}.get(int(f.get("ping_error_code", 0)), "ERROR")
     index = "" if f.get("rebuilt", True) else "  (index being rebuilt)"
     return (
-        f"{f['path']}{'  BYPASSED' if f['bypassed'] else ''}  {_bytes(f['used_bytes'])} of "
+        f"{f['path']}{'  BYPASSED' if f['bypassed'] else ''}{_space(f)}  {_bytes(f['used_bytes'])} of "
         f"{_bytes(f['capacity_bytes'])}  {f['files']} files{index}  probe "
         f"{f.get('ping_latency_seconds', 0.0) * 1e3:.1f} ms {probe}  hits {f.get('hits', 0)}  misses "
         f"{f.get('misses', 0)} (bad files {f.get('bad_files', 0)})  failures get {f.get('get_failures', 0)} "

@@ -13,6 +13,8 @@ wrote; writes resume once space frees.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import httpx
 import torch
 
 from tests.e2e.test_remote_tier import BLOCK_IDS, CS, Worker, health, prompt, status
-from tests.helpers import ServerProcess, mounted_tmpfs, wait_until
+from tests.helpers import ROOT, ServerProcess, mounted_tmpfs, subprocess_env, wait_until
 from tests.redis_server import RedisServer
 
 INTERVAL, TIMEOUT = 0.3, 0.5  # health_ping_interval, health_ping_timeout and the tiers' timeouts
@@ -65,6 +67,19 @@ def warns(srv: ServerProcess) -> None:
     """Wait for a health round to report the tier out of space: 200 ``warn``, healthy."""
     wait_until(lambda: health(srv) == (200, "warn"), 10, what="/health: 200 warn")
     assert status(srv)["is_healthy"] is True
+
+
+def cli_line(srv: ServerProcess, prefix: str) -> str:
+    """The line of `kvwarden status` that starts with ``prefix``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "status", "--url", f"http://127.0.0.1:{srv.http_port}"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return next(x for x in out.stdout.splitlines() if x.startswith(prefix))
 
 
 def metrics(srv: ServerProcess) -> str:
@@ -115,6 +130,7 @@ def test_a_full_disk_under_the_file_tier_is_not_an_outage(tmp_path: Path) -> Non
             assert 0 < on_disk < 120 and doc["puts"] == on_disk
             text = metrics(srv)
             assert "kvwarden_fs_out_of_space 1.0" in text and "kvwarden_healthy 1.0" in text
+            assert "OUT OF SPACE" in cli_line(srv, "fs ")
             assert 'kvwarden_fs_dropped_writes_total{reason="no_space"}' in text
             assert srv.proc.poll() is None
             w.close()
@@ -173,6 +189,7 @@ def test_redis_out_of_memory_is_not_an_outage(tmp_path: Path) -> None:
         assert doc["puts"] == 8 and doc["dropped_writes"] == 40 and doc["get_failures"] == 0
         text = metrics(srv)
         assert 'kvwarden_remote_out_of_space{backend="redis"} 1.0' in text
+        assert "OUT OF SPACE" in cli_line(srv, "remote ")
         assert 'kvwarden_remote_failures_total{backend="redis",kind="no_space",op="put"} 1.0' in text
         w.close()
         w = None

@@ -261,17 +261,22 @@ class RemoteBackend:
         return back == data
 
     def _retry_space(self) -> None:
-        """Writes resume once Redis has room for the write that failed and takes a probe key
-        (RedisError: the PING's failure)."""
-        left = room(self._health())
+        """Writes resume once Redis has room for the write that failed (``INFO memory``; where
+        it does not say, as on a server that refuses INFO, the probe alone decides) and takes a
+        probe key. Whatever fails here leaves writes stopped, and never the PING."""
+        client = self._health()
+        try:
+            left = room(client)
+        except Exception:  # (INFO refused, or a cluster that answers it otherwise)
+            left = None
         if left is not None and left < max(self.space.need(), 1):
             return
         key = f"{self.prefix}probe:{os.urandom(8).hex()}"
         try:
-            self._health().set(key, b"room", px=60_000)
-        except redis.exceptions.OutOfMemoryError:
+            client.set(key, b"room", px=60_000)
+            client.delete(key)
+        except redis.RedisError:
             return
-        self._health().delete(key)
         self.space.freed("Redis has room again" if left is None else f"Redis has {left} bytes of room")
 
     def space_state(self) -> SpaceState:
