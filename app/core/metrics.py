@@ -118,7 +118,19 @@ def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
     if r is None:
         return
     lb = [r.backend]
-    gauges = (
+    for name, doc, value in _remote_gauges(r):
+        g = GaugeMetricFamily(name, doc, labels=["backend"])
+        g.add_metric(lb, value)
+        yield g
+    for name, doc, value in _remote_counters(r):
+        c = CounterMetricFamily(name, doc, labels=["backend"])
+        c.add_metric(lb, value)
+        yield c
+    yield from _remote_breakdowns(r)
+
+
+def _remote_gauges(r: RemoteState) -> tuple[tuple[str, str, float], ...]:
+    return (
         (
             "kvwarden_backend_bypassed",
             "1 while the backend is bypassed (local_cpu fallback).",
@@ -143,11 +155,10 @@ def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
             float(r.space.out_of_space),
         ),
     )
-    for name, doc, value in gauges:
-        g = GaugeMetricFamily(name, doc, labels=["backend"])
-        g.add_metric(lb, value)
-        yield g
-    counters = (
+
+
+def _remote_counters(r: RemoteState) -> tuple[tuple[str, str, float], ...]:
+    return (
         ("kvwarden_remote_ping_successes", "Health PINGs answered.", r.ping_successes),
         ("kvwarden_remote_ping_errors", "Health PINGs that failed or timed out.", r.ping_errors),
         (
@@ -173,11 +184,6 @@ def remote_metrics(dp: DataPlaneView) -> Iterator[Metric]:
             r.space.episodes,
         ),
     )
-    for name, doc, value in counters:
-        c = CounterMetricFamily(name, doc, labels=["backend"])
-        c.add_metric(lb, value)
-        yield c
-    yield from _remote_breakdowns(r)
 
 
 def _remote_breakdowns(r: RemoteState) -> Iterator[Metric]:
