@@ -8,8 +8,9 @@ holds can still be read. So a tier out of space stops writing (what cannot be wr
 dropped, counted ``no_space``), keeps serving what it holds, and stays healthy, reported as
 degraded (``warn``) with the reason; L1 serves as before. `WriteSpace` is one such episode: it
 starts at the first write (or probe) refused for want of space, logs one warning, and ends when
-the tier sees room again (its own eviction, or a health round's probe that finds room for the
-write that failed), with one line saying so. Only what can stall or corrupt (a call past its
+the tier sees room again (its own eviction, a health round's probe that finds room for the
+write that failed, or a write let through as a try at most once a second, when the store shows
+room for it, that lands), with one line saying so. Only what can stall or corrupt (a call past its
 deadline, EIO, a vanished or read-only directory, no connection) fails a tier's health check.
 """
 
@@ -30,6 +31,9 @@ DROP_REASONS = ("full", "bypassed", "stopped", "no_space")
 # upper bounds (seconds) of the lower tiers' call-duration buckets (a histogram's, +Inf after them)
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 OPS = ("get", "exists", "put")  # a read; a LOOKUP's check of what is held; a write
+# while out of space, one write at most this often is let through as a try, if the store shows
+# room for it: writes resume within a second of space freeing, not a health round later
+TRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,8 @@ class WriteSpace:
     """Whether a tier's store has room for writes, as episodes (see the module's docstring).
 
     ``ran_out`` starts (or continues) an episode; ``freed`` ends it; ``out`` is read by every
-    write, which is dropped while it holds. ``need`` is the size of the write that did not fit:
+    write, which is dropped while it holds, but for one every `TRY_S` (``try_now``). ``need`` is
+    the size of the write that did not fit:
     a probe finds room only when that much is free, so a store with a little room left does not
     flap between writing and refusing every round.
     """
@@ -70,6 +75,7 @@ class WriteSpace:
         self._need = 0
         self._episodes = 0
         self._dropped = 0
+        self._tried = float("-inf")  # when a write was last let through as a try
 
     @property
     def out(self) -> bool:
@@ -96,6 +102,17 @@ class WriteSpace:
                 self.tier,
                 reason,
             )
+
+    def try_now(self) -> bool:
+        """Out of space, and no write has been let through as a try for `TRY_S`: this one may go."""
+        with self._lock:
+            if self._since is None:
+                return False
+            now = self._clock()
+            if now - self._tried < TRY_S:
+                return False
+            self._tried = now
+            return True
 
     def dropped(self) -> None:
         """A write dropped for want of space (counted for the line that ends the episode)."""

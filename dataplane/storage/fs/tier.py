@@ -19,7 +19,8 @@ between L1 and the remote tier; they survive restarts (`layout` has the layout).
   an outage (`lower.WriteSpace`): writes stop (dropped, counted ``no_space``, one warning), the
   files on disk are still served, and the tier stays healthy, degraded. Writes resume when the
   tier's own eviction removes files, or when a health round's probe file is written and the disk
-  has room for the write that failed.
+  has room for the write that failed, or when a write let through as a try (at most one a
+  second, when ``statvfs`` shows room for it) lands.
 - **Health**: `ping` / `probe` round-trip a probe file; failed disk calls (never for want of
   space) trip the check as failed remote reads do; ``bypassed`` (local_cpu fallback) makes every
   call a miss or a drop.
@@ -58,6 +59,7 @@ class _FileWrite:
     key: bytes
     payload: memoryview
     done: Callable[[], None] | None
+    trial: bool = False  # let through while out of space, to try whether the disk has room again
 
 
 class FileTier(FileReads):
@@ -131,15 +133,18 @@ class FileTier(FileReads):
         self, scope: bytes, key: bytes, payload: memoryview, done: Callable[[], None] | None = None
     ) -> bool:
         """Queue a write (never waits on the disk). ``payload`` must stay unchanged until
-        ``done`` is called. False: dropped (queue full, bypassed, stopped), counted."""
+        ``done`` is called. False: dropped (queue full, bypassed, stopped, out of space), counted."""
         w = _FileWrite(scope, key, payload.cast("B"), done)
         reason = None
+        # (read before the lock, which is a leaf: out of space, one write a second may go as a try)
+        w.trial = self.space.try_now()
+        no_room = not w.trial and self.space.out
         with self._lock:
             if self.bypassed:
                 reason = "bypassed"
             elif self._stop.is_set():
                 reason = "stopped"
-            elif self.space.out:
+            elif no_room:
                 reason = "no_space"
             elif self._queued_bytes + w.payload.nbytes > self.queue_limit:
                 reason = "full"
@@ -181,11 +186,11 @@ class FileTier(FileReads):
     def _write(self, w: _FileWrite) -> None:
         if self.bypassed or w.key in self.index:  # (bypassed meanwhile; or on disk already)
             return
-        if self.space.out:  # (queued before the disk filled)
-            self._dropped("no_space")
-            return
         header = chunk_file.file_header(w.key, w.payload)
         size = len(header) + w.payload.nbytes
+        if self.space.out and not (w.trial and self._room_for(size)):  # (queued before it filled)
+            self._dropped("no_space")
+            return
         if size > self.capacity_bytes:
             self.counters.dropped("full")
             return
@@ -199,9 +204,16 @@ class FileTier(FileReads):
                 self.space.ran_out(f"{_errname(exc)} writing a chunk file of {size} bytes", need=size)
                 self._dropped("no_space")
             return
+        if self.space.out:
+            self.space.freed("a chunk file fit again")
         self.counters.add(puts=1, bytes_written=size)
         self.index.learn(w.scope, w.key, size)
         self.events.stored(w.key, MEDIUM_DISK)
+
+    def _room_for(self, size: int) -> bool:
+        """Whether the disk shows room for ``size`` bytes (unknown: worth a try)."""
+        free = chunk_file.free_bytes(self.root)
+        return free is None or free >= size
 
     def _evict(self, room: int) -> None:
         """Remove files, in the index's order (`fs_eviction`), until ``room`` more bytes fit under

@@ -19,7 +19,8 @@ same model find each other's chunks.
   (`lower.WriteSpace`): writes stop (dropped, counted ``no_space``, one warning), reads go on,
   and the backend stays healthy, degraded. A health round whose PING finds room again for the
   write that failed (``maxmemory`` raised, keys deleted) and whose probe key is written resumes
-  them.
+  them, and so does a write let through as a try (at most one a second, when ``INFO memory``
+  shows room for it) that lands.
 - The password never leaves this object: the URL is kept without it (`redact`), and errors are
   reported by kind and exception type, not by the client's message.
 """
@@ -93,6 +94,7 @@ class _RedisWrite:
     shape: tuple[int, ...]
     payload: memoryview
     done: Callable[[], None] | None
+    trial: bool = False  # let through while out of space, to try whether Redis has room again
 
 
 class RemoteBackend:
@@ -106,6 +108,7 @@ class RemoteBackend:
         prefix: str = "kvwarden:",
         queue_bytes: int = 256 << 20,
         health_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if timeout_s <= 0 or queue_bytes <= 0 or (health_timeout_s is not None and health_timeout_s <= 0):
             raise ValueError(
@@ -129,7 +132,7 @@ class RemoteBackend:
         self._inflight = 0  # writes popped and not yet done
         self._failed_gets = 0
         self.bypassed = False
-        self.space = WriteSpace(f"remote tier {self.url}")  # writes stop while Redis answers OOM
+        self.space = WriteSpace(f"remote tier {self.url}", clock)  # writes stop while Redis answers OOM
         self.events: EventSink = NO_EVENTS  # KV events: told of each chunk written
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -279,6 +282,14 @@ class RemoteBackend:
             return
         self.space.freed("Redis has room again" if left is None else f"Redis has {left} bytes of room")
 
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether Redis shows room below ``maxmemory`` for ``nbytes`` (unknown: worth a try)."""
+        try:
+            left = room(self._client())
+        except Exception:  # (INFO refused, or no answer: the write will tell)
+            return True
+        return left is None or left >= nbytes
+
     def space_state(self) -> SpaceState:
         return self.space.state()
 
@@ -309,12 +320,15 @@ class RemoteBackend:
         # the header (a hash of the whole payload, ~2 ms for 32 MiB) is made by the writer
         w = _RedisWrite(key, dtype, tuple(shape), payload, done)
         reason = None
+        # (read before the lock, which is a leaf: out of space, one write a second may go as a try)
+        w.trial = self.space.try_now()
+        no_room = not w.trial and self.space.out
         with self._lock:
             if self.bypassed:
                 reason = "bypassed"
             elif self._stop.is_set():
                 reason = "stopped"
-            elif self.space.out:
+            elif no_room:
                 reason = "no_space"
             elif self._queued_bytes + payload.nbytes > self.queue_limit:
                 reason = "full"
@@ -347,7 +361,7 @@ class RemoteBackend:
                         self._inflight -= 1
 
     def _write(self, w: _RedisWrite) -> None:
-        if self.space.out:  # (queued before Redis filled)
+        if self.space.out and not (w.trial and self._room_for(w.payload.nbytes)):  # (queued before)
             self._count_drop("no_space")
             return
         t0 = time.perf_counter()
@@ -368,6 +382,8 @@ class RemoteBackend:
             return
         finally:
             self._took("put", time.perf_counter() - t0)
+        if self.space.out:
+            self.space.freed("a chunk fit again")
         with self._lock:
             self._stats.puts += 1
             self._stats.bytes_written += len(header) + w.payload.nbytes

@@ -37,11 +37,26 @@ def mount() -> Iterator[Path]:
         yield d
 
 
+class Clock:
+    """The tier's clock: moved by the test (the one write a second let through as a try)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def tier(mount: Path) -> Iterator[FileTier]:
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def tier(mount: Path, clock: Clock) -> Iterator[FileTier]:
     root = mount / "fs"
     root.mkdir()
-    t = FileTier(str(root), 1 << 30, timeout_s=5.0)
+    t = FileTier(str(root), 1 << 30, timeout_s=5.0, clock=clock)
     t.start()
     yield t
     t.stop()
@@ -52,21 +67,27 @@ def put(t: FileTier, i: int) -> bool:
     return t.put(SCOPE, key(i), memoryview(payload(i)))
 
 
-def test_a_full_disk_stops_writes_keeps_reads_and_the_check_only_warns(mount: Path, tier: FileTier) -> None:
+def test_a_full_disk_stops_writes_keeps_reads_and_the_check_only_warns(
+    mount: Path, tier: FileTier, clock: Clock
+) -> None:
     assert put(tier, 0) and tier.flush(10)
     filler = fill(mount, CHUNK + 40 * 1024)  # room for one more chunk file, not two
-    for i in range(1, 6):
-        assert put(tier, i)
+    assert put(tier, 1) and put(tier, 2)
+    for i in range(3, 6):  # the writer may have found the disk full by now: refused, or a try
+        put(tier, i)
     assert tier.flush(10)
     s = tier.stats()
     assert s.space.out_of_space and "ENOSPC" in s.space.reason and s.space.episodes == 1
     assert s.puts == 2 and s.put_failures["no_space"] == 1  # the one write that found no room
     assert s.drops["no_space"] == 4  # it, and the three queued behind it: none tried the disk
     assert len(files(Path(tier.root))) == 2 and not list(Path(tier.root).rglob("*.tmp"))
-    assert not put(tier, 6) and tier.stats().drops["no_space"] == 5  # refused at once now
+    clock.now += 1.0  # (a put above may have been this second's try, had the disk filled by then)
+    assert put(tier, 6) and tier.flush(10)  # one write a second goes as a try: no room, dropped
+    assert tier.stats().drops["no_space"] == 5 and tier.stats().put_failures["no_space"] == 1  # untried
+    assert not put(tier, 7) and tier.stats().drops["no_space"] == 6  # refused at once, the try spent
     assert tier.take_failed_gets() == 0  # nothing toward the health check's threshold
     assert read(tier, 0) == payload(0) and read(tier, 1) == payload(1)  # what it holds is served
-    assert read(tier, 2) is None  # never written: a miss, not a wrong chunk
+    assert read(tier, 2) is None and read(tier, 6) is None  # never written: a miss, not a wrong chunk
 
     # the probe file fits, but not the write that failed: still out of space, no flapping
     assert tier.ping()[1] == OK and tier.stats().space.out_of_space
@@ -76,11 +97,13 @@ def test_a_full_disk_stops_writes_keeps_reads_and_the_check_only_warns(mount: Pa
     assert result.status == "warn" and result.name.startswith("fs_tier:")
     assert "out of space" in result.reason and "reads go on" in result.reason
 
-    filler.unlink()  # space frees: the next round's probe finds room and writes resume
+    filler.unlink()  # space frees: within a second, the next write goes as a try and lands
+    assert not put(tier, 8) and tier.stats().space.out_of_space  # (the try of this second is spent)
+    clock.now += 1.0
+    assert put(tier, 9) and tier.flush(10) and read(tier, 9) == payload(9)
+    assert not tier.stats().space.out_of_space and tier.stats().space.episodes == 1
+    assert put(tier, 10) and tier.flush(10) and read(tier, 10) == payload(10)  # writes resumed
     assert monitor.run_round() and monitor.results()[0].status == "pass"
-    assert not tier.stats().space.out_of_space
-    assert put(tier, 7) and tier.flush(10) and read(tier, 7) == payload(7)
-    assert tier.stats().space.episodes == 1
 
 
 def test_a_disk_too_full_for_the_probe_file_is_out_of_space_not_an_outage(
@@ -91,10 +114,13 @@ def test_a_disk_too_full_for_the_probe_file_is_out_of_space_not_an_outage(
     code = tier.ping()[1]
     s = tier.stats()
     assert code == OK and s.ping_code == OK and s.space.out_of_space and "probe file" in s.space.reason
-    assert not put(tier, 1)  # writes stop before any is tried
+    assert put(tier, 1) and tier.flush(10)  # the try of this second: no room shown, never tried
+    assert not put(tier, 2)  # writes stop: refused at once
+    s = tier.stats()
+    assert s.drops["no_space"] == 2 and s.put_failures["no_space"] == 0 and read(tier, 1) is None
     assert read(tier, 0) == payload(0)
     monitor = HealthMonitor(Components(fs_tiers={"fs": tier}), ping_interval=60)
     assert monitor.run_round() and monitor.results()[0].status == "warn"
     filler.unlink()
     assert tier.ping()[1] == OK and not tier.stats().space.out_of_space
-    assert put(tier, 1) and tier.flush(10) and read(tier, 1) == payload(1)
+    assert put(tier, 3) and tier.flush(10) and read(tier, 3) == payload(3)

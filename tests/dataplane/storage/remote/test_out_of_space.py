@@ -37,9 +37,24 @@ def full_redis() -> Iterator[RedisServer]:
         r.stop()
 
 
+class Clock:
+    """The backend's clock: moved by the test (the one write a second let through as a try)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def backend(full_redis: RedisServer) -> Iterator[RemoteBackend]:
-    b = RemoteBackend(full_redis.url, timeout_s=2.0, queue_bytes=64 << 20)
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def backend(full_redis: RedisServer, clock: Clock) -> Iterator[RemoteBackend]:
+    b = RemoteBackend(full_redis.url, timeout_s=2.0, queue_bytes=64 << 20, clock=clock)
     b.start()
     try:
         yield b
@@ -50,7 +65,7 @@ def backend(full_redis: RedisServer) -> Iterator[RemoteBackend]:
 
 
 def test_redis_out_of_memory_stops_writes_keeps_reads_and_resumes(
-    full_redis: RedisServer, backend: RemoteBackend
+    full_redis: RedisServer, backend: RemoteBackend, clock: Clock
 ) -> None:
     small = memoryview(os.urandom(nbytes(SMALL)))
     assert backend.put(key(0), "bfloat16", SMALL, small) and backend.flush(10)
@@ -58,16 +73,19 @@ def test_redis_out_of_memory_stops_writes_keeps_reads_and_resumes(
     with full_redis.client() as c:
         c.config_set("maxmemory", "1mb")
     bigs = [memoryview(os.urandom(nbytes(BIG))) for _ in range(4)]
-    for i, b in enumerate(bigs, 1):
-        assert backend.put(key(i), "bfloat16", BIG, b)
+    for i, b in enumerate(bigs, 1):  # once the writer has met OOM: refused, or this second's try
+        backend.put(key(i), "bfloat16", BIG, b)
     assert backend.flush(10)
     s = backend.stats()
     assert s.space.out_of_space and "OOM" in s.space.reason and s.space.episodes == 1
     assert s.put_failures["no_space"] == 1 and s.put_failures["error"] == 0
     written = s.puts - 1  # Redis may take one big value while under maxmemory, never two
     assert written in (0, 1) and s.drops["no_space"] == 4 - written
-    assert not backend.put(key(9), "bfloat16", BIG, bigs[0])  # refused at once now
-    assert backend.stats().drops["no_space"] == 5 - written
+    clock.now += 1.0  # (a put above may have been this second's try)
+    assert backend.put(key(9), "bfloat16", BIG, bigs[0]) and backend.flush(10)  # a try: no room
+    assert backend.stats().drops["no_space"] == 5 - written and backend.stats().put_failures["no_space"] == 1
+    assert not backend.put(key(9), "bfloat16", BIG, bigs[0])  # refused at once: the try is spent
+    assert backend.stats().drops["no_space"] == 6 - written
     assert backend.take_failed_gets() == 0
     got = backend.get(key(0), "bfloat16", SMALL)  # reads go on
     assert got is not None and bytes(got) == bytes(small)
@@ -81,12 +99,34 @@ def test_redis_out_of_memory_stops_writes_keeps_reads_and_resumes(
     assert monitor.run_round() and backend.stats().space.out_of_space  # no room yet: stays out
 
     with full_redis.client() as c:
-        c.config_set("maxmemory", "0")  # room again
+        c.config_set("maxmemory", "0")  # room again: the next health round resumes writes
     assert monitor.run_round() and monitor.results()[0].status == "pass"
     assert not backend.stats().space.out_of_space
     assert backend.put(key(5), "bfloat16", BIG, bigs[3]) and backend.flush(10)
     got = backend.get(key(5), "bfloat16", BIG)
     assert got is not None and bytes(got) == bytes(bigs[3])
+
+
+def test_a_write_let_through_as_a_try_resumes_writes_once_redis_has_room(
+    full_redis: RedisServer, backend: RemoteBackend, clock: Clock
+) -> None:
+    with full_redis.client() as c:
+        c.set("filler", os.urandom(1 << 20))
+        c.config_set("maxmemory", "1mb")
+    big = memoryview(os.urandom(nbytes(BIG)))
+    assert backend.put(key(1), "bfloat16", BIG, big) and backend.flush(10)
+    assert backend.stats().space.out_of_space
+    assert backend.put(key(2), "bfloat16", BIG, big) and backend.flush(10)  # a try: no room, dropped
+    with full_redis.client() as c:
+        c.delete("filler")
+        c.config_set("maxmemory", "64mb")  # room again; no health round runs here
+    assert not backend.put(key(2), "bfloat16", BIG, big)  # the try of this second is spent
+    assert backend.stats().puts == 0 and backend.stats().space.out_of_space
+    clock.now += 1.0
+    assert backend.put(key(3), "bfloat16", BIG, big) and backend.flush(10)  # a try, and it lands
+    assert not backend.stats().space.out_of_space and backend.stats().space.episodes == 1
+    got = backend.get(key(3), "bfloat16", BIG)
+    assert got is not None and bytes(got) == bytes(big)
 
 
 def test_a_probe_refused_for_memory_is_an_answer_not_an_outage(
@@ -97,4 +137,8 @@ def test_a_probe_refused_for_memory_is_an_answer_not_an_outage(
         c.config_set("maxmemory", "1mb")
     assert backend.probe()  # Redis answered OOM: reachable, out of space
     assert backend.stats().space.out_of_space and "probe" in backend.stats().space.reason
-    assert not backend.put(key(1), "bfloat16", SMALL, memoryview(os.urandom(nbytes(SMALL))))
+    small = memoryview(os.urandom(nbytes(SMALL)))
+    assert backend.put(key(1), "bfloat16", SMALL, small) and backend.flush(10)  # a try: no room shown
+    assert not backend.put(key(2), "bfloat16", SMALL, small)  # refused at once
+    s = backend.stats()
+    assert s.drops["no_space"] == 2 and s.put_failures["no_space"] == 0 and s.puts == 0
