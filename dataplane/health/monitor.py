@@ -113,6 +113,7 @@ class HealthMonitor:
         self.checks = list(checks) if checks is not None else discover(components)
         self._live = [c for c in self.checks if c.live]  # run when health is read
         self._rounds_of = [c for c in self.checks if not c.live]  # run each round
+        self._by_name = {c.name(): c for c in self._rounds_of}  # (names never change)
         self._lock = threading.Lock()  # leaf: guards every field below
         self._healthy = True
         self._init_failure: str | None = None
@@ -180,9 +181,27 @@ class HealthMonitor:
             return dict(self._bypassed)
 
     def results(self) -> list[CheckResult]:
-        """Each round check's last result (the live checks are not kept)."""
+        """Each round check's last result (the live checks are not kept), its warning as of now."""
         with self._lock:
-            return self._round_results()
+            recorded = self._round_results()
+        return self._warned(recorded)
+
+    def _warned(self, results: list[CheckResult]) -> list[CheckResult]:
+        """``results`` with each passing check's warning read now (`HealthCheck.warning` reads a
+        flag): a tier that ran out of space shows as ``warn`` at once, not a round later. Not
+        under ``_lock``, which is a leaf: a warning takes its tier's lock."""
+        out = []
+        for r in results:
+            chk = self._by_name.get(r.name)
+            if chk is None or r.status == "fail" or r.skipped or r.bypassed_backend is not None:
+                out.append(r)
+                continue
+            try:
+                warning = chk.warning()
+            except Exception as exc:  # (a warning that cannot be read is one)
+                warning = f"{type(exc).__name__}: {exc}"
+            out.append(replace(r, status="warn" if warning else "pass", reason=warning))
+        return out
 
     def _round_results(self) -> list[CheckResult]:
         """Under ``_lock``: each recorded result, with the backend its check bypassed."""
@@ -199,14 +218,16 @@ class HealthMonitor:
         live = [_run_live(chk) for chk in self._live]
         with self._lock:
             healthy = self._healthy and self._init_failure is None and self._irrecoverable is None
-            return MonitorState(
-                healthy and all(r.healthy for r in live),
-                self._init_failure,
-                self._irrecoverable,
-                self._rounds,
-                tuple(sorted(self._bypassed)),
-                (*live, *self._round_results()),
-            )
+            rounds, init_failure, irrecoverable = self._rounds, self._init_failure, self._irrecoverable
+            bypassed, recorded = tuple(sorted(self._bypassed)), self._round_results()
+        return MonitorState(
+            healthy and all(r.healthy for r in live),
+            init_failure,
+            irrecoverable,
+            rounds,
+            bypassed,
+            (*live, *self._warned(recorded)),
+        )
 
     # ----------------------------------------------------------------- round
     def run_round(self) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.health.base import Components
+from dataplane.health.base import Components, FallbackPolicy
 from dataplane.health.monitor import HealthMonitor
 from dataplane.storage.fs import FileTier
 from dataplane.storage.lower import OK
@@ -124,3 +124,18 @@ def test_a_disk_too_full_for_the_probe_file_is_out_of_space_not_an_outage(
     filler.unlink()
     assert tier.ping()[1] == OK and not tier.stats().space.out_of_space
     assert put(tier, 3) and tier.flush(10) and read(tier, 3) == payload(3)
+
+
+def test_the_warning_shows_at_once_and_local_cpu_never_bypasses_a_full_disk(
+    mount: Path, tier: FileTier
+) -> None:
+    components = Components(fs_tiers={"fs": tier}, fallback_policy=FallbackPolicy.LOCAL_CPU)
+    monitor = HealthMonitor(components, ping_interval=60)
+    assert monitor.run_round() and monitor.results()[0].status == "pass"
+    fill(mount, 0)
+    assert put(tier, 0) and tier.flush(10)  # the write finds the disk full
+    (result,) = monitor.results()  # no round since: the warning is read as health is
+    assert result.status == "warn" and "out of space" in result.reason
+    assert monitor.summary_state().results[-1].status == "warn"
+    assert monitor.run_round() and monitor.is_healthy()
+    assert monitor.bypassed() == {} and not tier.bypassed  # answering, so never bypassed
