@@ -58,7 +58,7 @@ from dataplane.client.vllm.state import (
     Uncached,
 )
 from dataplane.client.vllm.wait import OwnSaves, Waits
-from dataplane.client.vllm.worker import BlockCopier, Registrar, Saver, load
+from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load
 from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.messages import KVFormat
 
@@ -192,6 +192,9 @@ class KVWardenConnector(KVConnectorBase_V1):
         self._registrar: Registrar | None = None
         self._saver: Saver | None = None
         self._copier: BlockCopier | None = None  # a prefix still being saved, copied block to block
+        self._loader: Loader | None = None  # loads off the step (vLLM's asynchronous loads)
+        self._background: set[str] = set()  # requests whose hit vLLM was told to load asynchronously
+        self._held: set[str] = set()  # finished requests whose blocks a save or a load still holds
         self._planned: set[str] = set()  # requests this worker was asked to store
         self._load_errors: set[int] = set()
         self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
@@ -240,6 +243,8 @@ class KVWardenConnector(KVConnectorBase_V1):
         self._copier = BlockCopier(caches, 0 if kv_format == KVFormat.VLLM_CPU else 1)
         self._saver = Saver(adapter)
         self._saver.start()
+        self._loader = Loader(adapter, self._block_size, self._copier)
+        self._loader.start()
 
     def _layout(self, caches: list[torch.Tensor]) -> tuple[str, KVFormat]:
         """The transfer mode and format of vLLM's tensors, checked against the scope the
@@ -278,8 +283,12 @@ class KVWardenConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVWardenConnectorMetadata)
+        background = [job for job in meta.plan.loads if job.background]
+        if background and self._loader is not None:
+            self._loader.submit(background)
         for job in meta.plan.loads:
-            self._load_errors |= load(self._adapter, job, self._block_size, self._copier)
+            if not job.background:
+                self._load_errors |= load(self._adapter, job, self._block_size, self._copier)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole before the forward pass
@@ -304,11 +313,17 @@ class KVWardenConnector(KVConnectorBase_V1):
             self._saver.drain(self._cfg["kvwarden.request_timeout_s"])  # their blocks are reused next
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._saver is None:
+        """(requests whose saves are over, requests whose background loads are over); the blocks
+        a load could not fill go to ``get_block_ids_with_load_errors``, asked next."""
+        if self._saver is None or self._loader is None:
             return None, None
         done = self._saver.finished(finished_req_ids, self._planned)
         self._planned -= done
-        return done or None, None
+        loaded = set()
+        for req_id, missing in self._loader.take_done():
+            loaded.add(req_id)
+            self._load_errors |= missing
+        return done or None, loaded or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         saved = self._saver.take_done() if self._saver is not None else []
@@ -319,6 +334,9 @@ class KVWardenConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.stop()
+            self._loader.join(self._cfg["kvwarden.request_timeout_s"])
         if self._saver is not None:
             self._saver.stop()
             self._saver.join(self._cfg["kvwarden.request_timeout_s"])
@@ -343,19 +361,39 @@ class KVWardenConnector(KVConnectorBase_V1):
         if rid not in p.names and not isinstance(key, Uncached):
             p.names[rid] = engine_names(request, self._block_size)
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
-        return p.matched(rid, prompt, num_computed_tokens, key), False
+        n = p.matched(rid, prompt, num_computed_tokens, key)
+        background = bool(n) and self._cfg["kvwarden.async_load"] and not p.copies_own(rid)
+        if background:
+            self._background.add(rid)
+        else:
+            self._background.discard(rid)
+        return n, background
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVWardenWorkerMetadata) and self._planner is not None:
             self._planner.own.done(meta.saved)  # those saves landed or failed: not on their way
+        if self._planner is not None and connector_output.finished_recving:
+            self._planner.loaded(connector_output.finished_recving)
+        self._held.difference_update(connector_output.finished_sending or ())
+        self._held.difference_update(connector_output.finished_recving or ())
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks of finished requests come back once their saves or loads are over: vLLM may
+        wait for them rather than preempt a running request."""
+        return bool(self._held)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._planner is not None
+        rid = request.request_id
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
-        self._planner.allocated(request.request_id, prompt, num_external_tokens)
+        background = rid in self._background and num_external_tokens > 0
+        self._background.discard(rid)
+        # an asynchronous load is not scheduled this step: the plan loads it into these blocks
+        ids = list(blocks.get_block_ids()[0]) if background else None
+        self._planner.allocated(rid, prompt, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._planner is not None
@@ -394,4 +432,8 @@ class KVWardenConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
-        return self._planner.finished(request.request_id), None
+        self._background.discard(request.request_id)
+        held = self._planner.finished(request.request_id)
+        if held:
+            self._held.add(request.request_id)
+        return held, None

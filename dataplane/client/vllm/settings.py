@@ -5,7 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 MODES = ("auto", "engine_driven", "server_driven")
-_KEYS = {
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting: true or false (JSON), or the strings "true" / "false"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(value)
+
+
+_flag.__name__ = "boolean (true or false)"
+_KEYS: dict[str, Any] = {
     "kvwarden.url": str,
     "kvwarden.transfer_mode": str,
     "kvwarden.connect_wait_s": float,
@@ -16,6 +28,7 @@ _KEYS = {
     "kvwarden.lookup_wait_s": float,
     "kvwarden.kv_events_endpoint": str,
     "kvwarden.kv_events_topic": str,
+    "kvwarden.async_load": _flag,
 }
 _MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
 _DEFAULTS: dict[str, Any] = {
@@ -33,6 +46,9 @@ _DEFAULTS: dict[str, Any] = {
     # own (`dataplane.client.vllm.events.EventRelay`); none: not forwarded
     "kvwarden.kv_events_endpoint": None,
     "kvwarden.kv_events_topic": "",
+    # hits that need a transfer are loaded off the step (vLLM's asynchronous loads): the request
+    # waits while running requests keep decoding; false: loaded on the step, before the forward pass
+    "kvwarden.async_load": True,
 }
 
 

@@ -158,6 +158,9 @@ class Load:
     # blocks of this engine that hold the same KV (a save of the same prefix still on its way):
     # the worker copies them block to block instead of asking the server
     source: np.ndarray | None = None
+    # loaded off the step (vLLM's asynchronous loads): the request waits in
+    # WAITING_FOR_REMOTE_KVS while others run, and the worker reports it through get_finished
+    background: bool = False
 
 
 @dataclass
@@ -200,6 +203,7 @@ class _Request:
     load: int = 0  # tokens to load before the first forward pass
     saving: bool = False  # a Save was planned: its blocks wait for the worker's word
     source: Source | None = None  # where the load may copy from (`OwnSaves.source`)
+    background: bool = False  # vLLM loads it asynchronously: planned before it is scheduled
 
 
 class Planner:
@@ -227,6 +231,7 @@ class Planner:
         self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
         self.names: dict[str, EngineBlocks | None] = {}  # req id -> vLLM's names of its blocks
         self._reqs: dict[str, _Request] = {}
+        self.loading: set[str] = set()  # background loads planned, not yet reported over
 
     def matched(
         self, req_id: str, prompt: Sequence[int] | None, computed: int, key: RequestKey = None
@@ -269,13 +274,29 @@ class Planner:
         own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
         return self.waits.decide(req_id, found, own, most)
 
-    def allocated(self, req_id: str, prompt: Sequence[int] | None, external: int) -> None:
-        """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found."""
+    def copies_own(self, req_id: str) -> bool:
+        """Whether the hit ``matched`` found is copied from this engine's own blocks (a save on
+        its way): a local copy, made on the step, never in the background."""
+        return req_id in self._sources
+
+    def allocated(
+        self, req_id: str, prompt: Sequence[int] | None, external: int, blocks: Sequence[int] | None = None
+    ) -> None:
+        """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found.
+        ``blocks``: the request's blocks, when vLLM loads it asynchronously (it is not scheduled
+        this step: the next plan loads it in the background)."""
         hit = self._hits.get(req_id, 0)
         key = self.keys.get(req_id)
         src = self._sources.pop(req_id, None)
         if external > 0 and prompt and hit and not isinstance(key, Uncached):
-            self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key, load=hit, source=src)
+            r = _Request(np.asarray(prompt, dtype=np.int64), [], key, load=hit, source=src)
+            if blocks is not None and src is None:
+                r.blocks, r.background = list(blocks), True
+            self._reqs[req_id] = r
+
+    def loaded(self, req_ids: Iterable[str]) -> None:
+        """The workers report these background loads over (vLLM's ``finished_recving``)."""
+        self.loading.difference_update(req_ids)
 
     def plan(
         self,
@@ -289,6 +310,13 @@ class Planner:
         back to vLLM this step (never copied from again)."""
         out = Plan(preempted=preempted)
         self.own.no_source(preempted_ids)
+        scheduled_now = {n[0] for n in new}
+        for req_id, waiting in self._reqs.items():
+            if waiting.background and waiting.load and req_id not in scheduled_now:
+                tokens, blocks_ = waiting.tokens[: waiting.load], np.asarray(waiting.blocks, dtype=np.int64)
+                out.loads.append(Load(req_id, tokens, blocks_, waiting.key, background=True))
+                waiting.saved, waiting.load, waiting.background = waiting.load, 0, False
+                self.loading.add(req_id)
         for req_id, prompt, blocks, computed, scheduled in new:
             r = self._reqs.get(req_id)
             if r is None:
@@ -296,7 +324,7 @@ class Planner:
                 if not prompt or isinstance(key, Uncached):
                     continue
                 r = self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key)
-            r.blocks = list(blocks)
+            r.blocks, r.background = list(blocks), False  # (scheduled now: loaded on this step)
             if r.load:
                 blocks_ = np.asarray(r.blocks, dtype=np.int64)
                 src = r.source
@@ -330,12 +358,14 @@ class Planner:
             r.saved, r.saving = full, True
 
     def finished(self, req_id: str) -> bool:
-        """The request is done: True when a save was planned for it (its blocks are freed once
-        the worker says the save is over)."""
+        """The request is done: True when a save was planned for it, or its background load is
+        not over (its blocks are freed once the worker says so)."""
         self._hits.pop(req_id, None)
         self._sources.pop(req_id, None)
         self.keys.pop(req_id, None)
         self.names.pop(req_id, None)
         self.waits.forget(req_id)
         r = self._reqs.pop(req_id, None)
-        return r is not None and r.saving
+        loading = req_id in self.loading
+        self.loading.discard(req_id)  # (vLLM frees its blocks at the report it waits for)
+        return (r is not None and r.saving) or loading

@@ -1,5 +1,6 @@
 """The worker side of kvwarden's vLLM connector, without vLLM: registration that outlives a
-missing server, stores off the step's path, loads that say which blocks they could not fill.
+missing server, stores off the step's path, loads that say which blocks they could not fill,
+made on the step or, for vLLM's asynchronous loads, on a thread of their own.
 """
 
 from __future__ import annotations
@@ -188,6 +189,73 @@ class Saver:
             logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)
             return
         self.stored_chunks += r.stored
+
+
+class Loader:
+    """Loads requests off the step on thread ``kvwarden-vllm-loader`` (vLLM's asynchronous
+    loads): the request waits in WAITING_FOR_REMOTE_KVS while the engine steps on, and
+    ``take_done`` hands each load over, with the blocks it could not fill, to the step that
+    reports it (``get_finished``, then ``get_block_ids_with_load_errors``). Loads run one after
+    another, in the order planned. ``_cond`` guards ``_queue``, ``_done`` and ``_stopped``."""
+
+    def __init__(self, adapter: WorkerAdapter, block_size: int, copy: BlockCopier | None = None) -> None:
+        self.adapter = adapter
+        self.block_size = block_size
+        self.copy = copy
+        self._cond = threading.Condition()
+        self._queue: deque[Load] = deque()
+        self._done: list[tuple[str, set[int]]] = []  # (req id, blocks not filled), not yet reported
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvwarden-vllm-loader", daemon=True)
+        self._thread.start()
+
+    def submit(self, loads: Sequence[Load]) -> None:
+        with self._cond:
+            self._queue.extend(loads)
+            self._cond.notify_all()
+
+    def take_done(self) -> list[tuple[str, set[int]]]:
+        """The loads over since the last call: (request id, the blocks it could not fill)."""
+        with self._cond:
+            done, self._done = self._done, []
+            return done
+
+    def stop(self) -> None:
+        """Stop after the load in progress: those still queued report every block unfilled."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def join(self, timeout_s: float = 30.0) -> bool:
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stopped)
+                if self._stopped:
+                    for job in self._queue:
+                        self._done.append((job.req_id, _all_blocks(job, self.block_size)))
+                    self._queue.clear()
+                    return
+                job = self._queue.popleft()
+            try:
+                missing = load(self.adapter, job, self.block_size, self.copy)
+            except Exception as exc:  # a load that breaks is recomputed, never served half-made
+                logger.warning("kvwarden: background load of request %s failed: %r", job.req_id, exc)
+                missing = _all_blocks(job, self.block_size)
+            with self._cond:
+                self._done.append((job.req_id, missing))
+
+
+def _all_blocks(job: Load, block_size: int) -> set[int]:
+    return {int(b) for b in np.asarray(job.blocks[: -(-len(job.tokens) // block_size)])}
 
 
 class BlockCopier:

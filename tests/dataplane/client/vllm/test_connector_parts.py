@@ -27,7 +27,7 @@ from dataplane.client.vllm.state import (
     ScopeLookup,
 )
 from dataplane.client.vllm.wait import LookupFound
-from dataplane.client.vllm.worker import Registrar, Saver, load
+from dataplane.client.vllm.worker import Loader, Registrar, Saver, load
 from dataplane.memory.blockkv import BlockKV
 from dataplane.wire.errors import InvalidLayout
 from dataplane.wire.messages import KeyContext, KVFormat
@@ -271,6 +271,75 @@ def test_planner_carries_each_requests_key_context_and_never_caches_an_uncached_
     assert p.finished("a") is True and "a" not in p.keys
 
 
+def test_planner_loads_an_asynchronous_hit_before_it_is_scheduled_and_holds_its_blocks() -> None:
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> LookupFound:
+        return LookupFound(len(tokens) // CS * CS)
+
+    p = Planner(hits, BS)
+    p.chunk_size = lambda: CS
+    prompt, blocks = list(range(3 * CS)), list(range(10, 16))
+    assert p.matched("a", prompt, 0) == 2 * CS and not p.copies_own("a")
+    p.allocated("a", prompt, 2 * CS, blocks)  # vLLM loads it asynchronously: not scheduled
+    plan = p.plan([], [], False)
+    (ld,) = plan.loads
+    assert ld.background and len(ld.tokens) == 2 * CS and list(ld.blocks) == blocks and not plan.saves
+    assert p.loading == {"a"}
+    assert p.plan([], [], False) == Plan()  # planned once
+    p.loaded({"a"})  # the workers report it over; vLLM schedules it from its loaded prefix
+    plan = p.plan([("a", prompt, blocks, 2 * CS, CS)], [], False)
+    assert not plan.loads and [len(s.tokens) for s in plan.saves] == [3 * CS]  # only what is new
+    assert p.finished("a") is True  # its save holds the blocks
+
+    # a's save is on its way: a request with its prefix copies a's blocks, on the step
+    assert p.matched("own", prompt, 0) == 2 * CS and p.copies_own("own")
+
+    # finished (aborted) while its load runs: its blocks wait for the load's report
+    other = list(range(1000, 1000 + 3 * CS))
+    assert p.matched("b", other, 0) == 2 * CS and not p.copies_own("b")
+    p.allocated("b", other, 2 * CS, blocks)
+    assert [ld.req_id for ld in p.plan([], [], False).loads] == ["b"]
+    assert p.finished("b") is True and "b" not in p.loading
+
+    # allocated asynchronously but scheduled in the same step after all: loaded on the step
+    third = list(range(2000, 2000 + 3 * CS))
+    assert p.matched("c", third, 0) == 2 * CS
+    p.allocated("c", third, 2 * CS, blocks)
+    plan = p.plan([("c", third, blocks, 2 * CS, CS)], [], False)
+    (ld,) = plan.loads
+    assert not ld.background and "c" not in p.loading
+
+
+def test_the_loader_loads_off_the_step_and_reports_each_load_once(server: ServerProcess) -> None:
+    with worker(server) as w:
+        w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
+        tokens = np.arange(3 * CS)
+        assert w.store(tokens[:CS], np.arange(NB))  # only the first chunk is held
+        loader = Loader(w, BS)
+        loader.start()
+        try:
+            loader.submit([Load("a", tokens[:CS], np.array([9, 8]), background=True)])
+            loader.submit([Load("b", tokens[: 2 * CS], np.array([7, 6, 5, 4]), background=True)])
+            done: dict[str, set[int]] = {}
+
+            def both() -> bool:
+                done.update(loader.take_done())
+                return len(done) == 2
+
+            wait_until(both, 30, what="two loads over")
+            assert done == {"a": set(), "b": {5, 4}}  # b's second chunk is not held: recompute it
+            assert loader.take_done() == []  # each reported once
+            loader.stop()
+            assert loader.join()
+        finally:
+            loader.stop()
+    stopped = Loader(worker(server), BS)  # loads still queued at a stop: every block unfilled
+    stopped.submit([Load("c", tokens[:CS], np.array([1, 2]), background=True)])
+    stopped.stop()
+    stopped._run()
+    assert stopped.take_done() == [("c", {1, 2})]
+    stopped.adapter.close()
+
+
 # ------------------------------------------------------------------ the worker's threads
 
 
@@ -352,3 +421,8 @@ def test_connector_settings_name_the_bad_key() -> None:
         connector_settings({"kvwarden.transfer_mode": "gpu_direct"})
     with pytest.raises(ValueError, match="'soon' is not a float"):
         connector_settings({"kvwarden.connect_wait_s": "soon"})
+    assert cfg["kvwarden.async_load"] is True  # hits load off the step unless told otherwise
+    assert connector_settings({"kvwarden.async_load": False})["kvwarden.async_load"] is False
+    assert connector_settings({"kvwarden.async_load": "false"})["kvwarden.async_load"] is False
+    with pytest.raises(ValueError, match=r"\['kvwarden.async_load'\]: 1 is not a boolean \(true or false\)"):
+        connector_settings({"kvwarden.async_load": 1})
