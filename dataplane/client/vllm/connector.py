@@ -11,7 +11,10 @@ which store new full chunks. A prefix this engine is still saving is copied from
 request's blocks at once (`dataplane.client.vllm.wait.OwnSaves.source`); one being stored by
 another worker, or by a save that cannot be copied from, is waited for ("not decided yet",
 asked again on later steps, up to ``kvwarden.lookup_wait_s``) and loaded once it lands. Worker side:
-loads run before the forward pass (``start_load_kv``); stores go to a thread after it
+a hit is loaded off the step (vLLM's asynchronous loads: the request waits in
+WAITING_FOR_REMOTE_KVS while others run; a thread of the worker loads it and ``get_finished``
+reports it), a copy from this engine's own blocks before the forward pass (``start_load_kv``);
+stores go to a thread after it
 (``wait_for_save``), and a finished request keeps its blocks until its stores are over
 (``request_finished`` / ``get_finished``). A load that comes back short names its blocks
 (``get_block_ids_with_load_errors``) so vLLM recomputes them.
