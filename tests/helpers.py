@@ -254,5 +254,18 @@ def mounted_tmpfs(size: str) -> Iterator[Path]:
         d.rmdir()
 
 
+def fill_filesystem(mount: Path, left: int) -> Path:
+    """A file that takes all but ``left`` bytes of ``mount``'s free space (other data); remove
+    it to free the space."""
+    st = os.statvfs(mount)
+    filler = mount / "other-data"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(1, st.f_bavail * st.f_frsize - left))
+    finally:
+        os.close(fd)
+    return filler
+
+
 def new_name() -> str:
     return f"kvwarden-{os.getpid()}-{secrets.token_hex(8)}"

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ OPS = ("get", "exists", "put")  # a read; a LOOKUP's check of what is held; a wr
 # while out of space, one write at most this often is let through as a try, if the store shows
 # room for it: writes resume within a second of space freeing, not a health round later
 TRY_S = 1.0
+Admission = Literal["write", "try", "drop"]  # `WriteSpace.admit`
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,7 @@ class WriteSpace:
     """Whether a tier's store has room for writes, as episodes (see the module's docstring).
 
     ``ran_out`` starts (or continues) an episode; ``freed`` ends it; ``out`` is read by every
-    write, which is dropped while it holds, but for one every `TRY_S` (``try_now``). ``need`` is
+    write, which is dropped while it holds, but for one every `TRY_S` (``admit``). ``need`` is
     the size of the write that did not fit:
     a probe finds room only when that much is free, so a store with a little room left does not
     flap between writing and refusing every round.
@@ -103,16 +105,18 @@ class WriteSpace:
                 reason,
             )
 
-    def try_now(self) -> bool:
-        """Out of space, and no write has been let through as a try for `TRY_S`: this one may go."""
+    def admit(self) -> Admission:
+        """What becomes of a write offered now, in one look: ``write`` (there is room), ``try``
+        (out of space, and no write has been let through as a try for `TRY_S`: this one goes)
+        or ``drop``."""
         with self._lock:
             if self._since is None:
-                return False
+                return "write"
             now = self._clock()
             if now - self._tried < TRY_S:
-                return False
+                return "drop"
             self._tried = now
-            return True
+            return "try"
 
     def dropped(self) -> None:
         """A write dropped for want of space (counted for the line that ends the episode)."""

@@ -12,7 +12,6 @@ wrote; writes resume once space frees.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from tests.e2e.test_remote_tier import BLOCK_IDS, CS, Worker, health, prompt, status
 from tests.helpers import ROOT, ServerProcess, mounted_tmpfs, subprocess_env, wait_until
+from tests.helpers import fill_filesystem as fill
 from tests.redis_server import RedisServer
 
 INTERVAL, TIMEOUT = 0.3, 0.5  # health_ping_interval, health_ping_timeout and the tiers' timeouts
@@ -44,18 +44,6 @@ def serve(tmp: Path, *args: str, port: int = 0) -> ServerProcess:
     )
     srv.wait_ready()
     return srv
-
-
-def fill(mount: Path, left: int) -> Path:
-    """A file that takes all but ``left`` bytes of ``mount``'s free space (other data)."""
-    st = os.statvfs(mount)
-    filler = mount / "other-data"
-    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - left)
-    finally:
-        os.close(fd)
-    return filler
 
 
 def check(srv: ServerProcess, prefix: str) -> dict[str, Any]:

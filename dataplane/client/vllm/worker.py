@@ -241,7 +241,7 @@ class Loader:
                 self._cond.wait_for(lambda: self._queue or self._stopped)
                 if self._stopped:
                     for job in self._queue:
-                        self._done.append((job.req_id, _all_blocks(job, self.block_size)))
+                        self._done.append((job.req_id, _blocks_from(job, 0, self.block_size)))
                     self._queue.clear()
                     return
                 job = self._queue.popleft()
@@ -249,13 +249,15 @@ class Loader:
                 missing = load(self.adapter, job, self.block_size, self.copy)
             except Exception as exc:  # a load that breaks is recomputed, never served half-made
                 logger.warning("kvwarden: background load of request %s failed: %r", job.req_id, exc)
-                missing = _all_blocks(job, self.block_size)
+                missing = _blocks_from(job, 0, self.block_size)
             with self._cond:
                 self._done.append((job.req_id, missing))
 
 
-def _all_blocks(job: Load, block_size: int) -> set[int]:
-    return {int(b) for b in np.asarray(job.blocks[: -(-len(job.tokens) // block_size)])}
+def _blocks_from(job: Load, tokens: int, block_size: int) -> set[int]:
+    """The blocks of ``job`` from the one holding token ``tokens`` to its last token's."""
+    first, last = tokens // block_size, -(-len(job.tokens) // block_size)
+    return {int(b) for b in np.asarray(job.blocks[first:last])}
 
 
 class BlockCopier:
@@ -304,8 +306,4 @@ def load(
             got = adapter.retrieve(job.tokens, job.blocks, job.key)
         except (KVWardenError, ValueError) as exc:
             logger.warning("kvwarden: load of request %s failed: %s", job.req_id, exc)
-    if got >= want:
-        return set()
-    first = got // block_size
-    last = -(-want // block_size)
-    return {int(b) for b in np.asarray(job.blocks[first:last])}
+    return set() if got >= want else _blocks_from(job, got, block_size)

@@ -136,15 +136,14 @@ class FileTier(FileReads):
         ``done`` is called. False: dropped (queue full, bypassed, stopped, out of space), counted."""
         w = _FileWrite(scope, key, payload.cast("B"), done)
         reason = None
-        # (read before the lock, which is a leaf: out of space, one write a second may go as a try)
-        w.trial = self.space.try_now()
-        no_room = not w.trial and self.space.out
+        admission = self.space.admit()  # (before the lock, which is a leaf)
+        w.trial = admission == "try"
         with self._lock:
             if self.bypassed:
                 reason = "bypassed"
             elif self._stop.is_set():
                 reason = "stopped"
-            elif no_room:
+            elif admission == "drop":
                 reason = "no_space"
             elif self._queued_bytes + w.payload.nbytes > self.queue_limit:
                 reason = "full"
@@ -204,8 +203,7 @@ class FileTier(FileReads):
                 self.space.ran_out(f"{_errname(exc)} writing a chunk file of {size} bytes", need=size)
                 self._dropped("no_space")
             return
-        if self.space.out:
-            self.space.freed("a chunk file fit again")
+        self.space.freed("a chunk file fit again")  # (nothing, unless out of space: a try landed)
         self.counters.add(puts=1, bytes_written=size)
         self.index.learn(w.scope, w.key, size)
         self.events.stored(w.key, MEDIUM_DISK)

@@ -268,10 +268,7 @@ class RemoteBackend:
         it does not say, as on a server that refuses INFO, the probe alone decides) and takes a
         probe key. Whatever fails here leaves writes stopped, and never the PING."""
         client = self._health()
-        try:
-            left = room(client)
-        except Exception:  # (INFO refused, or a cluster that answers it otherwise)
-            left = None
+        left = room(client)
         if left is not None and left < max(self.space.need(), 1):
             return
         key = f"{self.prefix}probe:{os.urandom(8).hex()}"
@@ -284,10 +281,7 @@ class RemoteBackend:
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether Redis shows room below ``maxmemory`` for ``nbytes`` (unknown: worth a try)."""
-        try:
-            left = room(self._client())
-        except Exception:  # (INFO refused, or no answer: the write will tell)
-            return True
+        left = room(self._client())
         return left is None or left >= nbytes
 
     def space_state(self) -> SpaceState:
@@ -320,15 +314,14 @@ class RemoteBackend:
         # the header (a hash of the whole payload, ~2 ms for 32 MiB) is made by the writer
         w = _RedisWrite(key, dtype, tuple(shape), payload, done)
         reason = None
-        # (read before the lock, which is a leaf: out of space, one write a second may go as a try)
-        w.trial = self.space.try_now()
-        no_room = not w.trial and self.space.out
+        admission = self.space.admit()  # (before the lock, which is a leaf)
+        w.trial = admission == "try"
         with self._lock:
             if self.bypassed:
                 reason = "bypassed"
             elif self._stop.is_set():
                 reason = "stopped"
-            elif no_room:
+            elif admission == "drop":
                 reason = "no_space"
             elif self._queued_bytes + payload.nbytes > self.queue_limit:
                 reason = "full"
@@ -382,8 +375,7 @@ class RemoteBackend:
             return
         finally:
             self._took("put", time.perf_counter() - t0)
-        if self.space.out:
-            self.space.freed("a chunk fit again")
+        self.space.freed("a chunk fit again")  # (nothing, unless out of space: a try landed)
         with self._lock:
             self._stats.puts += 1
             self._stats.bytes_written += len(header) + w.payload.nbytes

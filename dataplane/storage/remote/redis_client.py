@@ -117,8 +117,11 @@ def ping_all(client: Client) -> None:
 
 def room(client: Client) -> int | None:
     """Bytes Redis may still take before ``maxmemory`` (the least over a cluster's nodes; None:
-    no limit, or it does not say)."""
-    info: Any = client.info("memory")
+    no limit, or it does not say: INFO refused, or no answer)."""
+    try:
+        info: Any = client.info("memory")
+    except Exception:  # (also a cluster that answers INFO otherwise)
+        return None
     nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
     left = [
         int(n["maxmemory"]) - int(n["used_memory"])

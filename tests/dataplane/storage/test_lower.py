@@ -8,18 +8,11 @@ import logging
 import pytest
 
 from dataplane.storage.lower import WriteSpace
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 def test_an_episode_logs_once_counts_its_drops_and_ends_once(caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     s = WriteSpace("fs tier /x", clock)
     assert not s.out and s.state().describe() == "" and s.need() == 0
     assert not s.freed("nothing to free")  # no episode: nothing ends, nothing logged
@@ -28,7 +21,7 @@ def test_an_episode_logs_once_counts_its_drops_and_ends_once(caplog: pytest.LogC
     for _ in range(5):  # every further refusal and drop of the episode stays quiet
         s.ran_out("ENOSPC writing a chunk file of 8192 bytes", need=8192)
         s.dropped()
-    clock.now += 42
+    clock.advance(42)
     st = s.state()
     assert st.out_of_space and st.episodes == 1 and st.dropped == 5 and st.seconds == 42
     assert st.reason == "ENOSPC writing a chunk file of 4096 bytes"  # what started it
@@ -46,12 +39,12 @@ def test_an_episode_logs_once_counts_its_drops_and_ends_once(caplog: pytest.LogC
 
 
 def test_a_second_episode_starts_afresh() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     s = WriteSpace("remote tier redis://h", clock)
     s.ran_out("OOM", need=1 << 20)
     s.dropped()
     s.freed("room")
-    clock.now += 10
+    clock.advance(10)
     s.ran_out("OOM on the probe key")
     st = s.state()
     assert st.out_of_space and st.episodes == 2 and st.dropped == 0 and s.need() == 0

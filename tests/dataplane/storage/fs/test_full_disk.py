@@ -4,7 +4,6 @@ the health check; writes resume once a probe finds room for the write that faile
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,20 +14,8 @@ from dataplane.health.monitor import HealthMonitor
 from dataplane.storage.fs import FileTier
 from dataplane.storage.lower import OK
 from tests.dataplane.storage.fs.test_tier import CHUNK, SCOPE, files, key, payload, read
-from tests.helpers import mounted_tmpfs
-
-
-def fill(mount: Path, left: int) -> Path:
-    """A file that takes all but ``left`` bytes of ``mount``'s free space."""
-    st = os.statvfs(mount)
-    free = st.f_bavail * st.f_frsize
-    filler = mount / "filler"
-    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, max(1, free - left))
-    finally:
-        os.close(fd)
-    return filler
+from tests.helpers import FakeClock, mounted_tmpfs
+from tests.helpers import fill_filesystem as fill
 
 
 @pytest.fixture
@@ -37,23 +24,14 @@ def mount() -> Iterator[Path]:
         yield d
 
 
-class Clock:
+@pytest.fixture
+def clock() -> FakeClock:
     """The tier's clock: moved by the test (the one write a second let through as a try)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+    return FakeClock()
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def tier(mount: Path, clock: Clock) -> Iterator[FileTier]:
+def tier(mount: Path, clock: FakeClock) -> Iterator[FileTier]:
     root = mount / "fs"
     root.mkdir()
     t = FileTier(str(root), 1 << 30, timeout_s=5.0, clock=clock)
@@ -68,7 +46,7 @@ def put(t: FileTier, i: int) -> bool:
 
 
 def test_a_full_disk_stops_writes_keeps_reads_and_the_check_only_warns(
-    mount: Path, tier: FileTier, clock: Clock
+    mount: Path, tier: FileTier, clock: FakeClock
 ) -> None:
     assert put(tier, 0) and tier.flush(10)
     filler = fill(mount, CHUNK + 40 * 1024)  # room for one more chunk file, not two
@@ -81,7 +59,7 @@ def test_a_full_disk_stops_writes_keeps_reads_and_the_check_only_warns(
     assert s.puts == 2 and s.put_failures["no_space"] == 1  # the one write that found no room
     assert s.drops["no_space"] == 4  # it, and the three queued behind it: none tried the disk
     assert len(files(Path(tier.root))) == 2 and not list(Path(tier.root).rglob("*.tmp"))
-    clock.now += 1.0  # (a put above may have been this second's try, had the disk filled by then)
+    clock.advance(1.0)  # (a put above may have been this second's try, had the disk filled by then)
     assert put(tier, 6) and tier.flush(10)  # one write a second goes as a try: no room, dropped
     assert tier.stats().drops["no_space"] == 5 and tier.stats().put_failures["no_space"] == 1  # untried
     assert not put(tier, 7) and tier.stats().drops["no_space"] == 6  # refused at once, the try spent
@@ -99,7 +77,7 @@ def test_a_full_disk_stops_writes_keeps_reads_and_the_check_only_warns(
 
     filler.unlink()  # space frees: within a second, the next write goes as a try and lands
     assert not put(tier, 8) and tier.stats().space.out_of_space  # (the try of this second is spent)
-    clock.now += 1.0
+    clock.advance(1.0)
     assert put(tier, 9) and tier.flush(10) and read(tier, 9) == payload(9)
     assert not tier.stats().space.out_of_space and tier.stats().space.episodes == 1
     assert put(tier, 10) and tier.flush(10) and read(tier, 10) == payload(10)  # writes resumed

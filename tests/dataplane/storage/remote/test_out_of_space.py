@@ -12,6 +12,7 @@ import pytest
 from dataplane.health.base import Components
 from dataplane.health.monitor import HealthMonitor
 from dataplane.storage.remote import RemoteBackend
+from tests.helpers import FakeClock
 from tests.redis_server import RedisServer
 
 SMALL, BIG = (4, 16, 64), (8, 256, 256)  # bfloat16: 8 KiB, 1 MiB
@@ -37,23 +38,14 @@ def full_redis() -> Iterator[RedisServer]:
         r.stop()
 
 
-class Clock:
+@pytest.fixture
+def clock() -> FakeClock:
     """The backend's clock: moved by the test (the one write a second let through as a try)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+    return FakeClock()
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def backend(full_redis: RedisServer, clock: Clock) -> Iterator[RemoteBackend]:
+def backend(full_redis: RedisServer, clock: FakeClock) -> Iterator[RemoteBackend]:
     b = RemoteBackend(full_redis.url, timeout_s=2.0, queue_bytes=64 << 20, clock=clock)
     b.start()
     try:
@@ -65,7 +57,7 @@ def backend(full_redis: RedisServer, clock: Clock) -> Iterator[RemoteBackend]:
 
 
 def test_redis_out_of_memory_stops_writes_keeps_reads_and_resumes(
-    full_redis: RedisServer, backend: RemoteBackend, clock: Clock
+    full_redis: RedisServer, backend: RemoteBackend, clock: FakeClock
 ) -> None:
     small = memoryview(os.urandom(nbytes(SMALL)))
     assert backend.put(key(0), "bfloat16", SMALL, small) and backend.flush(10)
@@ -81,7 +73,7 @@ def test_redis_out_of_memory_stops_writes_keeps_reads_and_resumes(
     assert s.put_failures["no_space"] == 1 and s.put_failures["error"] == 0
     written = s.puts - 1  # Redis may take one big value while under maxmemory, never two
     assert written in (0, 1) and s.drops["no_space"] == 4 - written
-    clock.now += 1.0  # (a put above may have been this second's try)
+    clock.advance(1.0)  # (a put above may have been this second's try)
     assert backend.put(key(9), "bfloat16", BIG, bigs[0]) and backend.flush(10)  # a try: no room
     assert backend.stats().drops["no_space"] == 5 - written and backend.stats().put_failures["no_space"] == 1
     assert not backend.put(key(9), "bfloat16", BIG, bigs[0])  # refused at once: the try is spent
@@ -108,7 +100,7 @@ def test_redis_out_of_memory_stops_writes_keeps_reads_and_resumes(
 
 
 def test_a_write_let_through_as_a_try_resumes_writes_once_redis_has_room(
-    full_redis: RedisServer, backend: RemoteBackend, clock: Clock
+    full_redis: RedisServer, backend: RemoteBackend, clock: FakeClock
 ) -> None:
     with full_redis.client() as c:
         c.set("filler", os.urandom(1 << 20))
@@ -122,7 +114,7 @@ def test_a_write_let_through_as_a_try_resumes_writes_once_redis_has_room(
         c.config_set("maxmemory", "64mb")  # room again; no health round runs here
     assert not backend.put(key(2), "bfloat16", BIG, big)  # the try of this second is spent
     assert backend.stats().puts == 0 and backend.stats().space.out_of_space
-    clock.now += 1.0
+    clock.advance(1.0)
     assert backend.put(key(3), "bfloat16", BIG, big) and backend.flush(10)  # a try, and it lands
     assert not backend.stats().space.out_of_space and backend.stats().space.episodes == 1
     got = backend.get(key(3), "bfloat16", BIG)
