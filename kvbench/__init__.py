@@ -8,7 +8,8 @@ with 10,000 tracked instances, PING under `/status` load), `remote` (the Redis t
 redis-py), `fs` (the file tier: RETRIEVE from disk beside plain reads of the same files, STORE
 with and without it, restart with 100,000 chunk files), `startup` (server start to first PING,
 its memory), `all` (every one of those in turn) and `vllm` (time to first token of real vLLM
-engines, with and without kvwarden; not in `all`). Each takes ``--quick`` (the whole suite in
+engines, with and without kvwarden; not in `all`) and `serve` (vLLM's OpenAI server under load,
+long-document QA and multi-round chat; not in `all`). Each takes ``--quick`` (the whole suite in
 under two minutes on 2 cores), ``--tiny`` (a plumbing check) and ``--json`` (the report written
 under ``bench/results``). `procs` and `bulk` hold the process helpers they share, `movers` the
 transfer samplers, `results`, `targets` and `report` the output. Each benchmark starts its own

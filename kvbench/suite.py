@@ -15,7 +15,20 @@ ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend", "ev
 
 
 def modules() -> dict[str, ModuleType]:
-    from kvbench import blend, events, fs, ping, reaper, remote, sidecar, startup, trace, transfer, vllm
+    from kvbench import (
+        blend,
+        events,
+        fs,
+        ping,
+        reaper,
+        remote,
+        serve,
+        sidecar,
+        startup,
+        trace,
+        transfer,
+        vllm,
+    )
 
     return {
         "startup": startup,
@@ -28,6 +41,7 @@ def modules() -> dict[str, ModuleType]:
         "events": events,
         "blend": blend,
         "vllm": vllm,
+        "serve": serve,
         "trace": trace,
     }
 

@@ -107,3 +107,24 @@ def write_lora(
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def build_tokenizer(path: str | Path, vocab: int) -> Path:
+    """Save a tokenizer for a model of ``vocab`` tokens under ``path``: one word a token
+    (``w<id>`` for ids 3 and up; 0, 1 and 2 are ``<unk>``, ``<s>`` and ``</s>``), split on
+    whitespace, so a prompt of such words is exactly those token ids and an output decodes to
+    words that tokenize back to it. Lets vLLM's OpenAI server take text with no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # words joined by one space
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", model_max_length=1 << 20
+    )
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return out

@@ -1,0 +1,183 @@
+"""The configurations `kvwarden bench serve` compares, and the processes each one starts.
+
+Each configuration (`Config`) is a vLLM OpenAI server (run as the module
+``vllm.entrypoints.openai.api_server``: the CPU build's ``vllm`` command looks for a distribution
+named ``vllm``), started fresh for each protocol, with its own prefix cache on and
+``kv_gb`` GiB of KV space, and for kvwarden's rows a ``kvwarden serve`` started just before it
+with default settings but for its tier sizes (and a throwaway ``redis-server`` or a file-tier
+directory). `Stack` starts them, waits for them with deadlines, and stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.movers import start_redis
+from kvbench.procs import BenchServer, free_port, launch, stop_process, wait_http, wait_ready
+
+CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
+SERVED_NAME = "bench"
+VLLM_START_S = 600.0
+
+
+@dataclass(frozen=True)
+class Config:
+    key: str
+    label: str
+    kv_gb: int | None  # vLLM's KV space (GiB); None: room for every prompt of the protocol
+    kvwarden: tuple[str, ...] | None = None  # `kvwarden serve` flags; None: no connector
+    tier: str = ""  # "fs" or "redis": the lower tier kvwarden's row adds
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config("ideal", "vLLM's own prefix cache, room for everything (the ideal)", None),
+    Config("vllm", "vLLM's own prefix cache alone", 1),
+    Config("l1", "+ kvwarden, L1 4 GiB", 1, ("--l1-size-gb", "4")),
+    Config("fs", "+ kvwarden, L1 0.4 GiB + file tier", 1, ("--l1-size-gb", "0.4"), "fs"),
+    Config("redis", "+ kvwarden, L1 0.4 GiB + Redis on loopback", 1, ("--l1-size-gb", "0.4"), "redis"),
+)
+BY_KEY = {c.key: c for c in CONFIGS}
+
+
+class Stack:
+    """The processes of one configuration, started on enter and stopped on exit. ``url`` is
+    vLLM's OpenAI server; ``started_s`` the seconds from the first start to vLLM answering."""
+
+    def __init__(
+        self, config: Config, python: str, model: Path, work: Path, kv_gb: int, reserved_cpus: int
+    ) -> None:
+        self.config = config
+        self.python = python
+        self.model = model
+        self.work = work
+        self.kv_gb = kv_gb
+        self.reserved_cpus = reserved_cpus
+        self.url = ""
+        self.started_s = 0.0
+        self.log = work / f"vllm-{config.key}.log"
+        self._stack = contextlib.ExitStack()
+        self.kvwarden: BenchServer | None = None
+
+    def __enter__(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _start(self) -> None:
+        c, t0 = self.config, time.perf_counter()
+        connector: dict[str, Any] | None = None
+        if c.kvwarden is not None:
+            flags = ["--chunk-size", str(CHUNK), *c.kvwarden]
+            if c.tier == "redis":
+                pair = start_redis()
+                if pair is None:
+                    raise RuntimeError("redis-server is not installed (make tools)")
+                proc, raw = pair
+                self._stack.callback(proc.wait)  # (callbacks run last first)
+                self._stack.callback(proc.kill)
+                self._stack.callback(raw.close)
+                flags += [
+                    "--remote-url",
+                    f"redis://127.0.0.1:{raw.connection_pool.connection_kwargs['port']}/0",
+                ]
+            elif c.tier == "fs":
+                d = tempfile.mkdtemp(prefix="kvwarden-bench-fs-", dir=self.work)
+                flags += ["--fs-path", d, "--fs-size-gb", "8"]
+            server = launch(*flags)
+            self._stack.callback(server.stop)
+            wait_http(server)
+            self.kvwarden = server
+            connector = {
+                "kv_connector": "KVWardenConnector",
+                "kv_connector_module_path": "dataplane.client.vllm",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"kvwarden.url": server.endpoint},
+            }
+        port = free_port()
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-log-stats",
+        ]
+        if connector is not None:
+            cmd += ["--kv-transfer-config", json.dumps(connector)]
+        root = str(Path(__file__).resolve().parents[2])
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gb),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        env.pop("KVWARDEN_ADMIN_TOKEN", None)
+        with open(self.log, "wb") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True
+            )
+        self._stack.callback(stop_process, proc, 60.0)
+        self.url = f"http://127.0.0.1:{port}"
+        _wait_vllm(proc, self.url, self.log, VLLM_START_S)
+        self.started_s = time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """kvwarden's counters that say where hits came from (empty without kvwarden)."""
+        if self.kvwarden is None:
+            return {}
+        text = self.kvwarden.get("/metrics").decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, _, value = line.rpartition(" ")
+            if name.startswith(("kvwarden_chunks_", "kvwarden_remote_", "kvwarden_fs_", "kvwarden_retrieve")):
+                with contextlib.suppress(ValueError):
+                    out[name] = float(value)
+        return out
+
+
+def _wait_vllm(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
+    def health() -> None:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            if r.status != 200:
+                raise RuntimeError(f"/health answered {r.status}")
+
+    try:
+        wait_ready(health, proc, timeout_s)
+    except RuntimeError as exc:
+        raise RuntimeError(f"vLLM's server: {exc}:\n{_tail(log)}") from exc
+
+
+def _tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-4000:]
+    except OSError:
+        return ""
