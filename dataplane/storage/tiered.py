@@ -8,9 +8,11 @@ chunks' scope (the file tier keeps a directory per scope), and it adds:
   index, a ``stat`` for what that lacks), then the remote tier (one pipelined round trip). The
   chunks found on disk start being read into L1 at once (`_read_ahead`, on the file tier's I/O
   threads), so the RETRIEVE that follows finds them there.
+  The chunks found in the remote tier likewise, on its reader thread (`_remote_ahead`): a hit
+  there is on its way into L1 while the engine is still deciding to load it.
 - **RETRIEVE** (`acquire_prefix`): what L1 lacks is read from the file tier (or waited for, while
-  a read-ahead brings it), then from the remote tier, checked, and promoted into L1 (pinned like
-  the rest), chunk by chunk until the first miss.
+  a read-ahead brings it), then from the remote tier (or waited for likewise), checked, and
+  promoted into L1 (pinned like the rest), chunk by chunk until the first miss.
 - **STORE** (`commit`): a chunk newly committed to L1 is queued for the file and remote tiers
   (write-behind, never waited for), its L1 buffer pinned until each write is done. With the hot
   cache off (``local_cpu=false``) L1 only stages: a chunk leaves L1 once written and no reader
@@ -74,6 +76,7 @@ class TieredStore(L1Store):
         self._warned_at: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         self.promoted = 0  # chunks read from the remote tier into L1
+        self.remote_read_ahead = 0  # of those, read ahead of a RETRIEVE because a LOOKUP found them
 
     # ------------------------------------------------------------------ gate
     def writable(self) -> bool:
@@ -108,7 +111,10 @@ class TieredStore(L1Store):
                 self._read_ahead(scope, keys[n : n + on_disk], tenant, self._chunk_bytes(keys[:n]))
             n += on_disk
         if self.remote is not None and n < len(keys):
-            n += self.remote.count_prefix(keys[n:])
+            more = self.remote.count_prefix(keys[n:])
+            if more:
+                self._remote_ahead(keys[n : n + more], tenant, self._chunk_bytes(keys[:n]))
+            n += more
         return n
 
     def acquire_prefix(
@@ -246,20 +252,64 @@ class TieredStore(L1Store):
     ) -> torch.Tensor | None:
         """The chunk of ``key`` from the file tier, else the remote tier, in L1 and pinned.
         ``ahead``: the read of it this RETRIEVE started (else one a LOOKUP started, if any)."""
-        if self.fs is not None:
-            ahead = ahead or self._ahead.get(key)
-            if ahead is not None:  # a read is bringing it: wait for that, never read it twice
-                ahead.wait(self.fs.io.timeout_s)
+        ahead = ahead or self._ahead.get(key)
+        if ahead is not None:  # a read is bringing it: wait for that, never read it twice
+            ahead.wait(self.fs.io.timeout_s if self.fs is not None else self._remote_wait_s())
+        if ahead is not None or self.fs is not None:
             got = self._pin_prefix([key], hits=False)  # (one may have brought it already)
             if got:
                 return got[0]
-            if ahead is None and self._from_fs(scope, key, nbytes, tenant, wait=True):
-                got = self._pin_prefix([key], hits=False)
-                if got:
-                    return got[0]
+        if self.fs is not None and ahead is None and self._from_fs(scope, key, nbytes, tenant, wait=True):
+            got = self._pin_prefix([key], hits=False)
+            if got:
+                return got[0]
         if self.remote is not None:
             return self._promote(key, nbytes, tenant)
         return None
+
+    def _remote_wait_s(self) -> float:
+        assert self.remote is not None
+        return self.remote.timeout_s
+
+    def _remote_ahead(self, keys: list[bytes], tenant: bytes, nbytes: int | None) -> None:
+        """Start reading ``keys`` (found in the remote tier by a LOOKUP) into L1 on the remote
+        tier's reader thread, so the RETRIEVE that follows finds them there, or waits for them
+        (`_lower`) instead of asking Redis again. A key another read is bringing is skipped."""
+        remote = self.remote
+        assert remote is not None
+        with self._ahead_lock:
+            mine = {k: threading.Event() for k in keys if k not in self._ahead}
+            self._ahead.update(mine)
+        shape = None if nbytes is None else (nbytes,)
+        for k, ev in mine.items():
+            landed = functools.partial(self._landed, k, ev, tenant)
+            if not remote.get_later(k, _DTYPE, shape, landed):
+                self._ahead_done(k, ev)
+
+    def _landed(self, key: bytes, ev: threading.Event, tenant: bytes, payload: memoryview | None) -> None:
+        """A read-ahead from the remote tier is over: its chunk (if any) goes into L1."""
+        try:
+            if payload is None or super().prefix_hits([key]):
+                return
+            buf = self.reserve(payload.nbytes, tenant)
+            if buf is None:
+                return
+            try:
+                buf.numpy()[:] = np.frombuffer(payload, np.uint8)
+            except BaseException:
+                self.abort(buf)
+                raise
+            super().commit(key, buf)  # not commit(): it came from the remote tier
+            self.promoted += 1
+            self.remote_read_ahead += 1
+        finally:
+            self._ahead_done(key, ev)
+
+    def _ahead_done(self, key: bytes, ev: threading.Event) -> None:
+        with self._ahead_lock:
+            if self._ahead.get(key) is ev:
+                del self._ahead[key]
+        ev.set()
 
     def _from_fs(
         self, scope: bytes, key: bytes, nbytes: int | None, tenant: bytes, wait: bool, hit: bool = True
@@ -314,11 +364,7 @@ class TieredStore(L1Store):
             mine = {k: threading.Event() for k in keys if k not in self._ahead}
             self._ahead.update(mine)
 
-        def done(k: bytes, ev: threading.Event) -> None:
-            with self._ahead_lock:
-                if self._ahead.get(k) is ev:
-                    del self._ahead[k]
-            ev.set()
+        done = self._ahead_done
 
         def run(k: bytes, ev: threading.Event) -> None:
             try:

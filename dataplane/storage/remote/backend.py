@@ -7,7 +7,9 @@ same model find each other's chunks.
 
 - **Reads** (`get`, `count_prefix`) run on the caller's thread, each bounded by
   ``timeout_s`` (the socket timeout of every send and receive; no retries). A value that fails a
-  check of `codec` is a miss, counted by kind, and never returned.
+  check of `codec` is a miss, counted by kind, and never returned. `get_later` queues a read for
+  the thread ``kvwarden-remote-reader`` (a LOOKUP's read-ahead: at most `READ_AHEAD_MAX` queued,
+  one after another in the order asked), which hands the payload (or None) to a callback.
 - **Writes** go through a write-behind queue bounded in bytes, drained by the thread
   ``kvwarden-remote-writer`` (start/stop/join). `put` never waits on Redis: when the queue is
   full or the backend is bypassed, the write is dropped and counted. Each write is one
@@ -53,6 +55,7 @@ from dataplane.storage.lower import (
 from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, ping_all, redact, room
 
 FAILURE_KINDS = ("timeout", "connection", "auth", "no_space", "error")
+READ_AHEAD_MAX = 256  # reads queued for the reader thread; more are refused (read when wanted)
 
 
 class RemoteAuthError(RuntimeError):
@@ -137,6 +140,9 @@ class RemoteBackend:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reads_cond = threading.Condition()  # leaf: guards _reads
+        self._reads: collections.deque[_LaterRead] = collections.deque()
+        self._reader: threading.Thread | None = None
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -144,18 +150,29 @@ class RemoteBackend:
             raise RuntimeError("RemoteBackend already started")
         self._thread = threading.Thread(target=self._drain, name="kvwarden-remote-writer", daemon=True)
         self._thread.start()
+        self._reader = threading.Thread(target=self._read_queued, name="kvwarden-remote-reader", daemon=True)
+        self._reader.start()
 
     def stop(self) -> None:
-        """Stop the writer; writes still queued are dropped (counted ``stopped``)."""
+        """Stop the writer and the reader; writes still queued are dropped (counted ``stopped``),
+        reads still queued answered None."""
         self._stop.set()
         self._wake.set()
+        with self._reads_cond:
+            self._reads_cond.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
         for w in self._take_all():
             self._count_drop("stopped")
             _release(w)
+        with self._reads_cond:
+            left, self._reads = list(self._reads), collections.deque()
+        for r in left:
+            r.then(None)
 
     def close(self) -> None:
         self._client.close()
@@ -197,6 +214,36 @@ class RemoteBackend:
             self._stats.hits += 1
             self._stats.bytes_read += payload.nbytes
         return payload
+
+    def get_later(
+        self,
+        key: bytes,
+        dtype: str,
+        shape: Sequence[int] | None,
+        then: Callable[[memoryview | None], None],
+    ) -> bool:
+        """Queue `get` of ``key`` for the reader thread, which calls ``then`` with its answer.
+        False (``then`` never called): not queued (stopped, bypassed, or `READ_AHEAD_MAX` reads
+        waiting already)."""
+        with self._reads_cond:
+            if self.bypassed or self._stop.is_set() or len(self._reads) >= READ_AHEAD_MAX:
+                return False
+            self._reads.append(_LaterRead(key, dtype, None if shape is None else tuple(shape), then))
+            self._reads_cond.notify()
+        return True
+
+    def _read_queued(self) -> None:
+        while True:
+            with self._reads_cond:
+                self._reads_cond.wait_for(lambda: self._reads or self._stop.is_set())
+                if self._stop.is_set():
+                    return  # (join answers what is left)
+                r = self._reads.popleft()
+            try:
+                payload = self.get(r.key, r.dtype, r.shape)
+            except Exception:  # the reader never dies of one read (get counts Redis's failures)
+                payload = None
+            r.then(payload)
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are held (one pipelined round trip; 0 on a
@@ -444,6 +491,14 @@ class RemoteBackend:
             self._stats.drops[reason] += 1
         if reason == "no_space":
             self.space.dropped()
+
+
+@dataclass(frozen=True, slots=True)
+class _LaterRead:
+    key: bytes
+    dtype: str
+    shape: tuple[int, ...] | None
+    then: Callable[[memoryview | None], None]
 
 
 def _release(w: _RedisWrite) -> None:

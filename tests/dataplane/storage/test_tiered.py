@@ -5,6 +5,8 @@ with SIGSTOP): what the loop thread may call (`acquire_local`) never waits on it
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -110,3 +112,52 @@ def test_acquire_local_never_asks_the_remote_tier(redis_server: RedisServer, bac
     got = plain.acquire_local([ka, kb])
     assert got is not None and len(got) == 1
     plain.release([ka])
+
+
+def _filled(t: TieredStore, key: bytes, value: int) -> None:
+    buf = t.reserve(4096)
+    assert buf is not None
+    buf.fill_(value)
+    assert t.commit(key, buf)
+
+
+def test_a_lookup_reads_the_remote_prefix_ahead_into_l1(
+    redis_server: RedisServer, backend: RemoteBackend
+) -> None:
+    """Chunks a, b, c only in Redis: a LOOKUP finds them and starts reading them into L1 on the
+    reader thread; the RETRIEVE that follows is served from L1 with Redis stopped (SIGSTOP),
+    byte for byte, and no GET of its own."""
+    keys = [bytes([i]) * 16 for i in range(3)]
+    writer = TieredStore(1 << 20, remote=backend)  # another server's L1, sharing the Redis
+    for i, k in enumerate(keys):
+        _filled(writer, k, 10 + i)
+    assert backend.flush(10)
+    t = TieredStore(1 << 20, remote=backend)
+    assert t.prefix_hits(keys) == 3
+    deadline = time.monotonic() + 10
+    while t.remote_read_ahead < 3 and time.monotonic() < deadline:
+        threading.Event().wait(0.005)
+    assert t.remote_read_ahead == 3 and t.promoted == 3
+    gets = backend.stats().gets
+    redis_server.pause()
+    try:
+        bufs = t.acquire_prefix(keys)
+        assert [int(b[0]) for b in bufs] == [10, 11, 12]
+        assert all(bool((b == 10 + i).all()) for i, b in enumerate(bufs))
+        assert backend.stats().gets == gets  # served from L1: Redis was not asked
+    finally:
+        redis_server.resume()
+    t.release(keys)
+
+
+def test_a_read_queued_when_the_backend_stops_is_answered_none(redis_server: RedisServer) -> None:
+    b = RemoteBackend(redis_server.url, timeout_s=2.0)
+    answers: list[object] = []
+    # not started: the read waits in the queue, and join (after stop) answers it
+    assert b.get_later(b"x" * 16, "uint8", None, answers.append)
+    b.stop()
+    b.join(10)
+    b.close()
+    assert answers == [None]
+    assert not b.get_later(b"y" * 16, "uint8", None, answers.append)  # stopped: refused
+    assert answers == [None]
