@@ -66,6 +66,11 @@ class DataPlaneMetrics:
         )
         self.lookup_tokens = Counter("kvwarden_lookup_tokens", "Tokens asked about.", registry=r)
         self.hit_tokens = Counter("kvwarden_hit_tokens", "Tokens found stored.", registry=r)
+        self.prefetches = Counter(
+            "kvwarden_prefetches",
+            "PREFETCH_SCOPE requests: prompts whose prefix a scheduler asked to be read ahead into L1.",
+            registry=r,
+        )
         self.reaped = Counter(
             "kvwarden_instances_reaped", "Instances reaped, by reason.", ["reason"], registry=r
         )

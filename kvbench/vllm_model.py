@@ -32,6 +32,10 @@ class ModelShape:
 TINY = ModelShape(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64)
 # prefill dominates a ~2,900-token prompt (88 MiB of KV for 2,816 tokens in bf16)
 PREFILL = ModelShape(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128)
+# `bench serve`'s model, served in float32: 32 KiB of KV a token (8 layers x 4 heads x 128 x K
+# and V x 4 bytes) with a fraction of PREFILL's compute, so a serving run of hundreds of
+# 3,000-token prompts fits in minutes on 2 cores
+SERVE = ModelShape(hidden=256, layers=8, heads=4, kv_heads=4, head_dim=128, intermediate=512)
 
 
 def build_model(path: str | Path, shape: ModelShape, seed: int = 1234) -> Path:

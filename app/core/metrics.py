@@ -169,6 +169,11 @@ def _remote_counters(r: RemoteState) -> tuple[tuple[str, str, float], ...]:
         ("kvwarden_remote_put_failures", "Remote writes that failed.", r.put_failures),
         ("kvwarden_remote_gets", "Remote reads answered (hits and misses).", r.gets),
         ("kvwarden_remote_hits", "Chunks read from the remote tier.", r.hits),
+        (
+            "kvwarden_remote_read_ahead",
+            "Chunks read into L1 ahead of a RETRIEVE, because a LOOKUP found them in the remote tier.",
+            r.read_ahead,
+        ),
         ("kvwarden_remote_bad_values", "Remote values refused (truncated, damaged, foreign).", r.bad_values),
         ("kvwarden_remote_puts", "Chunks written to the remote tier.", r.puts),
         ("kvwarden_remote_read_bytes", "Chunk bytes read from the remote tier.", r.bytes_read),

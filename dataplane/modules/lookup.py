@@ -2,7 +2,9 @@
 LOOKUP_SCOPE the same for a scope named by its fields (an engine's scheduler, which registers
 no memory), the prefix every rank of the scope holds. Both also answer how many tokens after
 those are being stored now (`dataplane.storage.l1.inflight`): a scheduler may hold the request back
-until they land. LOOKUP_WAITED is such a scheduler's report of a wait, counted in /metrics."""
+until they land. LOOKUP_WAITED is such a scheduler's report of a wait, counted in /metrics.
+PREFETCH_SCOPE is LOOKUP_SCOPE's read-ahead alone (a scheduler just given a request): what the
+slower tiers hold of its prefix starts coming into L1, and nothing is counted."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import NotRegistered
-from dataplane.wire.messages import Lookup, LookupScope, LookupWaited, MsgType
+from dataplane.wire.messages import Lookup, LookupScope, LookupWaited, MsgType, PrefetchScope, ScopeRequest
 from dataplane.wire.replies import Hits, Noted, ScopeHits
 
 
@@ -38,6 +40,7 @@ class LookupModule:
             MsgType.LOOKUP: Handler(self._lookup),
             MsgType.LOOKUP_SCOPE: Handler(self._lookup_scope),
             MsgType.LOOKUP_WAITED: Handler(self._waited),
+            MsgType.PREFETCH_SCOPE: Handler(self._prefetch_scope),
         }
 
     def start(self) -> None:
@@ -61,6 +64,17 @@ class LookupModule:
         return Hits(*self._answer(len(p.token_ids), held, reach))
 
     def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> ScopeHits:
+        held, reach = self._scope_reach(p)
+        hit, pending = self._answer(len(p.token_ids), held, reach)
+        return ScopeHits(hit, self.chunk_size, pending)
+
+    def _prefetch_scope(self, rctx: RequestContext, p: PrefetchScope) -> Noted:
+        self.metrics.prefetches.inc()
+        self._scope_reach(p)  # (the read-ahead is what LOOKUP starts; the answer is not wanted)
+        return Noted(True)
+
+    def _scope_reach(self, p: ScopeRequest) -> tuple[int, int]:
+        """(chunks every rank's scope holds, those and the chunks being stored right after)."""
         held = reach = len(p.token_ids) // self.chunk_size
         for rank in range(p.world_size):
             if reach == 0:
@@ -79,8 +93,7 @@ class LookupModule:
             keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)
             h, r = self._reach(keys, scope, tenant_of(p.key))
             held, reach = min(held, h), min(reach, r)
-        hit, pending = self._answer(len(p.token_ids), held, reach)
-        return ScopeHits(hit, self.chunk_size, pending)
+        return held, reach
 
     def _waited(self, rctx: RequestContext, p: LookupWaited) -> Noted:
         self.metrics.lookup_waits.labels(outcome=p.outcome).inc()

@@ -76,6 +76,7 @@ class RemoteState:
     failures: tuple[tuple[str, str, int], ...] = ()  # (op: get or put, kind, count)
     # (op, upper bounds in seconds, counts per bucket with +Inf last, sum of seconds)
     durations: tuple[tuple[str, tuple[float, ...], tuple[int, ...], float], ...] = ()
+    read_ahead: int = 0  # chunks read into L1 ahead of a RETRIEVE because a LOOKUP found them in Redis
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,6 +202,7 @@ class DataPlane:
                 for kind, n in by.items()
             ),
             tuple((op, DURATION_BUCKETS, tuple(c), s.duration_sums[op]) for op, c in s.durations.items()),
+            self.l1.remote_read_ahead,
         )
 
     def fs_state(self) -> FsStats | None:

@@ -212,12 +212,10 @@ class Lookup(Message[Hits]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LookupScope(Message[ScopeHits]):
-    """LOOKUP for a process that holds no KV memory (an engine's scheduler): the scope is named
-    by what a worker's ENGINE_REGISTER would carry, for every rank of ``world_size``; the answer
-    is the prefix every rank holds."""
+class ScopeRequest(Record):
+    """What LOOKUP_SCOPE and PREFETCH_SCOPE carry: a scope named by what a worker's
+    ENGINE_REGISTER would carry, for every rank of ``world_size``, and a prompt."""
 
-    TYPE = MsgType.LOOKUP_SCOPE
     model_name: Annotated[str, name, "as its workers register"]
     world_size: Annotated[int, small_int(1, MAX_SCOPE_RANKS), "ranks 0 .. world_size-1 are checked"]
     dtype: Annotated[str, one_of(SUPPORTED_DTYPES), "as for REGISTER_KV_CACHE"]
@@ -228,6 +226,24 @@ class LookupScope(Message[ScopeHits]):
     block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE), "as for ENGINE_REGISTER"]
     token_ids: Annotated[np.ndarray, _IDS, "the prompt"]
     key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupScope(ScopeRequest, Message[ScopeHits]):
+    """LOOKUP for a process that holds no KV memory (an engine's scheduler): the answer is the
+    prefix every rank of the scope holds."""
+
+    TYPE = MsgType.LOOKUP_SCOPE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefetchScope(ScopeRequest, Message[Noted]):
+    """LOOKUP_SCOPE's read-ahead without its answer: a scheduler just given a request asks the
+    server to start bringing the request's prefix from its slower tiers (the file tier, Redis)
+    into L1, so it is there by the time the request is scheduled and asks LOOKUP_SCOPE. Counts
+    no lookup."""
+
+    TYPE = MsgType.PREFETCH_SCOPE
 
 
 WAIT_OUTCOMES = ("hit", "partial", "gave_up")

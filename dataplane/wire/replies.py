@@ -160,7 +160,7 @@ class Reserved(Reply):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Noted(Reply):
-    counted: Annotated[bool, boolean, "the report was counted in /metrics"]
+    counted: Annotated[bool, boolean, "taken: a report counted in /metrics, a prefetch started"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,7 +7,10 @@ long-document QA, multi-round chat), with default settings, and the protocol is 
 what a user of a just-started server meets. The report gives the time to first token (mean, p50,
 p90), the round time, and the longest gap between two tokens of a stream already decoding, as a
 table, a plot and JSON; then the targets it can judge. The model is a random-weight Llama with
-32 KiB of KV a token (`kvbench.vllm_model.PREFILL`) and a tokenizer of its own, both built here.
+32 KiB of KV a token (`kvbench.vllm_model.SERVE`) and a tokenizer of its own, both built here,
+served in float32 by default: vLLM's CPU build runs bfloat16 matrix products through torch's
+own kernels where oneDNN has none for the CPU (no AVX-512 BF16), about 8x slower than float32
+(``--dtype bfloat16`` to run it anyway).
 LMCache's MP server is not one of the configurations: it is not installed with kvwarden, and
 its rows in BENCHMARKS.md come from its own run.
 """
@@ -48,6 +51,12 @@ def add_args(sub: Any) -> None:
     p.add_argument("--doc-tokens", type=int, default=None, help="tokens a document (3000)")
     p.add_argument("--users", type=int, default=None, help="chat users (12; quick 6)")
     p.add_argument("--turns", type=int, default=None, help="chat turns a user (4; quick 3)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the model's dtype in vLLM (float32)",
+    )
     p.add_argument("--vllm-python", default=None, help="the Python of vLLM's environment (.venv-vllm)")
     p.add_argument(
         "--reserved-cpus",
@@ -81,16 +90,18 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"bench serve: {parsed}", file=sys.stderr)
         return 2
     configs, protocols = parsed
-    from kvbench.vllm_model import PREFILL, TINY
+    from kvbench.vllm_model import SERVE, TINY
 
-    shape = TINY if ns.tiny else PREFILL
+    shape = TINY if ns.tiny else SERVE
     docqa = DocQA(docs=ns.docs, doc_tokens=ns.doc_tokens, vocab=shape.vocab)
     chat = Chat(users=ns.users, turns=ns.turns, vocab=shape.vocab)
     if ns.tiny:
         chat = dataclasses.replace(chat, context_tokens=256, think_s=0.1)
         docqa = dataclasses.replace(docqa, probe_tokens=24)
     python = ns.vllm_python or default_python()
-    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
+    # --tiny: the small-cache rows hold about one document (a tiny model's KV fits in any GiB)
+    blocks = -(-(docqa.doc_tokens + docqa.question_tokens) // 128) + 2 if ns.tiny else None
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (4 if ns.dtype == "float32" else 2)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-serve-") as tmp:
         work = Path(tmp)
@@ -107,7 +118,9 @@ def run_serve(ns: argparse.Namespace) -> int:
             for key in configs:
                 c = BY_KEY[key]
                 print(f"bench serve: {name}, {c.label} ...", file=sys.stderr, flush=True)
-                with Stack(c, python, model, work, c.kv_gb or ideal_gb, ns.reserved_cpus) as stack:
+                with Stack(
+                    c, python, model, work, c.kv_gb or ideal_gb, ns.reserved_cpus, ns.dtype, blocks
+                ) as stack:
                     raw = proto.run(stack.url, SERVED_NAME)
                     summary = report.summarize_docqa(raw) if name == "docqa" else report.summarize_chat(raw)
                     summary["started_s"] = stack.started_s
@@ -117,6 +130,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             out[name] = rows
     out["params"] = {
         "model": str(shape),
+        "dtype": ns.dtype,
         "kv_bytes_per_token": per_token,
         "reserved_cpus": ns.reserved_cpus,
         "docqa": dataclasses.asdict(docqa),

@@ -53,14 +53,27 @@ class Stack:
     vLLM's OpenAI server; ``started_s`` the seconds from the first start to vLLM answering."""
 
     def __init__(
-        self, config: Config, python: str, model: Path, work: Path, kv_gb: int, reserved_cpus: int
+        self,
+        config: Config,
+        python: str,
+        model: Path,
+        work: Path,
+        kv_gb: int,
+        reserved_cpus: int,
+        dtype: str = "float32",
+        engine_blocks: int | None = None,
     ) -> None:
+        """``engine_blocks``: cap vLLM's KV blocks (``--num-gpu-blocks-override``) in the rows
+        whose engine cache is meant to be too small (``kv_gb`` set): a tiny model's KV would fit
+        in any GiB."""
         self.config = config
         self.python = python
         self.model = model
         self.work = work
         self.kv_gb = kv_gb
         self.reserved_cpus = reserved_cpus
+        self.dtype = dtype
+        self.engine_blocks = engine_blocks if config.kv_gb is not None else None
         self.url = ""
         self.started_s = 0.0
         self.log = work / f"vllm-{config.key}.log"
@@ -123,13 +136,16 @@ class Stack:
             "--port",
             str(port),
             "--dtype",
-            "bfloat16",
+            self.dtype,
+            "--enforce-eager",  # as the vLLM tests and `bench vllm` run it (no compile at start)
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--disable-log-stats",
         ]
         if connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(connector)]
+        if self.engine_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.engine_blocks)]
         root = str(Path(__file__).resolve().parents[2])
         env = {
             **os.environ,
@@ -158,7 +174,16 @@ class Stack:
             if line.startswith("#") or " " not in line:
                 continue
             name, _, value = line.rpartition(" ")
-            if name.startswith(("kvwarden_chunks_", "kvwarden_remote_", "kvwarden_fs_", "kvwarden_retrieve")):
+            if name.startswith(
+                (
+                    "kvwarden_remote_",
+                    "kvwarden_fs_",
+                    "kvwarden_l1_hits",
+                    "kvwarden_prefetches",
+                    "kvwarden_hit_tokens",
+                    "kvwarden_lookup_tokens",
+                )
+            ):
                 with contextlib.suppress(ValueError):
                     out[name] = float(value)
         return out

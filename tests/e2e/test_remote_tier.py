@@ -18,6 +18,8 @@ import torch
 import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
+from dataplane.client.vllm.state import Scope, ScopeLookup
+from dataplane.wire.messages import KVFormat
 from tests.helpers import ROOT, ServerProcess, dealer, free_port, ping, subprocess_env, wait_until
 from tests.redis_server import RedisClusterServers, RedisServer
 
@@ -116,6 +118,54 @@ def unread_at(port: int) -> int:
         if f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:  # ESTABLISHED, server side
             most = max(most, int(f[4].split(":")[1], 16))
     return most
+
+
+def test_a_prefetch_brings_the_remote_prefix_into_l1_before_the_engine_asks(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Server A stores a prompt (into Redis); server B, cold, is sent PREFETCH_SCOPE for it (what
+    an engine's scheduler sends for a request it was just given): B reads the prompt's chunks
+    from Redis into L1 on its own, counting no lookup; then, with Redis stopped (SIGSTOP), the
+    LOOKUP and the RETRIEVE are served from B's L1, byte for byte."""
+    a, b = serve(tmp_path / "a", redis_server), serve(tmp_path / "b", redis_server)
+    wa = wb = None
+    lookup = ScopeLookup(b.endpoint, Scope("m", 1, "bfloat16", LAYERS, HEADS, HD, KVFormat.TOKEN_MAJOR, BS))
+    try:
+        wa = Worker(a, "engine_driven")
+        tokens = prompt(2, 3 * CS + 5)
+        want = wa.fill(2)
+        assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 3
+        wait_until(lambda: remote(a)["puts"] == 3, 20, what="the write-behind queue to drain")
+        assert status(b)["storage"]["l1"]["chunks"] == 0
+        lookup.prefetch(tokens[:-1])
+
+        def metrics() -> str:
+            return httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
+
+        wait_until(
+            lambda: 'kvwarden_remote_read_ahead_total{backend="redis"} 3.0' in metrics(),
+            20,
+            what="B to read the prefix ahead",
+        )
+        text = metrics()
+        assert "kvwarden_lookup_tokens_total 0.0" in text and "kvwarden_hit_tokens_total 0.0" in text
+        assert "kvwarden_prefetches_total 1.0" in text
+        assert status(b)["storage"]["l1"]["chunks"] == 3
+        wb = Worker(b, "engine_driven")
+        redis_server.pause()
+        try:
+            assert wb.w.lookup(tokens) == 3 * CS
+            assert wb.w.retrieve(tokens, BLOCK_IDS) == 3 * CS
+        finally:
+            redis_server.resume()
+        assert wb.same(want, 3 * CS) and remote(b)["hits"] == 3
+    finally:
+        lookup.close()
+        for w in (wa, wb):
+            if w is not None:
+                w.close()
+        a.stop()
+        b.stop()
 
 
 @pytest.mark.parametrize("mode", ["server_driven", "engine_driven"])

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -371,6 +372,22 @@ class KVWardenConnector(KVConnectorBase_V1):
         else:
             self._background.discard(rid)
         return n, background
+
+    def on_new_request(self, request: Request) -> None:
+        """A request just given to the scheduler: unless vLLM's own cache may serve all of it,
+        the server starts bringing its prefix from the slower tiers into L1 (PREFETCH_SCOPE), so
+        the load that follows its LOOKUP finds it there."""
+        if self._lookup is None or self._planner is None or not self._cfg["kvwarden.prefetch"]:
+            return
+        cs = self._lookup.chunk_size
+        prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
+        if cs is None or prompt is None or len(prompt) <= cs:
+            return  # (no chunk size learnt yet: the first LOOKUP teaches it)
+        key = request_key(request, self._block_size)
+        if isinstance(key, Uncached):
+            return
+        self._planner.keys[request.request_id] = key  # (get_num_new_matched_tokens takes it from here)
+        self._lookup.prefetch(np.asarray(prompt[: len(prompt) - 1], dtype=np.int64), key)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

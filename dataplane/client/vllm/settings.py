@@ -29,6 +29,7 @@ _KEYS: dict[str, Any] = {
     "kvwarden.kv_events_endpoint": str,
     "kvwarden.kv_events_topic": str,
     "kvwarden.async_load": _flag,
+    "kvwarden.prefetch": _flag,
 }
 _MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
 _DEFAULTS: dict[str, Any] = {
@@ -49,6 +50,9 @@ _DEFAULTS: dict[str, Any] = {
     # hits that need a transfer are loaded off the step (vLLM's asynchronous loads): the request
     # waits while running requests keep decoding; false: loaded on the step, before the forward pass
     "kvwarden.async_load": True,
+    # a request the scheduler is given asks the server at once to bring its prefix from the
+    # slower tiers (file tier, Redis) into L1 (PREFETCH_SCOPE), before it is scheduled
+    "kvwarden.prefetch": True,
 }
 
 

@@ -27,7 +27,7 @@ from dataplane.client.channel import Channel
 from dataplane.client.vllm.wait import LookupFound, OwnSaves, Source, Waits
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import KVWardenError, RequestError
-from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScope, LookupWaited
+from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScope, LookupWaited, PrefetchScope
 
 logger = logging.getLogger(__name__)
 
@@ -79,19 +79,7 @@ class ScopeLookup:
         many more are being stored (nothing, unanswered, when unsure)."""
         if self._resting():
             return LookupFound(0, 0, answered=False)
-        s = self.scope
-        msg = LookupScope(
-            s.model_name,
-            s.world_size,
-            s.dtype,
-            s.num_layers,
-            s.heads,
-            s.head_dim,
-            s.kv_format,
-            s.block_size,
-            np.asarray(token_ids, dtype=np.int64),
-            key,
-        )
+        msg = LookupScope(*self._scope_fields(), np.asarray(token_ids, dtype=np.int64), key)
         try:
             reply = self._chan.request(msg, self.timeout_s)
         except RequestError:
@@ -105,6 +93,32 @@ class ScopeLookup:
         if back:
             logger.info("kvwarden: lookups answered again")
         return LookupFound(reply.hit_tokens, reply.pending_tokens)
+
+    def prefetch(self, token_ids: np.ndarray, key: KeyContext | None = None) -> None:
+        """PREFETCH_SCOPE: the server starts bringing the prefix its slower tiers hold into L1.
+        Nothing is sent while resting after a failure; a failure is one more outage."""
+        if self._resting():
+            return
+        msg = PrefetchScope(*self._scope_fields(), np.asarray(token_ids, dtype=np.int64), key)
+        try:
+            self._chan.request(msg, self.timeout_s)
+        except RequestError:
+            raise  # a request the server refuses is a bug to see, not an outage
+        except KVWardenError as exc:
+            self._failed(exc)
+
+    def _scope_fields(self) -> tuple[str, int, str, int, int, int, KVFormat, int]:
+        s = self.scope
+        return (
+            s.model_name,
+            s.world_size,
+            s.dtype,
+            s.num_layers,
+            s.heads,
+            s.head_dim,
+            s.kv_format,
+            s.block_size,
+        )
 
     def hit_tokens(self, token_ids: np.ndarray, key: KeyContext | None = None) -> int:
         return self.find(token_ids, key).hit

@@ -120,6 +120,7 @@ def test_every_instance_message_type_is_covered() -> None:
         MsgType.GET_SERVER_INFO,
         MsgType.LOOKUP_SCOPE,
         MsgType.LOOKUP_WAITED,
+        MsgType.PREFETCH_SCOPE,
     }
 
 
