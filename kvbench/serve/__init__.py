@@ -30,7 +30,7 @@ from kvbench.procs import bench_env
 from kvbench.results import add_output_args, finish, resolve
 from kvbench.serve import report
 from kvbench.serve.protocols import Chat, DocQA
-from kvbench.serve.stack import BY_KEY, CONFIGS, SERVED_NAME, Stack
+from kvbench.serve.stack import BY_KEY, CONFIGS, CPU_BLOCK, SERVED_NAME, Stack
 from kvbench.vllm import default_python
 
 PROTOCOLS = ("docqa", "chat")
@@ -97,10 +97,11 @@ def run_serve(ns: argparse.Namespace) -> int:
     chat = Chat(users=ns.users, turns=ns.turns, vocab=shape.vocab)
     if ns.tiny:
         chat = dataclasses.replace(chat, context_tokens=256, think_s=0.1)
-        docqa = dataclasses.replace(docqa, probe_tokens=24)
+        docqa = dataclasses.replace(docqa, probe_tokens=200)
     python = ns.vllm_python or default_python()
     # --tiny: the small-cache rows hold about one document (a tiny model's KV fits in any GiB)
-    blocks = -(-(docqa.doc_tokens + docqa.question_tokens) // 128) + 2 if ns.tiny else None
+    blocks = -(-(docqa.doc_tokens + docqa.question_tokens) // CPU_BLOCK) + 3 if ns.tiny else None
+    small_l1 = 0.001 if ns.tiny else None  # and L1 holds about one document's chunks
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (4 if ns.dtype == "float32" else 2)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-serve-") as tmp:
@@ -119,7 +120,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                 c = BY_KEY[key]
                 print(f"bench serve: {name}, {c.label} ...", file=sys.stderr, flush=True)
                 with Stack(
-                    c, python, model, work, c.kv_gb or ideal_gb, ns.reserved_cpus, ns.dtype, blocks
+                    c, python, model, work, c.kv_gb or ideal_gb, ns.reserved_cpus, ns.dtype, blocks, small_l1
                 ) as stack:
                     raw = proto.run(stack.url, SERVED_NAME)
                     summary = report.summarize_docqa(raw) if name == "docqa" else report.summarize_chat(raw)

@@ -25,7 +25,20 @@ from kvbench.movers import start_redis
 from kvbench.procs import BenchServer, free_port, launch, stop_process, wait_http, wait_ready
 
 CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
+CPU_BLOCK = 128  # tokens a block of vLLM's CPU KV cache
 SERVED_NAME = "bench"
+# kvwarden's counters a report keeps (where its hits came from)
+KEPT_METRICS = (
+    "kvwarden_remote_hits",
+    "kvwarden_remote_gets",
+    "kvwarden_remote_read_ahead",
+    "kvwarden_remote_puts",
+    "kvwarden_fs_",
+    "kvwarden_l1_hits",
+    "kvwarden_prefetches",
+    "kvwarden_hit_tokens",
+    "kvwarden_lookup_tokens",
+)
 VLLM_START_S = 600.0
 
 
@@ -62,10 +75,12 @@ class Stack:
         reserved_cpus: int,
         dtype: str = "float32",
         engine_blocks: int | None = None,
+        small_l1_gb: float | None = None,
     ) -> None:
         """``engine_blocks``: cap vLLM's KV blocks (``--num-gpu-blocks-override``) in the rows
         whose engine cache is meant to be too small (``kv_gb`` set): a tiny model's KV would fit
-        in any GiB."""
+        in any GiB. ``small_l1_gb``: L1's size in the rows with a lower tier (0.4 GiB), for the
+        same reason."""
         self.config = config
         self.python = python
         self.model = model
@@ -74,6 +89,7 @@ class Stack:
         self.reserved_cpus = reserved_cpus
         self.dtype = dtype
         self.engine_blocks = engine_blocks if config.kv_gb is not None else None
+        self.small_l1_gb = small_l1_gb
         self.url = ""
         self.started_s = 0.0
         self.log = work / f"vllm-{config.key}.log"
@@ -96,6 +112,8 @@ class Stack:
         connector: dict[str, Any] | None = None
         if c.kvwarden is not None:
             flags = ["--chunk-size", str(CHUNK), *c.kvwarden]
+            if c.tier and self.small_l1_gb is not None:
+                flags += ["--l1-size-gb", str(self.small_l1_gb)]  # (the last one given wins)
             if c.tier == "redis":
                 pair = start_redis()
                 if pair is None:
@@ -144,8 +162,9 @@ class Stack:
         ]
         if connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(connector)]
-        if self.engine_blocks is not None:
+        if self.engine_blocks is not None:  # (a request must fit: the model length shrinks to match)
             cmd += ["--num-gpu-blocks-override", str(self.engine_blocks)]
+            cmd += ["--max-model-len", str((self.engine_blocks - 1) * CPU_BLOCK)]  # (one block is vLLM's own)
         root = str(Path(__file__).resolve().parents[2])
         env = {
             **os.environ,
@@ -174,16 +193,7 @@ class Stack:
             if line.startswith("#") or " " not in line:
                 continue
             name, _, value = line.rpartition(" ")
-            if name.startswith(
-                (
-                    "kvwarden_remote_",
-                    "kvwarden_fs_",
-                    "kvwarden_l1_hits",
-                    "kvwarden_prefetches",
-                    "kvwarden_hit_tokens",
-                    "kvwarden_lookup_tokens",
-                )
-            ):
+            if name.split("{")[0].endswith("_total") and name.startswith(KEPT_METRICS):
                 with contextlib.suppress(ValueError):
                     out[name] = float(value)
         return out
@@ -202,7 +212,11 @@ def _wait_vllm(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: fl
 
 
 def _tail(log: Path) -> str:
+    """The lines of ``log`` that name an error (the root cause comes before the traceback of
+    the engine's failed start), then its end."""
     try:
-        return log.read_text(errors="replace")[-4000:]
+        text = log.read_text(errors="replace")
     except OSError:
         return ""
+    errors = [line for line in text.splitlines() if "Error" in line or "error:" in line][:20]
+    return "\n".join(errors) + "\n...\n" + text[-3000:]
