@@ -69,7 +69,11 @@ class Mover:
         self.rng = np.random.default_rng(0)
         dtype, nb = TORCH_DTYPES[ns.dtype], 2 * shape.blocks
         geometry = (ns.layers, nb, ns.block_size, ns.heads, ns.head_dim)
-        if mode == "engine_driven":  # the engine's own tensors: the server cannot map them
+        self.kv_format = getattr(ns, "kv_format", "token_major")
+        if self.kv_format == "vllm_cpu":  # vLLM's CPU blocks: [blocks, heads, block size, K and V]
+            full = torch.empty((ns.layers, nb, ns.heads, ns.block_size, 2 * ns.head_dim), dtype=dtype)
+            self.caches = list(full.unbind(0))
+        elif mode == "engine_driven":  # the engine's own tensors: the server cannot map them
             full = torch.empty((ns.layers, 2, *geometry[1:]), dtype=dtype, device=ns.device)
             self.caches = list(full.unbind(0))
         else:
@@ -91,7 +95,7 @@ class Mover:
         )
         self.w = w
         t0 = time.perf_counter()
-        w.register_kv_caches(self.caches)
+        w.register_kv_caches(self.caches, self.kv_format)
         self.register_s = time.perf_counter() - t0
 
     @property

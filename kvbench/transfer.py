@@ -67,6 +67,13 @@ def add_args(sub: Any) -> None:
     )
     t.add_argument("--dtype", default="bfloat16", choices=sorted(SUPPORTED_DTYPES))
     t.add_argument("--device", default="cpu", help="cpu or cuda (worker KV memory)")
+    t.add_argument(
+        "--kv-format",
+        default="token_major",
+        choices=("token_major", "vllm_cpu"),
+        help="the worker's layout: token_major (default), or vllm_cpu (vLLM's CPU blocks, what the "
+        "vLLM connector copies into; engine_driven only)",
+    )
     t.add_argument("--no-redis", action="store_true", help="skip the Redis baselines")
     add_output_args(t)
     t.set_defaults(func=run_transfer)
@@ -94,6 +101,8 @@ def _plan(ns: argparse.Namespace) -> tuple[list[str], list[int], list[int], list
         raise ValueError(f"--phases takes some of {','.join(PHASES)}, got {ns.phases!r}")
     if ns.rounds < 1:
         raise ValueError("--rounds must be at least 1")
+    if ns.kv_format == "vllm_cpu" and (modes != ["engine_driven"] or ns.device != "cpu"):
+        raise ValueError("--kv-format vllm_cpu takes --modes engine_driven on the cpu device")
     if any(s < 1 or s % ns.block_size for s in sizes):
         raise ValueError("every chunk size must be a positive multiple of --block-size")
     return modes, sizes, cprs, phases
@@ -117,7 +126,17 @@ def run_transfer(ns: argparse.Namespace) -> int:
         base.close()
     params = {
         k: getattr(ns, k)
-        for k in ("rounds", "layers", "heads", "head_dim", "block_size", "dtype", "device", "l1_size_gb")
+        for k in (
+            "rounds",
+            "layers",
+            "heads",
+            "head_dim",
+            "block_size",
+            "dtype",
+            "device",
+            "l1_size_gb",
+            "kv_format",
+        )
     }
     params["redis"] = base.redis_pair is not None
     finish(ns, "transfer", {"params": params, "rows": rows}, report.print_transfer)
@@ -133,7 +152,7 @@ def _run_config(
         raise RuntimeError(f"a request of {shape.request_bytes} bytes does not fit half an L1 of {l1_bytes}")
     base.resize(shape.chunk_bytes)
     mover = Mover(ns, shape, mode)  # its memory written before the server starts
-    floor = CopyFloor(mover) if ns.device == "cpu" else None
+    floor = CopyFloor(mover) if ns.device == "cpu" and ns.kv_format == "token_major" else None
     server = launch("--chunk-size", str(shape.chunk_tokens), "--l1-size-gb", str(ns.l1_size_gb))
     try:
         wait_server(server.proc, server.endpoint)
