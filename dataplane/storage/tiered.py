@@ -289,19 +289,9 @@ class TieredStore(L1Store):
     def _landed(self, key: bytes, ev: threading.Event, tenant: bytes, payload: memoryview | None) -> None:
         """A read-ahead from the remote tier is over: its chunk (if any) goes into L1."""
         try:
-            if payload is None or super().prefix_hits([key]):
-                return
-            buf = self.reserve(payload.nbytes, tenant)
-            if buf is None:
-                return
-            try:
-                buf.numpy()[:] = np.frombuffer(payload, np.uint8)
-            except BaseException:
-                self.abort(buf)
-                raise
-            super().commit(key, buf)  # not commit(): it came from the remote tier
-            self.promoted += 1
-            self.remote_read_ahead += 1
+            if payload is not None and not super().prefix_hits([key]) and self._into_l1(key, payload, tenant):
+                self.promoted += 1
+                self.remote_read_ahead += 1
         finally:
             self._ahead_done(key, ev)
 
@@ -396,19 +386,26 @@ class TieredStore(L1Store):
         payload = self.remote.get(key, _DTYPE, None if nbytes is None else (nbytes,))
         if payload is None:
             return None
+        if not self._into_l1(key, payload, tenant):
+            return None
+        got = self._pin_prefix([key], hits=False)  # pinned (whichever copy won a race)
+        if got:
+            self.promoted += 1
+        return got[0] if got else None
+
+    def _into_l1(self, key: bytes, payload: memoryview, tenant: bytes) -> bool:
+        """A chunk read from the remote tier, copied into L1 (committed, not pinned, never
+        written back down); False when L1 has no room for it."""
         buf = self.reserve(payload.nbytes, tenant)
         if buf is None:
-            return None
+            return False
         try:
             buf.numpy()[:] = np.frombuffer(payload, np.uint8)
         except BaseException:
             self.abort(buf)
             raise
         super().commit(key, buf)  # not commit(): it came from the remote tier
-        got = self._pin_prefix([key], hits=False)  # pinned (whichever copy won a race)
-        if got:
-            self.promoted += 1
-        return got[0] if got else None
+        return True
 
     # ---------------------------------------------------------------- writes
     def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"") -> bool:
