@@ -64,18 +64,19 @@ class LookupModule:
         return Hits(*self._answer(len(p.token_ids), held, reach))
 
     def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> ScopeHits:
-        held, reach = self._scope_reach(p)
+        held, reach, in_l1 = self._scope_reach(p)
         hit, pending = self._answer(len(p.token_ids), held, reach)
-        return ScopeHits(hit, self.chunk_size, pending)
+        return ScopeHits(hit, self.chunk_size, pending, min(in_l1, held) * self.chunk_size)
 
     def _prefetch_scope(self, rctx: RequestContext, p: PrefetchScope) -> Noted:
         self.metrics.prefetches.inc()
-        self._scope_reach(p)  # (the read-ahead is what LOOKUP starts; the answer is not wanted)
+        self._scope_reach(p)  # (the read-ahead is what LOOKUP_SCOPE starts; the answer is not wanted)
         return Noted(True)
 
-    def _scope_reach(self, p: ScopeRequest) -> tuple[int, int]:
-        """(chunks every rank's scope holds, those and the chunks being stored right after)."""
-        held = reach = len(p.token_ids) // self.chunk_size
+    def _scope_reach(self, p: ScopeRequest) -> tuple[int, int, int]:
+        """(chunks every rank's scope holds, those and the chunks being stored right after, the
+        chunks every rank's scope holds in L1 as asked: before the lower tiers' read-ahead)."""
+        held = reach = in_l1 = len(p.token_ids) // self.chunk_size
         for rank in range(p.world_size):
             if reach == 0:
                 break
@@ -91,9 +92,10 @@ class LookupModule:
                 p.block_size,
             )
             keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)
+            in_l1 = min(in_l1, self.l1.peek_prefix(keys))
             h, r = self._reach(keys, scope, tenant_of(p.key))
             held, reach = min(held, h), min(reach, r)
-        return held, reach
+        return held, reach, min(in_l1, held)
 
     def _waited(self, rctx: RequestContext, p: LookupWaited) -> Noted:
         self.metrics.lookup_waits.labels(outcome=p.outcome).inc()

@@ -114,6 +114,9 @@ class ScopeHits(Reply):
     pending_tokens: Annotated[
         int, _TOKENS, "prefix tokens after those that every rank holds or is storing now (not yet committed)"
     ]
+    l1_tokens: Annotated[
+        int, _TOKENS, "of hit_tokens, the prefix every rank holds in L1 now (the rest is on disk or in Redis)"
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -126,7 +126,8 @@ def test_a_prefetch_brings_the_remote_prefix_into_l1_before_the_engine_asks(
     """Server A stores a prompt (into Redis); server B, cold, is sent PREFETCH_SCOPE for it (what
     an engine's scheduler sends for a request it was just given): B reads the prompt's chunks
     from Redis into L1 on its own, counting no lookup; then, with Redis stopped (SIGSTOP), the
-    LOOKUP and the RETRIEVE are served from B's L1, byte for byte."""
+    LOOKUP and the RETRIEVE are served from B's L1, byte for byte. LOOKUP_SCOPE says how much of
+    its hit each server holds in L1."""
     a, b = serve(tmp_path / "a", redis_server), serve(tmp_path / "b", redis_server)
     wa = wb = None
     lookup = ScopeLookup(b.endpoint, Scope("m", 1, "bfloat16", LAYERS, HEADS, HD, KVFormat.TOKEN_MAJOR, BS))
@@ -137,6 +138,12 @@ def test_a_prefetch_brings_the_remote_prefix_into_l1_before_the_engine_asks(
         assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 3
         wait_until(lambda: remote(a)["puts"] == 3, 20, what="the write-behind queue to drain")
         assert status(b)["storage"]["l1"]["chunks"] == 0
+        on_a = ScopeLookup(a.endpoint, lookup.scope)  # A holds them in L1 too: all of it there
+        try:
+            warm_a = on_a.find(tokens[:-1])
+        finally:
+            on_a.close()
+        assert (warm_a.hit, warm_a.l1) == (3 * CS, 3 * CS)
         lookup.prefetch(tokens[:-1])
 
         def metrics() -> str:
@@ -151,6 +158,8 @@ def test_a_prefetch_brings_the_remote_prefix_into_l1_before_the_engine_asks(
         assert "kvwarden_lookup_tokens_total 0.0" in text and "kvwarden_hit_tokens_total 0.0" in text
         assert "kvwarden_prefetches_total 1.0" in text
         assert status(b)["storage"]["l1"]["chunks"] == 3
+        found = lookup.find(tokens[:-1])  # all of the hit now in L1: a load of it is a memory copy
+        assert (found.hit, found.l1) == (3 * CS, 3 * CS)
         wb = Worker(b, "engine_driven")
         redis_server.pause()
         try:

@@ -366,7 +366,12 @@ class KVWardenConnector(KVConnectorBase_V1):
             p.names[rid] = engine_names(request, self._block_size)
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
         n = p.matched(rid, prompt, num_computed_tokens, key)
-        background = bool(n) and self._cfg["kvwarden.async_load"] and not p.copies_own(rid)
+        mode = self._cfg["kvwarden.async_load"]
+        background = (
+            bool(n)
+            and not p.copies_own(rid)
+            and (mode is True or (mode == "auto" and p.from_lower_tiers(rid)))
+        )
         if background:
             self._background.add(rid)
         else:

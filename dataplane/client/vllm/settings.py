@@ -17,6 +17,16 @@ def _flag(value: Any) -> bool:
 
 
 _flag.__name__ = "boolean (true or false)"
+
+
+def _async_mode(value: Any) -> bool | str:
+    """``kvwarden.async_load``: true, false, or "auto"."""
+    if isinstance(value, str) and value.lower() == "auto":
+        return "auto"
+    return _flag(value)
+
+
+_async_mode.__name__ = 'boolean (true or false) or "auto"'
 _KEYS: dict[str, Any] = {
     "kvwarden.url": str,
     "kvwarden.transfer_mode": str,
@@ -28,7 +38,7 @@ _KEYS: dict[str, Any] = {
     "kvwarden.lookup_wait_s": float,
     "kvwarden.kv_events_endpoint": str,
     "kvwarden.kv_events_topic": str,
-    "kvwarden.async_load": _flag,
+    "kvwarden.async_load": _async_mode,
     "kvwarden.prefetch": _flag,
 }
 _MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
@@ -47,9 +57,11 @@ _DEFAULTS: dict[str, Any] = {
     # own (`dataplane.client.vllm.events.EventRelay`); none: not forwarded
     "kvwarden.kv_events_endpoint": None,
     "kvwarden.kv_events_topic": "",
-    # hits that need a transfer are loaded off the step (vLLM's asynchronous loads): the request
-    # waits while running requests keep decoding; false: loaded on the step, before the forward pass
-    "kvwarden.async_load": True,
+    # how a hit is loaded: "auto", off the step (vLLM's asynchronous loads: the request waits
+    # while running requests keep decoding) when it reads the file tier or Redis, on the step (a
+    # memory copy, before the forward pass: no step of waiting) when the server holds it all in L1;
+    # true: always off the step; false: always on it
+    "kvwarden.async_load": "auto",
     # a request the scheduler is given asks the server at once to bring its prefix from the
     # slower tiers (file tier, Redis) into L1 (PREFETCH_SCOPE), before it is scheduled
     "kvwarden.prefetch": True,

@@ -92,7 +92,7 @@ class ScopeLookup:
             back, self._down = self._down, False
         if back:
             logger.info("kvwarden: lookups answered again")
-        return LookupFound(reply.hit_tokens, reply.pending_tokens)
+        return LookupFound(reply.hit_tokens, reply.pending_tokens, l1=reply.l1_tokens)
 
     def prefetch(self, token_ids: np.ndarray, key: KeyContext | None = None) -> None:
         """PREFETCH_SCOPE: the server starts bringing the prefix its slower tiers hold into L1.
@@ -242,6 +242,7 @@ class Planner:
         self.own = own if own is not None else OwnSaves()
         self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
         self._sources: dict[str, Source] = {}  # req id -> the own save its hit copies from
+        self._in_l1: dict[str, int] = {}  # req id -> of its hit, the tokens the server held in L1
         self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
         self.names: dict[str, EngineBlocks | None] = {}  # req id -> vLLM's names of its blocks
         self._reqs: dict[str, _Request] = {}
@@ -286,7 +287,13 @@ class Planner:
             self._sources[req_id] = src
             return self.waits.decide(req_id, LookupFound(local), 0, most)  # (ends a wait, if any)
         own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
+        self._in_l1[req_id] = found.l1
         return self.waits.decide(req_id, found, own, most)
+
+    def from_lower_tiers(self, req_id: str) -> bool:
+        """Whether the hit ``matched`` found reaches past what the server held in L1 when asked
+        (a load that reads the file tier or Redis, not a memory copy alone)."""
+        return self._hits.get(req_id, 0) > self._in_l1.get(req_id, 0)
 
     def copies_own(self, req_id: str) -> bool:
         """Whether the hit ``matched`` found is copied from this engine's own blocks (a save on
@@ -375,6 +382,7 @@ class Planner:
         """The request is done: True when a save was planned for it, or its background load is
         not over (its blocks are freed once the worker says so)."""
         self._hits.pop(req_id, None)
+        self._in_l1.pop(req_id, None)
         self._sources.pop(req_id, None)
         self.keys.pop(req_id, None)
         self.names.pop(req_id, None)

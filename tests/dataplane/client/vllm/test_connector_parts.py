@@ -271,6 +271,25 @@ def test_planner_carries_each_requests_key_context_and_never_caches_an_uncached_
     assert p.finished("a") is True and "a" not in p.keys
 
 
+def test_planner_says_which_hits_read_a_slower_tier() -> None:
+    """The server's answer says how much of a hit it held in L1: a hit all in L1 is a memory
+    copy (loaded on the step, with async_load "auto"), one reaching past it reads the file tier
+    or Redis (loaded off the step)."""
+    in_l1 = {"warm": 2 * CS, "half": CS, "cold": 0}
+
+    def hits(tokens: np.ndarray, key: KeyContext | None) -> LookupFound:
+        return LookupFound(len(tokens) // CS * CS, l1=in_l1[str(key.salt.decode()) if key else "warm"])
+
+    p = Planner(hits, BS)
+    p.chunk_size = lambda: CS
+    prompt = list(range(3 * CS))
+    for name, lower in (("warm", False), ("half", True), ("cold", True)):
+        assert p.matched(name, prompt, 0, KeyContext(name.encode())) == 2 * CS
+        assert p.from_lower_tiers(name) is lower
+    assert p.from_lower_tiers("never-seen") is False
+    assert p.finished("half") is False and p.from_lower_tiers("half") is False  # forgotten
+
+
 def test_planner_loads_an_asynchronous_hit_before_it_is_scheduled_and_holds_its_blocks() -> None:
     def hits(tokens: np.ndarray, key: KeyContext | None) -> LookupFound:
         return LookupFound(len(tokens) // CS * CS)
@@ -421,8 +440,15 @@ def test_connector_settings_name_the_bad_key() -> None:
         connector_settings({"kvwarden.transfer_mode": "gpu_direct"})
     with pytest.raises(ValueError, match="'soon' is not a float"):
         connector_settings({"kvwarden.connect_wait_s": "soon"})
-    assert cfg["kvwarden.async_load"] is True  # hits load off the step unless told otherwise
+    assert cfg["kvwarden.async_load"] == "auto"  # off the step when a hit reads a slower tier
     assert connector_settings({"kvwarden.async_load": False})["kvwarden.async_load"] is False
     assert connector_settings({"kvwarden.async_load": "false"})["kvwarden.async_load"] is False
-    with pytest.raises(ValueError, match=r"\['kvwarden.async_load'\]: 1 is not a boolean \(true or false\)"):
+    assert connector_settings({"kvwarden.async_load": "true"})["kvwarden.async_load"] is True
+    assert connector_settings({"kvwarden.async_load": "AUTO"})["kvwarden.async_load"] == "auto"
+    with pytest.raises(
+        ValueError, match=r"\['kvwarden.async_load'\]: 1 is not a boolean \(true or false\) or \"auto\""
+    ):
         connector_settings({"kvwarden.async_load": 1})
+    assert cfg["kvwarden.prefetch"] is True
+    with pytest.raises(ValueError, match=r"\['kvwarden.prefetch'\]: 'soon' is not a boolean"):
+        connector_settings({"kvwarden.prefetch": "soon"})
