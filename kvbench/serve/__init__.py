@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,12 @@ def add_args(sub: Any) -> None:
         choices=("float32", "bfloat16"),
         default="float32",
         help="the model's dtype in vLLM (float32)",
+    )
+    p.add_argument(
+        "--kvwarden-flags",
+        default="",
+        help="more `kvwarden serve` flags for the kvwarden rows, as one string (a run off the defaults, "
+        'e.g. "--chunk-size 128"; the report says so)',
     )
     p.add_argument("--vllm-python", default=None, help="the Python of vLLM's environment (.venv-vllm)")
     p.add_argument(
@@ -120,7 +127,16 @@ def run_serve(ns: argparse.Namespace) -> int:
                 c = BY_KEY[key]
                 print(f"bench serve: {name}, {c.label} ...", file=sys.stderr, flush=True)
                 with Stack(
-                    c, python, model, work, c.kv_gb or ideal_gb, ns.reserved_cpus, ns.dtype, blocks, small_l1
+                    c,
+                    python,
+                    model,
+                    work,
+                    c.kv_gb or ideal_gb,
+                    ns.reserved_cpus,
+                    ns.dtype,
+                    blocks,
+                    small_l1,
+                    tuple(shlex.split(ns.kvwarden_flags)),
                 ) as stack:
                     raw = proto.run(stack.url, SERVED_NAME)
                     summary = report.summarize_docqa(raw) if name == "docqa" else report.summarize_chat(raw)
@@ -132,6 +148,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     out["params"] = {
         "model": str(shape),
         "dtype": ns.dtype,
+        "kvwarden_flags": ns.kvwarden_flags,
         "kv_bytes_per_token": per_token,
         "reserved_cpus": ns.reserved_cpus,
         "docqa": dataclasses.asdict(docqa),

@@ -133,9 +133,8 @@ def show(rep: dict[str, Any]) -> None:
                 f"{ft['mean']:7.3f}s {r['round_s']:6.2f}s {r['max_gap_s']:6.3f}s"
                 + (f"  errors: {r['errors']}" if r["errors"] else "")
             )
-    if rep.get("skipped"):
-        for key, why in rep["skipped"].items():
-            print(f"  (not run: {key}: {why})")
+    if p.get("kvwarden_flags"):
+        print(f"  (kvwarden rows off the defaults: {p['kvwarden_flags']})")
     if rep["targets"]:
         print("\nTargets (a just-started server, default settings):")
         for t in rep["targets"]:

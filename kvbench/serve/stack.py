@@ -24,7 +24,6 @@ from typing import Any
 from kvbench.movers import start_redis
 from kvbench.procs import BenchServer, free_port, launch, stop_process, wait_http, wait_ready
 
-CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
 CPU_BLOCK = 128  # tokens a block of vLLM's CPU KV cache
 SERVED_NAME = "bench"
 # kvwarden's counters a report keeps (where its hits came from)
@@ -76,11 +75,12 @@ class Stack:
         dtype: str = "float32",
         engine_blocks: int | None = None,
         small_l1_gb: float | None = None,
+        kvwarden_flags: tuple[str, ...] = (),
     ) -> None:
         """``engine_blocks``: cap vLLM's KV blocks (``--num-gpu-blocks-override``) in the rows
         whose engine cache is meant to be too small (``kv_gb`` set): a tiny model's KV would fit
         in any GiB. ``small_l1_gb``: L1's size in the rows with a lower tier (0.4 GiB), for the
-        same reason."""
+        same reason. ``kvwarden_flags``: more `kvwarden serve` flags (a run off the defaults)."""
         self.config = config
         self.python = python
         self.model = model
@@ -90,6 +90,7 @@ class Stack:
         self.dtype = dtype
         self.engine_blocks = engine_blocks if config.kv_gb is not None else None
         self.small_l1_gb = small_l1_gb
+        self.kvwarden_flags = kvwarden_flags
         self.url = ""
         self.started_s = 0.0
         self.log = work / f"vllm-{config.key}.log"
@@ -111,7 +112,7 @@ class Stack:
         c, t0 = self.config, time.perf_counter()
         connector: dict[str, Any] | None = None
         if c.kvwarden is not None:
-            flags = ["--chunk-size", str(CHUNK), *c.kvwarden]
+            flags = [*c.kvwarden]
             if c.tier and self.small_l1_gb is not None:
                 flags += ["--l1-size-gb", str(self.small_l1_gb)]  # (the last one given wins)
             if c.tier == "redis":
@@ -129,7 +130,7 @@ class Stack:
             elif c.tier == "fs":
                 d = tempfile.mkdtemp(prefix="kvwarden-bench-fs-", dir=self.work)
                 flags += ["--fs-path", d, "--fs-size-gb", "8"]
-            server = launch(*flags)
+            server = launch(*flags, *self.kvwarden_flags)
             self._stack.callback(server.stop)
             wait_http(server)
             self.kvwarden = server
