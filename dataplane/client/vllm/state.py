@@ -260,13 +260,15 @@ class Planner:
         if hit is None:
             if self.waits.too_soon(req_id):
                 return None
-            decided = self._decide(req_id, np.asarray(prompt, dtype=np.int64), key)
+            decided = self._decide(req_id, np.asarray(prompt, dtype=np.int64), key, computed)
             if decided is None:
                 return None
             hit = self._hits[req_id] = decided
         return max(0, hit - computed)
 
-    def _decide(self, req_id: str, tokens: np.ndarray, key: KeyContext | None) -> int | None:
+    def _decide(
+        self, req_id: str, tokens: np.ndarray, key: KeyContext | None, computed: int = 0
+    ) -> int | None:
         """The hit, or None: wait. A prefix this engine is saving is copied from the saved
         request's blocks at once, without asking the server when it covers all that could be
         loaded, else when it covers at least what the server holds."""
@@ -288,7 +290,7 @@ class Planner:
             return self.waits.decide(req_id, LookupFound(local), 0, most)  # (ends a wait, if any)
         own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
         self._in_l1[req_id] = found.l1
-        return self.waits.decide(req_id, found, own, most)
+        return self.waits.decide(req_id, found, own, most, computed)
 
     def from_lower_tiers(self, req_id: str) -> bool:
         """Whether the hit ``matched`` found reaches past what the server held in L1 when asked

@@ -170,14 +170,15 @@ class Waits:
         w = self._waits.get(req_id)
         return w is not None and self._clock() < w.next_ask
 
-    def decide(self, req_id: str, found: LookupFound, own: int, limit: int) -> int | None:
+    def decide(self, req_id: str, found: LookupFound, own: int, limit: int, computed: int = 0) -> int | None:
         """The tokens to load now (``found.hit`` up to ``limit``), or None: ask again later,
-        since up to ``max(found.hit + found.pending, own)`` tokens are on their way."""
+        since up to ``max(found.hit + found.pending, own)`` tokens are on their way and more of
+        them than the engine's own cache holds (``computed``: waiting for what it has is no gain)."""
         now = self._clock()
         hit = min(found.hit, limit)
         reach = min(max(found.hit + found.pending, own), limit) if found.answered else hit
         w = self._waits.get(req_id)
-        if reach > hit and self.bound_s > 0:
+        if reach > max(hit, computed) and self.bound_s > 0:
             if w is None:
                 w = self._waits[req_id] = _Wait(now, reach, now)
             w.want = max(w.want, reach)

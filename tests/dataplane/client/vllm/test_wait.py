@@ -59,6 +59,17 @@ def test_a_request_waits_for_chunks_being_stored_and_loads_them_once_they_land()
     assert p.matched("a", PROMPT, 0) == 3 * CS and server.asked == 3  # decided once
 
 
+def test_no_wait_for_chunks_the_engines_own_cache_already_holds() -> None:
+    """A prefix being stored that vLLM's own cache already computed is no reason to wait (many
+    users with one system prompt: each new user's first chunks are being stored by the last
+    one's, and vLLM holds them already); one that reaches past it is waited for."""
+    server = Server(held=0, pending=2 * CS)
+    p, _, reports = planner(server)
+    assert p.matched("a", PROMPT, 2 * CS) == 0 and len(p.waits) == 0 and reports == []
+    assert p.matched("b", PROMPT, CS) is None  # the second chunk is worth waiting for
+    assert len(p.waits) == 1
+
+
 def test_a_store_that_fails_ends_the_wait_with_what_is_held() -> None:
     server = Server(pending=3 * CS)
     p, clock, reports = planner(server)
