@@ -136,7 +136,10 @@ def show(rep: dict[str, Any]) -> None:
     if p.get("kvwarden_flags"):
         print(f"  (kvwarden rows off the defaults: {p['kvwarden_flags']})")
     if rep["targets"]:
-        print("\nTargets (a just-started server, default settings):")
+        off = p.get("kvwarden_flags")
+        print(
+            f"\nTargets (a just-started server, {'OFF the defaults: ' + off if off else 'default settings'}):"
+        )
         for t in rep["targets"]:
             mark = "met" if t["met"] else "NOT met"
             print(f"  {t['what']:60s} {t['ratio']:6.2f}x (<= {t['bound']}x) {mark}")
