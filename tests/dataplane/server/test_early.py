@@ -83,7 +83,7 @@ def test_hello_and_ping_are_answered_while_the_rest_waits_for_start(make_dealer:
         got = replies(sock, 2)
         assert got[1].ok and got[1].body == {"boot_token": server.boot_token, "tracked": False}
         assert got[2].ok and got[2].body["boot_token"] == server.boot_token
-        assert got[2].body["chunk_size"] == 128
+        assert got[2].body["chunk_size"] == 256
         assert not sock.poll(200)  # the LOOKUPs wait: no module handles them yet
         module = Lookups()
         server.add_module(module)
