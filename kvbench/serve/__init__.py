@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,33 @@ def _parse(ns: argparse.Namespace) -> tuple[list[str], list[str]] | str:
     return configs, protocols
 
 
+def _run_protocol(
+    name: str, proto: DocQA | Chat, stacks: Mapping[str, Callable[[], Stack]]
+) -> dict[str, Any]:
+    """Each configuration's run of ``proto``, summed up, on a stack started for it alone."""
+    rows: dict[str, Any] = {}
+    for key, make in stacks.items():
+        print(f"bench serve: {name}, {BY_KEY[key].label} ...", file=sys.stderr, flush=True)
+        with make() as stack:
+            raw = proto.run(stack.url, SERVED_NAME)
+            summary = report.summarize_docqa(raw) if name == "docqa" else report.summarize_chat(raw)
+            summary["started_s"] = stack.started_s
+            summary["kv_gb"] = stack.kv_gb
+            summary["kvwarden_metrics"] = stack.metrics()
+        rows[key] = summary
+    return rows
+
+
+def _build_model(python: str, shape: Any, model: Path) -> Path:
+    """The random-weight model and its tokenizer, built by vLLM's Python under ``model``."""
+    code = (
+        "from kvbench.vllm_model import *; "
+        f"build_model({str(model)!r}, {shape!r}); build_tokenizer({str(model)!r}, {shape.vocab})"
+    )
+    subprocess.run([python, "-c", code], check=True, env=bench_env())
+    return model
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     resolve(ns, docs=(16, 8, 2), doc_tokens=(3000, 3000, 600), users=(12, 6, 2), turns=(4, 3, 2))
     parsed = _parse(ns)
@@ -106,45 +135,33 @@ def run_serve(ns: argparse.Namespace) -> int:
         chat = dataclasses.replace(chat, context_tokens=256, think_s=0.1)
         docqa = dataclasses.replace(docqa, probe_tokens=200)
     python = ns.vllm_python or default_python()
-    # --tiny: the small-cache rows hold about one document (a tiny model's KV fits in any GiB)
     blocks = -(-(docqa.doc_tokens + docqa.question_tokens) // CPU_BLOCK) + 3 if ns.tiny else None
-    small_l1 = 0.001 if ns.tiny else None  # and L1 holds about one document's chunks
+    small_l1 = 0.001 if ns.tiny else None  # --tiny: engine cache and L1 hold about one document
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (4 if ns.dtype == "float32" else 2)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-serve-") as tmp:
         work = Path(tmp)
-        model = work / "model"
-        code = (
-            "from kvbench.vllm_model import *; "
-            f"build_model({str(model)!r}, {shape!r}); build_tokenizer({str(model)!r}, {shape.vocab})"
-        )
-        subprocess.run([python, "-c", code], check=True, env=bench_env())
+        model = _build_model(python, shape, work / "model")
         for name in protocols:
             proto = docqa if name == "docqa" else chat
             ideal_gb = math.ceil(proto.tokens() * per_token * 1.5 / (1 << 30)) + 1
-            rows: dict[str, Any] = {}
-            for key in configs:
-                c = BY_KEY[key]
-                print(f"bench serve: {name}, {c.label} ...", file=sys.stderr, flush=True)
-                with Stack(
-                    c,
+            stacks = {
+                key: functools.partial(
+                    Stack,
+                    BY_KEY[key],
                     python,
                     model,
                     work,
-                    c.kv_gb or ideal_gb,
+                    BY_KEY[key].kv_gb or ideal_gb,
                     ns.reserved_cpus,
                     ns.dtype,
                     blocks,
                     small_l1,
                     tuple(shlex.split(ns.kvwarden_flags)),
-                ) as stack:
-                    raw = proto.run(stack.url, SERVED_NAME)
-                    summary = report.summarize_docqa(raw) if name == "docqa" else report.summarize_chat(raw)
-                    summary["started_s"] = stack.started_s
-                    summary["kv_gb"] = stack.kv_gb
-                    summary["kvwarden_metrics"] = stack.metrics()
-                rows[key] = summary
-            out[name] = rows
+                )
+                for key in configs
+            }
+            out[name] = _run_protocol(name, proto, stacks)
     out["params"] = {
         "model": str(shape),
         "dtype": ns.dtype,

@@ -109,7 +109,34 @@ class Stack:
         self._stack.close()
 
     def _start(self) -> None:
-        c, t0 = self.config, time.perf_counter()
+        t0 = time.perf_counter()
+        connector = self._start_kvwarden()
+        port = free_port()
+        cmd = self._vllm_command(port)
+        if connector is not None:
+            cmd += ["--kv-transfer-config", json.dumps(connector)]
+        root = str(Path(__file__).resolve().parents[2])
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gb),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        env.pop("KVWARDEN_ADMIN_TOKEN", None)
+        with open(self.log, "wb") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True
+            )
+        self._stack.callback(stop_process, proc, 60.0)
+        self.url = f"http://127.0.0.1:{port}"
+        _wait_vllm(proc, self.url, self.log, VLLM_START_S)
+        self.started_s = time.perf_counter() - t0
+
+    def _start_kvwarden(self) -> dict[str, Any] | None:
+        """The kvwarden server of a kvwarden row (and its Redis or directory), started; the
+        ``--kv-transfer-config`` that points vLLM at it (None: no kvwarden in this row)."""
+        c = self.config
         connector: dict[str, Any] | None = None
         if c.kvwarden is not None:
             flags = [*c.kvwarden]
@@ -141,7 +168,9 @@ class Stack:
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"kvwarden.url": server.endpoint},
             }
-        port = free_port()
+        return connector
+
+    def _vllm_command(self, port: int) -> list[str]:
         cmd = [
             self.python,
             "-m",
@@ -161,28 +190,10 @@ class Stack:
             "--enable-prompt-tokens-details",
             "--disable-log-stats",
         ]
-        if connector is not None:
-            cmd += ["--kv-transfer-config", json.dumps(connector)]
         if self.engine_blocks is not None:  # (a request must fit: the model length shrinks to match)
             cmd += ["--num-gpu-blocks-override", str(self.engine_blocks)]
             cmd += ["--max-model-len", str((self.engine_blocks - 1) * CPU_BLOCK)]  # (one block is vLLM's own)
-        root = str(Path(__file__).resolve().parents[2])
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gb),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus),
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-        }
-        env.pop("KVWARDEN_ADMIN_TOKEN", None)
-        with open(self.log, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True
-            )
-        self._stack.callback(stop_process, proc, 60.0)
-        self.url = f"http://127.0.0.1:{port}"
-        _wait_vllm(proc, self.url, self.log, VLLM_START_S)
-        self.started_s = time.perf_counter() - t0
+        return cmd
 
     def metrics(self) -> dict[str, float]:
         """kvwarden's counters that say where hits came from (empty without kvwarden)."""

@@ -7,9 +7,8 @@ same model find each other's chunks.
 
 - **Reads** (`get`, `count_prefix`) run on the caller's thread, each bounded by
   ``timeout_s`` (the socket timeout of every send and receive; no retries). A value that fails a
-  check of `codec` is a miss, counted by kind, and never returned. `get_later` queues a read for
-  the thread ``kvwarden-remote-reader`` (a LOOKUP's read-ahead: at most `READ_AHEAD_MAX` queued,
-  one after another in the order asked), which hands the payload (or None) to a callback.
+  check of `codec` is a miss, counted by kind, and never returned. `get_later` queues a read (a
+  LOOKUP's read-ahead) for the thread ``kvwarden-remote-reader``, which answers a callback.
 - **Writes** go through a write-behind queue bounded in bytes, drained by the thread
   ``kvwarden-remote-writer`` (start/stop/join). `put` never waits on Redis: when the queue is
   full or the backend is bypassed, the write is dropped and counted. Each write is one
@@ -36,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import redis
 
@@ -154,8 +154,7 @@ class RemoteBackend:
         self._reader.start()
 
     def stop(self) -> None:
-        """Stop the writer and the reader; writes still queued are dropped (counted ``stopped``),
-        reads still queued answered None."""
+        """Stop the writer and the reader: queued writes are dropped (counted), reads answered None."""
         self._stop.set()
         self._wake.set()
         with self._reads_cond:
@@ -215,16 +214,9 @@ class RemoteBackend:
             self._stats.bytes_read += payload.nbytes
         return payload
 
-    def get_later(
-        self,
-        key: bytes,
-        dtype: str,
-        shape: Sequence[int] | None,
-        then: Callable[[memoryview | None], None],
-    ) -> bool:
+    def get_later(self, key: bytes, dtype: str, shape: Sequence[int] | None, then: _Then) -> bool:
         """Queue `get` of ``key`` for the reader thread, which calls ``then`` with its answer.
-        False (``then`` never called): not queued (stopped, bypassed, or `READ_AHEAD_MAX` reads
-        waiting already)."""
+        False (``then`` never called): stopped, bypassed, or `READ_AHEAD_MAX` reads waiting."""
         with self._reads_cond:
             if self.bypassed or self._stop.is_set() or len(self._reads) >= READ_AHEAD_MAX:
                 return False
@@ -493,12 +485,14 @@ class RemoteBackend:
             self.space.dropped()
 
 
-@dataclass(frozen=True, slots=True)
-class _LaterRead:
+_Then = Callable[[memoryview | None], None]  # what a queued read hands its answer to
+
+
+class _LaterRead(NamedTuple):
     key: bytes
     dtype: str
     shape: tuple[int, ...] | None
-    then: Callable[[memoryview | None], None]
+    then: _Then
 
 
 def _release(w: _RedisWrite) -> None:
