@@ -19,17 +19,20 @@ import httpx
 import pytest
 import zmq
 
-from tests.e2e.test_remote_tier import BLOCK_IDS, CS, Worker, health, prompt, status
+from tests.e2e.test_remote_tier import BLOCK_IDS, Worker, health, prompt, status
 from tests.fuse_mount import FuseMount
 from tests.helpers import ROOT, ServerProcess, dealer, mounted_tmpfs, ping, subprocess_env, wait_until
 from tests.page_cache import drop_from_page_cache
 
 INTERVAL, TIMEOUT = 0.3, 0.5  # health_ping_interval, health_ping_timeout and fs_timeout
+CS = 256  # the chunk size these servers are given: the file sizes and caps below are counted in it
 
 
 def serve(tmp: Path, fs: Path, *args: str, size_gb: str = "1", port: int = 0) -> ServerProcess:
     srv = ServerProcess(
         tmp,
+        "--chunk-size",
+        str(CS),
         "--fs-path",
         str(fs),
         "--fs-size-gb",

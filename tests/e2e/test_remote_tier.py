@@ -24,7 +24,7 @@ from tests.helpers import ROOT, ServerProcess, dealer, free_port, ping, subproce
 from tests.redis_server import RedisClusterServers, RedisServer
 
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 64, 16, 2, 64
-CS = 256  # the server's default chunk size
+CS = 128  # the server's default chunk size
 INTERVAL, TIMEOUT = 0.5, 0.3  # health_ping_interval, health_ping_timeout and remote_timeout
 
 

@@ -39,7 +39,8 @@ from tests.helpers import (
 
 MiB = 1 << 20
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 8, 64, 16
-CHUNK_BYTES = LAYERS * 2 * 256 * HEADS * HEAD_DIM * 2  # 2 MiB: bfloat16 at the default chunk size
+CHUNK = 256  # tokens a chunk (the server is told)
+CHUNK_BYTES = LAYERS * 2 * CHUNK * HEADS * HEAD_DIM * 2  # 2 MiB: bfloat16
 
 
 @pytest.fixture
@@ -51,7 +52,9 @@ def small_tmpfs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 @pytest.fixture
 def server(small_tmpfs: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path / "server", env=subprocess_env(KVWARDEN_SHM_DIR=str(small_tmpfs)))
+    srv = ServerProcess(
+        tmp_path / "server", "--chunk-size", str(CHUNK), env=subprocess_env(KVWARDEN_SHM_DIR=str(small_tmpfs))
+    )
     try:
         srv.wait_ready()
         yield srv

@@ -43,7 +43,7 @@ def _no_kvwarden_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_defaults_accepted() -> None:
     s = Settings()
     assert (s.host, s.port, s.http_host, s.http_port) == ("127.0.0.1", 5555, "127.0.0.1", 8080)
-    assert s.chunk_size == 256 and s.l1_size_gb == 4.0
+    assert s.chunk_size == 128 and s.l1_size_gb == 4.0
     assert s.max_cpu_workers == 4 and s.max_transfer_workers == 2
     assert s.remote_url is None and s.remote_timeout_seconds == 1.0 and s.local_cpu is True
     assert (getattr(s, REAP), getattr(s, GRACE), getattr(s, DISC)) == (120, 3600, 10)
