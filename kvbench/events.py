@@ -64,7 +64,8 @@ def run_events(ns: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(1)
     chunk = ns.layers * 2 * CS * HEADS * HEAD_DIM * 2
-    l1 = ["--l1-size-gb", repr(ns.l1_chunks * chunk / (1 << 30)), "--log-level", "error"]
+    l1_gb = repr(ns.l1_chunks * chunk / (1 << 30))
+    l1 = ["--chunk-size", str(CS), "--l1-size-gb", l1_gb, "--log-level", "error"]
     pub = free_port()
     plain = launch(*l1)
     events = launch(*l1, "--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-topic", "kv@bench@" + MODEL)

@@ -124,7 +124,7 @@ def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
     n = ns.chunks_per_request
     # L1 holds every STORE of A while the writer lags (its chunks are pinned until written)
     l1_gb = "0.25" if ns.tiny else str(max(2, 1 + (2 * ns.samples * n * chunk >> 30)))
-    common = ["--l1-size-gb", l1_gb, "--log-level", "error"]
+    common = ["--chunk-size", str(CS), "--l1-size-gb", l1_gb, "--log-level", "error"]
     cap = ["--fs-size-gb", str(1 + (3 * ns.samples * n * chunk >> 30)), "--fs-write-queue-mb", str(2048 * n)]
     with_fs = [*common, "--fs-path", str(d), *cap]
     samples: dict[str, list[float]] = {}

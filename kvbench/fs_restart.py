@@ -105,7 +105,7 @@ def _start(d: Path, prompt: np.ndarray | None, l1_gb: str) -> dict[str, Any]:
     first RETRIEVE answered (``prompt``'s file is in ``d``; None: a miss) and the index rebuilt."""
     caches = allocate_kv_caches(1, CS // BS, BS, 1, SMALL_HEAD_DIM, torch.bfloat16)
     fs = ("--fs-path", str(d), "--fs-size-gb", "4")
-    server, ping = launch_pinged("--l1-size-gb", l1_gb, "--log-level", "error", *fs)
+    server, ping = launch_pinged("--chunk-size", str(CS), "--l1-size-gb", l1_gb, "--log-level", "error", *fs)
     w: WorkerAdapter | None = None
     try:
         w = WorkerAdapter(server.endpoint, SMALL_MODEL, heartbeat_interval=5.0)

@@ -52,7 +52,7 @@ def run_remote(ns: argparse.Namespace) -> int:
         return 2
     proc, raw = pair
     url = f"redis://127.0.0.1:{raw.connection_pool.connection_kwargs['port']}/0"
-    common = ["--l1-size-gb", "2", "--log-level", "error"]
+    common = ["--chunk-size", str(CS), "--l1-size-gb", "2", "--log-level", "error"]
     servers = [
         launch(*common),
         launch(*common, "--remote-url", url, "--remote-write-queue-mb", "2048"),

@@ -39,10 +39,9 @@ class Stream:
     def done(self) -> float:
         return self.times[-1] if self.times else self.sent
 
-    def gaps(self, after: float = 0.0) -> list[float]:
-        """The gaps between successive tokens whose later token came after ``after``."""
-        t = self.times
-        return [b - a for a, b in itertools.pairwise(t) if b > after]
+    def gaps(self) -> list[float]:
+        """The gaps between successive tokens."""
+        return [b - a for a, b in itertools.pairwise(self.times)]
 
 
 def stream(

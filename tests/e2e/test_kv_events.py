@@ -246,7 +246,8 @@ def test_a_store_with_the_engines_names_publishes_them(tmp_path: Path, decoder: 
         # names that cannot name the chunks are refused, naming the field; the server lives on
         with pytest.raises(RequestError, match=r"blocks\.block_size: 48 does not divide"):
             w.w.store_detail(tokens, BLOCK_IDS, names=EngineBlocks(48, tuple(hashes)))
-        with pytest.raises(RequestError, match=r"blocks\.hashes: 5 hashes name fewer than the 48 blocks"):
+        fewer = rf"blocks\.hashes: 5 hashes name fewer than the {3 * per} blocks"
+        with pytest.raises(RequestError, match=fewer):
             w.w.store_detail(tokens, BLOCK_IDS, names=EngineBlocks(BS, tuple(hashes[:5])))
         assert w.w.store_detail(prompt(5, CS), BLOCK_IDS).stored == 1
     finally:
@@ -401,8 +402,9 @@ def test_the_lookup_route_answers_each_tier_within_salt_and_adapter(tmp_path: Pa
         assert tiers(srv, b)[2] == 0 and tiers(srv, b, adapter="lora-y")[2] == 0
         # or by the engine's block hashes (they hold the salt and the adapter)
         assert by_hashes(srv, list(names.hashes)) == (2 * CS, 2 * CS)
-        assert by_hashes(srv, list(names.hashes[:20])) == (20 * BS, CS)  # one whole chunk named
-        assert by_hashes(srv, [*names.hashes[:31], 999]) == (2 * CS, CS)  # diverges in chunk 1
+        per = CS // BS  # blocks a chunk
+        assert by_hashes(srv, list(names.hashes[: per + 4])) == ((per + 4) * BS, CS)  # one whole chunk named
+        assert by_hashes(srv, [*names.hashes[: 2 * per - 1], 999]) == (2 * CS, CS)  # diverges in chunk 1
         assert by_hashes(srv, list(names.hashes), model="other") == (2 * CS, 0)
         wait_until(lambda: fs_doc(srv)["puts"] == 4 and fs_doc(srv)["queue_depth"] == 0, 20)
         cpu, disk, total, _ = tiers(srv, a, salt="tenant-a")

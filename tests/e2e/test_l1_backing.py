@@ -13,6 +13,7 @@ import torch
 
 from dataplane.client import WorkerAdapter
 from dataplane.memory import shm
+from tests.e2e.test_remote_tier import CS
 from tests.helpers import ServerProcess, mounted_tmpfs, subprocess_env
 
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 32, 16, 2, 64
@@ -24,7 +25,7 @@ def round_trip(srv: ServerProcess) -> WorkerAdapter:
     w = WorkerAdapter(srv.endpoint, "m", transfer_mode="engine_driven", heartbeat_interval=5.0)
     w.register_kv_caches(caches)
     tokens, blocks = np.arange(512), np.arange(BLOCKS)
-    assert w.store_detail(tokens, blocks).stored == 2
+    assert w.store_detail(tokens, blocks).stored == 512 // CS
     for c in caches:
         c.zero_()
     assert w.retrieve(tokens, blocks) == 512

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
@@ -27,9 +27,20 @@ from dataplane.client.channel import Channel
 from dataplane.client.vllm.wait import LookupFound, OwnSaves, Source, Waits
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import KVWardenError, RequestError
-from dataplane.wire.messages import MAX_WAIT_S, KeyContext, KVFormat, LookupScope, LookupWaited, PrefetchScope
+from dataplane.wire.messages import (
+    MAX_WAIT_S,
+    KeyContext,
+    KVFormat,
+    LookupScope,
+    LookupWaited,
+    Message,
+    PrefetchScope,
+)
+from dataplane.wire.records import Reply
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Reply)  # the reply a request gets
 
 
 @dataclass(frozen=True)
@@ -77,35 +88,36 @@ class ScopeLookup:
     def find(self, token_ids: np.ndarray, key: KeyContext | None = None) -> LookupFound:
         """Tokens of ``token_ids``' prefix that every rank's chunks hold under ``key``, and how
         many more are being stored (nothing, unanswered, when unsure)."""
-        if self._resting():
-            return LookupFound(0, 0, answered=False)
         msg = LookupScope(*self._scope_fields(), np.asarray(token_ids, dtype=np.int64), key)
-        try:
-            reply = self._chan.request(msg, self.timeout_s)
-        except RequestError:
-            raise  # a request the server refuses is a bug to see, not an outage
-        except KVWardenError as exc:
-            self._failed(exc)
+        reply = self._ask(msg)
+        if reply is None:
             return LookupFound(0, 0, answered=False)
         with self._lock:
             self.chunk_size = reply.chunk_size
-            back, self._down = self._down, False
-        if back:
-            logger.info("kvwarden: lookups answered again")
         return LookupFound(reply.hit_tokens, reply.pending_tokens, l1=reply.l1_tokens)
 
     def prefetch(self, token_ids: np.ndarray, key: KeyContext | None = None) -> None:
         """PREFETCH_SCOPE: the server starts bringing the prefix its slower tiers hold into L1.
         Nothing is sent while resting after a failure; a failure is one more outage."""
+        self._ask(PrefetchScope(*self._scope_fields(), np.asarray(token_ids, dtype=np.int64), key))
+
+    def _ask(self, msg: Message[R]) -> R | None:
+        """``msg``'s reply; None, unasked, while resting after a failure, or when it fails (one
+        more outage). A request the server refuses raises: a bug to see, not an outage."""
         if self._resting():
-            return
-        msg = PrefetchScope(*self._scope_fields(), np.asarray(token_ids, dtype=np.int64), key)
+            return None
         try:
-            self._chan.request(msg, self.timeout_s)
+            reply = self._chan.request(msg, self.timeout_s)
         except RequestError:
-            raise  # a request the server refuses is a bug to see, not an outage
+            raise
         except KVWardenError as exc:
             self._failed(exc)
+            return None
+        with self._lock:
+            back, self._down = self._down, False
+        if back:
+            logger.info("kvwarden: lookups answered again")
+        return reply
 
     def _scope_fields(self) -> tuple[str, int, str, int, int, int, KVFormat, int]:
         s = self.scope

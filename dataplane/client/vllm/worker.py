@@ -9,6 +9,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
+from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from dataplane.memory.copies import _MAX_RUNS, slot_runs
 from dataplane.wire.errors import KVWardenError, RequestError
 
 logger = logging.getLogger(__name__)
+
+J = TypeVar("J")  # a job
+D = TypeVar("D")  # what a job over reports
 
 
 class Registrar:
@@ -96,30 +100,64 @@ class Registrar:
             return
 
 
-class Saver:
+class _JobThread(Generic[J, D]):
+    """A queue of jobs run one after another on a thread of its own (``name``), and what each
+    job left to report, handed over by ``take_done``. ``stop`` ends the thread (how it treats
+    jobs still queued is the subclass's ``_run``); ``join`` waits for it. ``_cond`` guards
+    ``_queue``, ``_done`` and ``_stopped``, and whatever the subclass says it does too."""
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[J] = deque()
+        self._done: list[D] = []  # reports of jobs over, not yet taken
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def take_done(self) -> list[D]:
+        """What the jobs over since the last call reported."""
+        with self._cond:
+            done, self._done = self._done, []
+            return done
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def join(self, timeout_s: float = 30.0) -> bool:
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Saver(_JobThread[Save, int]):
     """Stores planned chunks on thread ``kvwarden-vllm-saver`` while the engine steps on.
 
     A request whose chunks are being stored keeps its blocks (the scheduler holds them) until
     ``finished`` reports it. Every save over, stored or failed, is reported by its sequence
-    number (``take_done``), so the scheduler stops counting it as on its way. ``_cond``
-    guards ``_queue``, ``_pending``, ``_asked``, ``_done``, ``_busy`` and ``_stopped``."""
+    number (``take_done``), so the scheduler stops counting it as on its way. ``stop`` lets
+    the saves queued run first. ``_cond`` also guards ``_pending``, ``_asked`` and ``_busy``."""
+
+    name = "kvwarden-vllm-saver"
 
     def __init__(self, adapter: WorkerAdapter) -> None:
+        super().__init__()
         self.adapter = adapter
-        self._cond = threading.Condition()
-        self._queue: deque[Save] = deque()
         self._pending: dict[str, int] = {}  # req id -> saves queued or running
         self._asked: set[str] = set()  # finished requests whose saves were planned
-        self._done: list[int] = []  # sequence numbers of saves over, not yet reported
         self._busy = False
-        self._stopped = False
-        self._thread: threading.Thread | None = None
         self.stored_chunks = 0
         self.failed = 0
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvwarden-vllm-saver", daemon=True)
-        self._thread.start()
 
     def submit(self, saves: Sequence[Save]) -> None:
         with self._cond:
@@ -137,27 +175,10 @@ class Saver:
             self._asked -= done
             return done
 
-    def take_done(self) -> list[int]:
-        """The saves over since the last call (their sequence numbers)."""
-        with self._cond:
-            done, self._done = self._done, []
-            return done
-
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued save is over (blocks about to be reused); True if so."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout_s)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-
-    def join(self, timeout_s: float = 30.0) -> bool:
-        if self._thread is None:
-            return True
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
@@ -191,49 +212,26 @@ class Saver:
         self.stored_chunks += r.stored
 
 
-class Loader:
+class Loader(_JobThread[Load, tuple[str, set[int]]]):
     """Loads requests off the step on thread ``kvwarden-vllm-loader`` (vLLM's asynchronous
     loads): the request waits in WAITING_FOR_REMOTE_KVS while the engine steps on, and
-    ``take_done`` hands each load over, with the blocks it could not fill, to the step that
-    reports it (``get_finished``, then ``get_block_ids_with_load_errors``). Loads run one after
-    another, in the order planned. ``_cond`` guards ``_queue``, ``_done`` and ``_stopped``."""
+    ``take_done`` hands each load over, as (request id, the blocks it could not fill), to the
+    step that reports it (``get_finished``, then ``get_block_ids_with_load_errors``). Loads run
+    one after another, in the order planned; ``stop`` ends them after the one in progress, and
+    those still queued report every block unfilled."""
+
+    name = "kvwarden-vllm-loader"
 
     def __init__(self, adapter: WorkerAdapter, block_size: int, copy: BlockCopier | None = None) -> None:
+        super().__init__()
         self.adapter = adapter
         self.block_size = block_size
         self.copy = copy
-        self._cond = threading.Condition()
-        self._queue: deque[Load] = deque()
-        self._done: list[tuple[str, set[int]]] = []  # (req id, blocks not filled), not yet reported
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvwarden-vllm-loader", daemon=True)
-        self._thread.start()
 
     def submit(self, loads: Sequence[Load]) -> None:
         with self._cond:
             self._queue.extend(loads)
             self._cond.notify_all()
-
-    def take_done(self) -> list[tuple[str, set[int]]]:
-        """The loads over since the last call: (request id, the blocks it could not fill)."""
-        with self._cond:
-            done, self._done = self._done, []
-            return done
-
-    def stop(self) -> None:
-        """Stop after the load in progress: those still queued report every block unfilled."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-
-    def join(self, timeout_s: float = 30.0) -> bool:
-        if self._thread is None:
-            return True
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
