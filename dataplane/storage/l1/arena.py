@@ -141,7 +141,7 @@ class Arena:
         self._addr = self.region.data_ptr()
         if pin_memory and torch.cuda.is_available():
             torch.cuda.cudart().cudaHostRegister(self._addr, self.capacity, 0)  # type: ignore[no-untyped-call]
-        self._lock = threading.Lock()  # guards _usable, _faulted, _grown and _huge
+        self._lock = threading.Lock()  # guards _usable, _faulted, _grown, _huge and _caught_up
         # bytes that may be handed out: shm space is reserved ahead of use; private is all usable
         self._usable = 0 if shared else self.capacity
         self._grown = not shared  # no more will become usable (all of it, or reserving failed)
@@ -156,6 +156,12 @@ class Arena:
         # set by L1: whether the fault-in should step aside now (transfers are copying and the
         # usable part still has room for them): a 2-core host has no core to spare for both
         self.yield_to: Callable[[int], bool] | None = None
+        # set by L1: whether the arena should grow now, given how much of it is in use (it grows
+        # ahead of use, not to its capacity at once: a fresh server's first requests would pay
+        # for gigabytes of pages no chunk needs yet). None: grow to the capacity
+        self.needed: Callable[[int], bool] | None = None
+        self._nudge = threading.Event()  # set when growth may be needed again (`nudge`)
+        self._caught_up = False  # the thread waits until more is needed (under _lock)
         if not prefault and shared:
             self._reserve_all()
 
@@ -190,6 +196,11 @@ class Arena:
 
     def stop(self) -> None:
         self._stop.set()
+        self._nudge.set()
+
+    def nudge(self) -> None:
+        """More of the arena may be needed now: a fault-in waiting for that looks again."""
+        self._nudge.set()
 
     def join(self, timeout_s: float = 10.0) -> bool:
         if self._thread is None:
@@ -211,6 +222,7 @@ class Arena:
         t0 = time.monotonic()
         populate = True
         for off in range(0, self.capacity, _SLICE):
+            self._wait_until_needed(off)
             while self.yield_to is not None and self.yield_to(off) and not self._stop.is_set():
                 self._stop.wait(0.002)
             if self._stop.is_set():
@@ -239,6 +251,19 @@ class Arena:
             "arena: %d bytes of L1 (%s) ready in %.1fs", self.capacity, self.backing, time.monotonic() - t0
         )
 
+    def _wait_until_needed(self, off: int) -> None:
+        """Wait (for a `nudge`, or a second at most, then ask again) while L1 has enough of the
+        arena ready ahead of what it holds."""
+        while self.needed is not None and not self._stop.is_set():
+            self._nudge.clear()
+            if self.needed(off):
+                break
+            with self._lock:
+                self._caught_up = True
+            self._nudge.wait(1.0)
+        with self._lock:
+            self._caught_up = False
+
     def _reserve_all(self) -> None:
         assert self.segment is not None
         os.posix_fallocate(self.segment.lock_fd, 0, self.capacity)
@@ -248,8 +273,9 @@ class Arena:
     def stats(self) -> ArenaStats:
         with self._lock:
             usable, faulted, grown, huge = self._usable, self._faulted, self._grown, self._huge
+            caught_up = self._caught_up
         faulted_all = faulted >= self.capacity or not self._prefault or not self._populated
-        ready = grown and usable >= self.capacity and faulted_all
+        ready = (grown and usable >= self.capacity and faulted_all) or caught_up
         return ArenaStats(self.capacity, self.backing, faulted, ready, huge)
 
     def close(self) -> None:

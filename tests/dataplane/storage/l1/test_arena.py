@@ -289,6 +289,30 @@ def test_reserve_waits_for_growth_instead_of_evicting(shm_dir: Path) -> None:
         l1.close()
 
 
+def test_the_arena_grows_ahead_of_what_l1_holds_not_to_its_capacity(shm_dir: Path) -> None:
+    """A fresh server does not pay for pages no chunk needs yet: L1 keeps one slice ready
+    beyond what it holds here, and the arena grows as chunks fill it, up to its capacity."""
+    a = Arena(CAP, shared=True)
+    assert a.segment is not None
+    path = shm_dir / a.segment.name
+    l1 = L1Store(CAP, arena=a, grow_ahead=SLICE)
+    try:
+        a.start()
+        wait_until(lambda: a.stats().ready, 10, what="the arena ready ahead of use")
+        assert a.growth() == (SLICE, False) and allocated(path) == SLICE  # one slice ahead, no more
+        assert a.stats().faulted_bytes == SLICE
+        for i in range(SLICE // CHUNK):
+            put(l1, i)  # the ready slice fills: the next one is made ready behind the stores
+        wait_until(lambda: a.growth()[0] == 2 * SLICE and a.stats().ready, 10, what="the next slice")
+        assert a.growth() == (2 * SLICE, False) and allocated(path) == 2 * SLICE
+        for i in range(SLICE // CHUNK, 3 * SLICE // CHUNK + 1):
+            put(l1, i)  # past three slices: the last one is made ready too, and growth ends
+        wait_until(lambda: a.growth() == (CAP, True), 10, what="the whole arena")
+        assert allocated(path) == CAP and a.stats().ready and l1.stats().evictions == 0
+    finally:
+        l1.close()
+
+
 def test_reserve_gives_up_after_the_bound_then_evicts_once_grown(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
