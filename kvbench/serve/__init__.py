@@ -133,7 +133,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     chat = Chat(users=ns.users, turns=ns.turns, vocab=shape.vocab)
     if ns.tiny:
         chat = dataclasses.replace(chat, context_tokens=256, think_s=0.1)
-        docqa = dataclasses.replace(docqa, probe_tokens=200, probes=2)
+        docqa = dataclasses.replace(docqa, probe_tokens=200, probes=3)
     python = ns.vllm_python or default_python()
     blocks = -(-(docqa.doc_tokens + docqa.question_tokens) // CPU_BLOCK) + 3 if ns.tiny else None
     small_l1 = 0.001 if ns.tiny else None  # --tiny: engine cache and L1 hold about one document

@@ -21,6 +21,7 @@ fixed seed, so every configuration sees the same requests.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -97,15 +98,16 @@ class DocQA:
 
 
 def _median_probe(probes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The probes' medians (max_gap_s, steady_gap_s, hit_ttft_s, hit_cached_tokens), and each
-    probe under ``each``; the first error when one failed."""
+    """The probes' medians (max_gap_s, steady_gap_s, hit_ttft_s, hit_cached_tokens) over the
+    probes that have the figure (a probe whose stream ended before the document was answered
+    has no gap), and each probe under ``each``; the first error when one failed."""
     failed = [p["error"] for p in probes if "error" in p]
     if failed:
         return {"error": failed[0], "each": probes}
-    out: dict[str, Any] = {
-        k: float(np.median([float("nan") if p[k] is None else p[k] for p in probes]))
-        for k in ("max_gap_s", "steady_gap_s", "hit_ttft_s", "hit_cached_tokens")
-    }
+    out: dict[str, Any] = {}
+    for k in ("max_gap_s", "steady_gap_s", "hit_ttft_s", "hit_cached_tokens"):
+        got = [float(p[k]) for p in probes if p[k] is not None and not math.isnan(p[k])]
+        out[k] = float(np.median(got)) if got else float("nan")
     out["each"] = probes
     return out
 
