@@ -41,9 +41,6 @@ def failure_kind(exc: BaseException) -> str:
     return "error"
 
 
-SOCKET_READ_BYTES = 1 << 20
-
-
 def make_client(url: str, password: str | None, timeout_s: float) -> Client:
     common: dict[str, Any] = {
         "password": password,
@@ -51,9 +48,6 @@ def make_client(url: str, password: str | None, timeout_s: float) -> Client:
         "socket_connect_timeout": timeout_s,
         "retry": Retry(NoBackoff(), 0),  # one try: the bound is the timeout, not a multiple of it
         "client_name": "kvwarden",
-        # a chunk is megabytes: read it in slices this large, not redis-py's 64 KiB (each read
-        # gives the GIL up and waits for it again: under load a 4 MiB GET took 200-600 ms)
-        "socket_read_size": SOCKET_READ_BYTES,
     }
     if url.startswith(CLUSTER_SCHEME):
         user, nodes = parse_cluster_url(url)
