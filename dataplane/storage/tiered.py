@@ -255,10 +255,9 @@ class TieredStore(L1Store):
         ahead = ahead or self._ahead.get(key)
         if ahead is not None:  # a read is bringing it: wait for that, never read it twice
             ahead.wait(self.fs.io.timeout_s if self.fs is not None else self._remote_wait_s())
-        if ahead is not None or self.fs is not None:
-            got = self._pin_prefix([key], hits=False)  # (one may have brought it already)
-            if got:
-                return got[0]
+        got = self._pin_prefix([key], hits=False)  # (a read-ahead may have brought it already)
+        if got:
+            return got[0]
         if self.fs is not None and ahead is None and self._from_fs(scope, key, nbytes, tenant, wait=True):
             got = self._pin_prefix([key], hits=False)
             if got:

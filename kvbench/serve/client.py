@@ -41,7 +41,11 @@ class Stream:
 
     def gaps(self) -> list[float]:
         """The gaps between successive tokens."""
-        return [b - a for a, b in itertools.pairwise(self.times)]
+        return [g for _, _, g in self.timed_gaps()]
+
+    def timed_gaps(self) -> list[tuple[float, float, float]]:
+        """(earlier token's time, later token's time, gap) of each pair of successive tokens."""
+        return [(a, b, b - a) for a, b in itertools.pairwise(self.times)]
 
 
 def stream(

@@ -20,7 +20,6 @@ fixed seed, so every configuration sees the same requests.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
@@ -86,7 +85,7 @@ class DocQA:
             s = future.result()
         if s.error or hit.error or not decoding_now.is_set():
             return {"error": s.error or hit.error or "the probe ended before the document was sent"}
-        gaps = _timed_gaps(s)
+        gaps = s.timed_gaps()
         window = [g for a, b, g in gaps if b > hit.sent and a <= hit.times[0]]
         before = [g for a, b, g in gaps if b <= hit.sent]
         return {
@@ -110,12 +109,6 @@ def _median_probe(probes: list[dict[str, Any]]) -> dict[str, Any]:
         out[k] = float(np.median(got)) if got else float("nan")
     out["each"] = probes
     return out
-
-
-def _timed_gaps(s: Stream) -> list[tuple[float, float, float]]:
-    """(earlier token's time, later token's time, gap) of each pair of successive tokens."""
-    t = s.times
-    return [(a, b, b - a) for a, b in itertools.pairwise(t)]
 
 
 @dataclass(frozen=True)

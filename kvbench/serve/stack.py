@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.movers import start_redis
-from kvbench.procs import BenchServer, free_port, launch, stop_process, wait_http, wait_ready
+from kvbench.procs import BenchServer, bench_env, free_port, launch, stop_process, wait_http, wait_ready
 
 CPU_BLOCK = 128  # tokens a block of vLLM's CPU KV cache
 SERVED_NAME = "bench"
@@ -117,13 +117,12 @@ class Stack:
             cmd += ["--kv-transfer-config", json.dumps(connector)]
         root = str(Path(__file__).resolve().parents[2])
         env = {
-            **os.environ,
+            **bench_env(),
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gb),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus),
             "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
         }
-        env.pop("KVWARDEN_ADMIN_TOKEN", None)
         with open(self.log, "wb") as log:
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True

@@ -18,12 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import zmq
 
-from dataplane.client.channel import Channel
+from dataplane.client.channel import Channel, R
 from dataplane.client.vllm.wait import LookupFound, OwnSaves, Source, Waits
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import KVWardenError, RequestError
@@ -36,11 +36,8 @@ from dataplane.wire.messages import (
     Message,
     PrefetchScope,
 )
-from dataplane.wire.records import Reply
 
 logger = logging.getLogger(__name__)
-
-R = TypeVar("R", bound=Reply)  # the reply a request gets
 
 
 @dataclass(frozen=True)

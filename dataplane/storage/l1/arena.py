@@ -161,6 +161,7 @@ class Arena:
         # for gigabytes of pages no chunk needs yet). None: grow to the capacity
         self.needed: Callable[[int], bool] | None = None
         self._nudge = threading.Event()  # set when growth may be needed again (`nudge`)
+        self._faulting = prefault  # the fault-in has not ended (a hint, read without a lock)
         self._caught_up = False  # the thread waits until more is needed (under _lock)
         if not prefault and shared:
             self._reserve_all()
@@ -199,8 +200,10 @@ class Arena:
         self._nudge.set()
 
     def nudge(self) -> None:
-        """More of the arena may be needed now: a fault-in waiting for that looks again."""
-        self._nudge.set()
+        """More of the arena may be needed now: a fault-in waiting for that looks again (once it
+        has ended, nothing is done: a reserve calls this for every chunk)."""
+        if self._faulting:
+            self._nudge.set()
 
     def join(self, timeout_s: float = 10.0) -> bool:
         if self._thread is None:
@@ -212,6 +215,7 @@ class Arena:
         try:
             self._fault_in()
         finally:
+            self._faulting = False
             huge = _huge_page_bytes() if self.segment is None else 0  # shmem here gets none
             with self._grew:
                 self._grown = True
