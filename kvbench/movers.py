@@ -201,9 +201,9 @@ class _ZmqSink:
             self.sock.send_multipart([ident, b"ok"])
 
 
-def start_redis() -> tuple[subprocess.Popen[bytes], Any] | None:
+def start_redis(own_session: bool = False) -> tuple[subprocess.Popen[bytes], Any] | None:
     """A throwaway ``redis-server`` on a free port (no persistence) and a client; None when
-    ``redis-server`` is not installed."""
+    ``redis-server`` is not installed. ``own_session``: as `kvbench.procs.launch`'s."""
     exe = shutil.which("redis-server")
     if exe is None:
         return None
@@ -212,7 +212,10 @@ def start_redis() -> tuple[subprocess.Popen[bytes], Any] | None:
     port = free_port()
     args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen(
-        [exe, *args, "--proto-max-bulk-len", "2gb"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [exe, *args, "--proto-max-bulk-len", "2gb"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=own_session,
     )
     r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
     deadline = time.monotonic() + 10

@@ -91,14 +91,18 @@ class BenchServer:
         stop_process(self.proc)
 
 
-def launch(*args: str, env: dict[str, str] | None = None) -> BenchServer:
+def launch(*args: str, env: dict[str, str] | None = None, own_session: bool = False) -> BenchServer:
     """Start ``kvwarden serve`` with ``args`` on free ports (not waiting for it). Its standard
     output (the "serving on" line) is dropped, so a benchmark's own output stays clean; its
-    warnings and errors still reach standard error."""
+    warnings and errors still reach standard error. ``own_session``: in a session of its own,
+    so the kernel's autogroup scheduler shares the CPU between it and the benchmark's
+    client as between two services (`kvbench.serve.stack`)."""
     port, http_port = free_port(), free_port()
     cmd = serve_command("--port", str(port), "--http-port", str(http_port), "--log-level", "warning", *args)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=bench_env() if env is None else env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, env=bench_env() if env is None else env, stdout=subprocess.DEVNULL, start_new_session=own_session
+    )
     return BenchServer(proc, f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", t0)
 
 

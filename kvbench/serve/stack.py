@@ -6,6 +6,13 @@ named ``vllm``), started fresh for each protocol, with its own prefix cache on a
 ``kv_gb`` GiB of KV space, and for kvwarden's rows a ``kvwarden serve`` started just before it
 with default settings but for its tier sizes (and a throwaway ``redis-server`` or a file-tier
 directory). `Stack` starts them, waits for them with deadlines, and stops them all.
+
+Each of those processes runs in a session of its own, apart from the benchmark's client, as
+separate services would. Linux's autogroup scheduler (on by default) shares the CPU between
+sessions first: with kvwarden and Redis in the client's session, a Redis load on a 2-core host
+that vLLM keeps busy left that one share to three processes; the load took about a second
+instead of 0.2-0.3 s, and the client read a decoding stream's tokens (made every 9 ms) in one
+burst 0.6-0.9 s late, a stall of the measurement and not of vLLM.
 """
 
 from __future__ import annotations
@@ -142,7 +149,7 @@ class Stack:
             if c.tier and self.small_l1_gb is not None:
                 flags += ["--l1-size-gb", str(self.small_l1_gb)]  # (the last one given wins)
             if c.tier == "redis":
-                pair = start_redis()
+                pair = start_redis(own_session=True)
                 if pair is None:
                     raise RuntimeError("redis-server is not installed (make tools)")
                 proc, raw = pair
@@ -156,7 +163,7 @@ class Stack:
             elif c.tier == "fs":
                 d = tempfile.mkdtemp(prefix="kvwarden-bench-fs-", dir=self.work)
                 flags += ["--fs-path", d, "--fs-size-gb", "8"]
-            server = launch(*flags, *self.kvwarden_flags)
+            server = launch(*flags, *self.kvwarden_flags, own_session=True)
             self._stack.callback(server.stop)
             wait_http(server)
             self.kvwarden = server
