@@ -9,7 +9,8 @@
   its KV is then in a slower tier); the stream's longest gap between two tokens from that
   moment until the document's first token (and one gap after) is what a user already reading
   an answer sees while another request loads. The probes' median is reported: one probe is one
-  sample of a noisy machine.
+  sample of a noisy machine. A probe that measured no gap (its stream reached the client all at
+  once, before the document was answered) is made again with a document not yet probed.
 - **Multi-round chat**: ``users`` users at once, each with its own context after a shared system
   prompt; every turn resends the conversation so far (the previous answers included) with a new
   question, after a think time (exponential, seeded: the same in every configuration).
@@ -32,6 +33,7 @@ import numpy as np
 from kvbench.serve.client import Stream, stream
 
 PROBE_LEAD = 8  # tokens the probe has decoded before the document is sent
+PROBE_TRIES = 3  # a probe that measured no gap is made again, this many times in all
 FIRST_WORD = 3  # ids 0-2 are the tokenizer's special tokens
 
 
@@ -66,8 +68,21 @@ class DocQA:
         warm = _round(url, model, prompts, self.output_tokens, self.inflight)
         order = [prompts[i] for _ in range(self.repeat) for i in range(self.docs)]
         query = _round(url, model, order, self.output_tokens, self.inflight)
-        probes = [self._probe(url, model, prompts[i % len(prompts)], i) for i in range(self.probes)]
+        probes = [self._probe_until_measured(url, model, prompts, i) for i in range(self.probes)]
         return {"warmup": warm, "query": query, "probe": _median_probe(probes)}
+
+    def _probe_until_measured(self, url: str, model: str, prompts: list[str], i: int) -> dict[str, Any]:
+        """Probe ``i`` (document i), made again with the next documents not yet probed (at most
+        `PROBE_TRIES` times in all) while it measured no gap: the stream's tokens all reached
+        the client before the document was sent or answered (a client that got no CPU for a
+        while reads them in one burst). ``tries`` says how many it took."""
+        for attempt in range(PROBE_TRIES):
+            doc = prompts[(i + attempt * self.probes) % len(prompts)]
+            got = self._probe(url, model, doc, i)
+            got["tries"] = attempt + 1
+            if "error" in got or not math.isnan(got["max_gap_s"]):
+                break
+        return got
 
     def _probe(self, url: str, model: str, doc: str, i: int) -> dict[str, Any]:
         rng = np.random.default_rng(self.seed + 1 + i)
