@@ -62,7 +62,7 @@ from dataplane.client.vllm.state import (
     Uncached,
 )
 from dataplane.client.vllm.wait import OwnSaves, Waits
-from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load, spare_cores
+from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load
 from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.messages import KVFormat
 
@@ -245,12 +245,9 @@ class KVWardenConnector(KVConnectorBase_V1):
             raise ValueError(f"kvwarden: registration refused: {registrar.error}") from registrar.error
         self._adapter, self._registrar = adapter, registrar
         self._copier = BlockCopier(caches, 0 if kv_format == KVFormat.VLLM_CPU else 1)
-        # on vLLM's CPU build the stores and background loads copy on the cores it reserves,
-        # not on the core its forward pass is bound to
-        cores = spare_cores() if caches[0].device.type == "cpu" else None
-        self._saver = Saver(adapter, cores)
+        self._saver = Saver(adapter)
         self._saver.start()
-        self._loader = Loader(adapter, self._block_size, self._copier, cores)
+        self._loader = Loader(adapter, self._block_size, self._copier)
         self._loader.start()
 
     def _layout(self, caches: list[torch.Tensor]) -> tuple[str, KVFormat]:

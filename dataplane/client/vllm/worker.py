@@ -6,7 +6,6 @@ made on the step or, for vLLM's asynchronous loads, on a thread of their own.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -101,40 +100,15 @@ class Registrar:
             return
 
 
-def spare_cores() -> set[int] | None:
-    """The cores this process may use that the calling thread is not bound to: on vLLM's CPU
-    build, where the worker binds its compute (OpenMP) threads to cores of their own, the cores
-    it leaves to other work (``VLLM_CPU_NUM_OF_RESERVED_CPU``; vLLM reserves them for KV
-    transfers too). None where the thread is bound to nothing less than every core (a GPU
-    worker), or the platform has no affinity calls."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    spare = set(range(os.cpu_count() or 0)) - os.sched_getaffinity(0)
-    return spare or None  # (a cpuset narrows what `_move_to` sets to the cores it allows)
-
-
-def _move_to(cores: set[int] | None) -> None:
-    """Run the calling thread on ``cores`` (None: where it is); a refusal (a cpuset without
-    them) leaves it where it is."""
-    if cores:
-        try:
-            os.sched_setaffinity(0, cores)
-        except OSError as exc:
-            logger.debug("kvwarden: thread stays on its cores (%s)", exc)
-
-
 class _JobThread(Generic[J, D]):
     """A queue of jobs run one after another on a thread of its own (``name``), and what each
     job left to report, handed over by ``take_done``. ``stop`` ends the thread (how it treats
-    jobs still queued is the subclass's ``_run``); ``join`` waits for it. ``cores``: where the
-    thread runs (`spare_cores`: a copy there leaves the engine's compute cores to the forward
-    pass); None, where it was started. ``_cond`` guards ``_queue``, ``_done`` and
-    ``_stopped``, and whatever the subclass says it does too."""
+    jobs still queued is the subclass's ``_run``); ``join`` waits for it. ``_cond`` guards
+    ``_queue``, ``_done`` and ``_stopped``, and whatever the subclass says it does too."""
 
     name: ClassVar[str]
 
-    def __init__(self, cores: set[int] | None = None) -> None:
-        self.cores = cores
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._queue: deque[J] = deque()
         self._done: list[D] = []  # reports of jobs over, not yet taken
@@ -142,12 +116,8 @@ class _JobThread(Generic[J, D]):
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
-
-    def _main(self) -> None:
-        _move_to(self.cores)
-        self._run()
 
     def take_done(self) -> list[D]:
         """What the jobs over since the last call reported."""
@@ -180,8 +150,8 @@ class Saver(_JobThread[Save, int]):
 
     name = "kvwarden-vllm-saver"
 
-    def __init__(self, adapter: WorkerAdapter, cores: set[int] | None = None) -> None:
-        super().__init__(cores)
+    def __init__(self, adapter: WorkerAdapter) -> None:
+        super().__init__()
         self.adapter = adapter
         self._pending: dict[str, int] = {}  # req id -> saves queued or running
         self._asked: set[str] = set()  # finished requests whose saves were planned
@@ -252,14 +222,8 @@ class Loader(_JobThread[Load, tuple[str, set[int]]]):
 
     name = "kvwarden-vllm-loader"
 
-    def __init__(
-        self,
-        adapter: WorkerAdapter,
-        block_size: int,
-        copy: BlockCopier | None = None,
-        cores: set[int] | None = None,
-    ) -> None:
-        super().__init__(cores)
+    def __init__(self, adapter: WorkerAdapter, block_size: int, copy: BlockCopier | None = None) -> None:
+        super().__init__()
         self.adapter = adapter
         self.block_size = block_size
         self.copy = copy

@@ -6,8 +6,6 @@ the blocks they could not fill, and the connector's settings."""
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from dataplane.client.vllm.state import (
     ScopeLookup,
 )
 from dataplane.client.vllm.wait import LookupFound
-from dataplane.client.vllm.worker import Loader, Registrar, Saver, load, spare_cores
+from dataplane.client.vllm.worker import Loader, Registrar, Saver, load
 from dataplane.memory.blockkv import BlockKV
 from dataplane.wire.errors import InvalidLayout
 from dataplane.wire.messages import KeyContext, KVFormat
@@ -414,42 +412,6 @@ def test_saver_stores_off_the_step_and_frees_only_what_it_was_asked_to(server: S
         finally:
             saver.stop()
             assert saver.join()
-
-
-def test_saver_copies_on_the_cores_the_engine_left_spare(server: ServerProcess) -> None:
-    """On vLLM's CPU build the worker's thread is bound to its compute core: a saver started
-    from there runs on the other cores (the store still lands), and on none when no core is
-    spare."""
-    assert (os.cpu_count() or 1) >= 2  # (this machine and CI have two cores)
-    seen: dict[str, Any] = {}
-
-    def engine_thread() -> None:  # bound as vLLM binds its OpenMP thread
-        os.sched_setaffinity(0, {0})
-        seen["spare"] = spare_cores()
-        with worker(server) as w:
-            w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
-            saver = Saver(w, seen["spare"])
-            saver.start()
-            try:
-                assert saver._thread is not None
-                tid = saver._thread.native_id
-                assert tid is not None
-                wait_until(lambda: os.sched_getaffinity(tid) == seen["spare"], 10, what="the saver moved")
-                saver.submit([Save("a", np.arange(CS), np.arange(2))])
-                assert saver.drain(30.0)
-                seen["stored"] = w.lookup(np.arange(CS))
-            finally:
-                saver.stop()
-                assert saver.join()
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-        seen["none"] = spare_cores()  # bound to every core: nothing is spare
-
-    t = threading.Thread(target=engine_thread)
-    t.start()
-    t.join(60)
-    assert seen["spare"] == set(range(os.cpu_count() or 1)) - {0}
-    assert seen["stored"] == CS
-    assert seen["none"] is None
 
 
 def test_a_load_that_comes_back_short_names_the_blocks_to_recompute(server: ServerProcess) -> None:
