@@ -38,7 +38,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from dataplane.storage.fs import FileTier
@@ -281,17 +280,23 @@ class TieredStore(L1Store):
             self._ahead.update(mine)
         shape = None if nbytes is None else (nbytes,)
         for k, ev in mine.items():
-            landed = functools.partial(self._landed, k, ev, tenant)
-            if not remote.get_later(k, _DTYPE, shape, landed):
+            held, alloc, give_back = self._staging(tenant)
+            landed = functools.partial(self._landed, k, ev, held)
+            if not remote.get_later(k, _DTYPE, shape, landed, alloc, give_back):
                 self._ahead_done(k, ev)
 
-    def _landed(self, key: bytes, ev: threading.Event, tenant: bytes, payload: memoryview | None) -> None:
-        """A read-ahead from the remote tier is over: its chunk (if any) goes into L1."""
+    def _landed(
+        self, key: bytes, ev: threading.Event, held: list[torch.Tensor], payload: memoryview | None
+    ) -> None:
+        """A read-ahead from the remote tier is over: its chunk (if any), read into the L1
+        buffer ``held`` has, is committed (a copy already there stays; ours goes back)."""
         try:
-            if payload is not None and not super().prefix_hits([key]) and self._into_l1(key, payload, tenant):
+            if payload is not None and held and super().commit(key, held.pop()):
                 self.promoted += 1
                 self.remote_read_ahead += 1
         finally:
+            while held:  # (a read that failed after its buffer was given)
+                self.abort(held.pop())
             self._ahead_done(key, ev)
 
     def _ahead_done(self, key: bytes, ev: threading.Event) -> None:
@@ -318,8 +323,8 @@ class TieredStore(L1Store):
     def _staging(
         self, tenant: bytes
     ) -> tuple[list[torch.Tensor], Callable[[int], memoryview | None], Callable[[memoryview], None]]:
-        """L1 buffers for a file read to land in: those reserved (``held``), how to reserve one
-        for ``tenant`` (None: no room), how to give one back."""
+        """L1 buffers for a lower tier's read to land in: those reserved (``held``), how to
+        reserve one for ``tenant`` (None: no room), how to give one back."""
         held: list[torch.Tensor] = []
 
         def alloc(n: int) -> memoryview | None:
@@ -379,32 +384,22 @@ class TieredStore(L1Store):
         return n
 
     def _promote(self, key: bytes, nbytes: int | None, tenant: bytes) -> torch.Tensor | None:
-        """The chunk of ``key`` from the remote tier, copied into L1 and pinned; None: not there
+        """The chunk of ``key`` from the remote tier, read into L1 and pinned; None: not there
         (or damaged, or of another size, or L1 has no room)."""
         assert self.remote is not None
-        payload = self.remote.get(key, _DTYPE, None if nbytes is None else (nbytes,))
-        if payload is None:
-            return None
-        if not self._into_l1(key, payload, tenant):
-            return None
+        held, alloc, give_back = self._staging(tenant)
+        try:
+            payload = self.remote.get(key, _DTYPE, None if nbytes is None else (nbytes,), alloc, give_back)
+            if payload is None or not held:
+                return None
+            super().commit(key, held.pop())  # not commit(): it came from the remote tier
+        finally:
+            while held:
+                self.abort(held.pop())
         got = self._pin_prefix([key], hits=False)  # pinned (whichever copy won a race)
         if got:
             self.promoted += 1
         return got[0] if got else None
-
-    def _into_l1(self, key: bytes, payload: memoryview, tenant: bytes) -> bool:
-        """A chunk read from the remote tier, copied into L1 (committed, not pinned, never
-        written back down); False when L1 has no room for it."""
-        buf = self.reserve(payload.nbytes, tenant)
-        if buf is None:
-            return False
-        try:
-            buf.numpy()[:] = np.frombuffer(payload, np.uint8)
-        except BaseException:
-            self.abort(buf)
-            raise
-        super().commit(key, buf)  # not commit(): it came from the remote tier
-        return True
 
     # ---------------------------------------------------------------- writes
     def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"") -> bool:

@@ -1,7 +1,9 @@
 """The remote tier: chunks in a Redis (or Valkey, or Redis Cluster) that many servers share.
 
-Door: `RemoteBackend` and its snapshot `RemoteStats` (`backend`), `RemoteAuthError`. Inside:
-`redis_client` (clients made with one try per call, URLs redacted, failures sorted by kind).
+Door: `RemoteBackend` (`backend`), its snapshot `RemoteStats` (`stats`), `RemoteAuthError`.
+Inside: `redis_client` (clients made with one try per call, URLs redacted, failures sorted by
+kind), `direct` (GETs received straight into the buffer a chunk lands in), `read_ahead` (the
+reader thread of queued GETs).
 
 It may import `dataplane.events` and, of storage, only `codec` and `lower`: never the wire, L1
 or the file tier (import-linter keeps it so).
@@ -9,6 +11,7 @@ or the file tier (import-linter keeps it so).
 
 from __future__ import annotations
 
-from dataplane.storage.remote.backend import RemoteAuthError, RemoteBackend, RemoteStats
+from dataplane.storage.remote.backend import RemoteAuthError, RemoteBackend
+from dataplane.storage.remote.stats import RemoteStats
 
 __all__ = ["RemoteAuthError", "RemoteBackend", "RemoteStats"]

@@ -7,8 +7,11 @@ same model find each other's chunks.
 
 - **Reads** (`get`, `count_prefix`) run on the caller's thread, each bounded by
   ``timeout_s`` (the socket timeout of every send and receive; no retries). A value that fails a
-  check of `codec` is a miss, counted by kind, and never returned. `get_later` queues a read (a
-  LOOKUP's read-ahead) for the thread ``kvwarden-remote-reader``, which answers a callback.
+  check of `codec` is a miss, counted by kind, and never returned. On `redis://` and `unix://`
+  URLs they go through `direct.DirectGets`, which receives the payload straight into the
+  buffer it lands in (an L1 buffer: ``get``'s ``alloc``); elsewhere through redis-py.
+  `get_later` queues a read (a LOOKUP's read-ahead) for the thread ``kvwarden-remote-reader``,
+  which answers a callback.
 - **Writes** go through a write-behind queue bounded in bytes, drained by the thread
   ``kvwarden-remote-writer`` (start/stop/join). `put` never waits on Redis: when the queue is
   full or the backend is bypassed, the write is dropped and counted. Each write is one
@@ -34,8 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import redis
 
@@ -43,51 +45,21 @@ from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_EXTERNAL
 from dataplane.storage.codec import RemoteValueError, check_layout, decode, encode_header
 from dataplane.storage.lower import (
-    DROP_REASONS,
     DURATION_BUCKETS,
     OK,
-    OPS,
     OTHER_ERROR,
     TIMEOUT,
     SpaceState,
     WriteSpace,
 )
+from dataplane.storage.remote.direct import NO_ROOM, DirectGets
+from dataplane.storage.remote.read_ahead import Alloc, GiveBack, LaterRead, ReadAhead, Then
 from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, ping_all, redact, room
-
-FAILURE_KINDS = ("timeout", "connection", "auth", "no_space", "error")
-READ_AHEAD_MAX = 256  # reads queued for the reader thread; more are refused (read when wanted)
+from dataplane.storage.remote.stats import RemoteStats
 
 
 class RemoteAuthError(RuntimeError):
     """Redis refused the credentials: retrying cannot help."""
-
-
-@dataclass
-class RemoteStats:
-    """Counters of one backend (a snapshot is a copy)."""
-
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    puts: int = 0
-    bytes_written: int = 0
-    get_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
-    put_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
-    bad_values: dict[str, int] = field(default_factory=dict)  # codec kinds
-    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
-    queue_depth: int = 0
-    queue_bytes: int = 0
-    ping_latency_s: float = 0.0
-    ping_code: int = OK
-    ping_successes: int = 0
-    ping_errors: int = 0
-    # op -> counts per bucket of DURATION_BUCKETS (+Inf last), and the sum of the durations
-    durations: dict[str, list[int]] = field(
-        default_factory=lambda: {op: [0] * (len(DURATION_BUCKETS) + 1) for op in OPS}
-    )
-    duration_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
-    space: SpaceState = field(default_factory=lambda: SpaceState(False, "", 0.0, 0, 0))
 
 
 @dataclass
@@ -123,6 +95,7 @@ class RemoteBackend:
         self.prefix = prefix
         self.queue_limit = queue_bytes
         self._client = Lazy(lambda: make_client(url, password, timeout_s))
+        self._direct = DirectGets.for_url(url, password, timeout_s)  # reads straight into L1
         # PING and the probe go through a client of their own: bounded by the health timeout,
         # and never queued behind the data path's connections
         self._health = Lazy(lambda: make_client(url, password, health_timeout_s or timeout_s))
@@ -140,9 +113,7 @@ class RemoteBackend:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._reads_cond = threading.Condition()  # leaf: guards _reads
-        self._reads: collections.deque[_LaterRead] = collections.deque()
-        self._reader: threading.Thread | None = None
+        self._ahead = ReadAhead(self.get)
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -150,31 +121,26 @@ class RemoteBackend:
             raise RuntimeError("RemoteBackend already started")
         self._thread = threading.Thread(target=self._drain, name="kvwarden-remote-writer", daemon=True)
         self._thread.start()
-        self._reader = threading.Thread(target=self._read_queued, name="kvwarden-remote-reader", daemon=True)
-        self._reader.start()
+        self._ahead.start()
 
     def stop(self) -> None:
         """Stop the writer and the reader: queued writes are dropped (counted), reads answered None."""
         self._stop.set()
         self._wake.set()
-        with self._reads_cond:
-            self._reads_cond.notify_all()
+        self._ahead.stop()
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._reader is not None:
-            self._reader.join(timeout)
+        self._ahead.join(timeout)
         for w in self._take_all():
             self._count_drop("stopped")
             _release(w)
-        with self._reads_cond:
-            left, self._reads = list(self._reads), collections.deque()
-        for r in left:
-            r.then(None)
 
     def close(self) -> None:
         self._client.close()
+        if self._direct is not None:
+            self._direct.close()
         self._health.close()
 
     def is_alive(self) -> bool:
@@ -184,13 +150,25 @@ class RemoteBackend:
     def redis_key(self, key: bytes) -> str:
         return self.prefix + key.hex()
 
-    def get(self, key: bytes, dtype: str, shape: Sequence[int] | None) -> memoryview | None:
+    def get(
+        self,
+        key: bytes,
+        dtype: str,
+        shape: Sequence[int] | None,
+        alloc: Alloc | None = None,
+        give_back: GiveBack | None = None,
+    ) -> memoryview | None:
         """The payload stored under ``key`` (checked: right key, layout and hash), or None: a
-        miss, a bad value (counted by kind) or a failure (counted; bounded by timeout_s)."""
+        miss, a bad value (counted by kind) or a failure (counted; bounded by timeout_s).
+        ``alloc``: where the payload goes, asked once its size is known (None: no room, the
+        read is a miss); the view returned is then the one it gave, and a buffer it gave for a
+        value that failed a check goes to ``give_back``."""
         if self.bypassed:
             return None
         t0 = time.perf_counter()
         try:
+            if self._direct is not None:
+                return self._get_direct(key, dtype, shape, alloc, give_back)
             value = self._client().get(self.redis_key(key))
         except redis.RedisError as exc:
             self._count_get_failure(failure_kind(exc))
@@ -205,37 +183,68 @@ class RemoteBackend:
         try:
             _, _, payload = decode(key, value, dtype, shape)  # type: ignore[arg-type]  # (bytes)
         except RemoteValueError as exc:
-            with self._lock:
-                self._stats.misses += 1
-                self._stats.bad_values[exc.kind] = self._stats.bad_values.get(exc.kind, 0) + 1
+            self._count_bad(exc)
             return None
-        with self._lock:
-            self._stats.hits += 1
-            self._stats.bytes_read += payload.nbytes
+        if alloc is not None:
+            dst = alloc(payload.nbytes)
+            if dst is None:
+                return None  # (read and sound: a hit of Redis's, with no room here)
+            dst[:] = payload
+            payload = dst
+        self._count_hit(payload.nbytes)
         return payload
 
-    def get_later(self, key: bytes, dtype: str, shape: Sequence[int] | None, then: _Then) -> bool:
-        """Queue `get` of ``key`` for the reader thread, which calls ``then`` with its answer.
-        False (``then`` never called): stopped, bypassed, or `READ_AHEAD_MAX` reads waiting."""
-        with self._reads_cond:
-            if self.bypassed or self._stop.is_set() or len(self._reads) >= READ_AHEAD_MAX:
-                return False
-            self._reads.append(_LaterRead(key, dtype, None if shape is None else tuple(shape), then))
-            self._reads_cond.notify()
-        return True
+    def _get_direct(
+        self,
+        key: bytes,
+        dtype: str,
+        shape: Sequence[int] | None,
+        alloc: Alloc | None,
+        give_back: GiveBack | None,
+    ) -> memoryview | None:
+        """`get` through the direct reader (`DirectGets.read`)."""
+        assert self._direct is not None
+        try:
+            got = self._direct.read(key, self.redis_key(key), dtype, shape, alloc, give_back)
+        except RemoteValueError as exc:
+            self._count_bad(exc, read=True)
+            return None
+        with self._lock:
+            self._stats.gets += 1
+            if got is None or got is NO_ROOM:
+                self._stats.misses += int(got is None)
+                return None
+        self._count_hit(got.nbytes)
+        return got
 
-    def _read_queued(self) -> None:
-        while True:
-            with self._reads_cond:
-                self._reads_cond.wait_for(lambda: self._reads or self._stop.is_set())
-                if self._stop.is_set():
-                    return  # (join answers what is left)
-                r = self._reads.popleft()
-            try:
-                payload = self.get(r.key, r.dtype, r.shape)
-            except Exception:  # the reader never dies of one read (get counts Redis's failures)
-                payload = None
-            r.then(payload)
+    def _count_bad(self, exc: RemoteValueError, read: bool = False) -> None:
+        with self._lock:
+            self._stats.gets += int(read)
+            self._stats.misses += 1
+            self._stats.bad_values[exc.kind] = self._stats.bad_values.get(exc.kind, 0) + 1
+
+    def _count_hit(self, nbytes: int) -> None:
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.bytes_read += nbytes
+
+    def get_later(
+        self,
+        key: bytes,
+        dtype: str,
+        shape: Sequence[int] | None,
+        then: Then,
+        alloc: Alloc | None = None,
+        give_back: GiveBack | None = None,
+    ) -> bool:
+        """Queue `get` of ``key`` (into ``alloc``'s buffer, as `get`) for the reader thread
+        (`read_ahead`), which calls ``then`` with its answer. False (``then`` never called):
+        stopped, bypassed, or `READ_AHEAD_MAX` reads waiting."""
+        if self.bypassed or self._stop.is_set():
+            return False
+        return self._ahead.add(
+            LaterRead(key, dtype, None if shape is None else tuple(shape), then, alloc, give_back)
+        )
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are held (one pipelined round trip; 0 on a
@@ -483,16 +492,6 @@ class RemoteBackend:
             self._stats.drops[reason] += 1
         if reason == "no_space":
             self.space.dropped()
-
-
-_Then = Callable[[memoryview | None], None]  # what a queued read hands its answer to
-
-
-class _LaterRead(NamedTuple):
-    key: bytes
-    dtype: str
-    shape: tuple[int, ...] | None
-    then: _Then
 
 
 def _release(w: _RedisWrite) -> None:

@@ -1,0 +1,291 @@
+"""GETs that land a chunk where it is going: a small RESP2 reader for the remote tier's reads.
+
+redis-py reads a reply in 64 KiB pieces, copies them into its parser, and hands back a new
+`bytes`, which the caller copies again into L1: three copies of every chunk and a hundred trips
+through the interpreter for a 4 MiB value. Here the value's header is read first and checked,
+then the payload is received straight into the buffer the caller gives for it (an L1 buffer),
+in as few ``recv_into`` calls as the socket allows, each without the GIL. On loopback, 23
+values of 4 MiB took 19 ms of the reading process's CPU against 55-84 ms through redis-py and
+a copy (BENCHMARKS.md).
+
+Only GET is spoken, over connections of its own (plain TCP or a Unix socket, `redis://` and
+`unix://` URLs, with AUTH, SELECT and CLIENT SETNAME as redis-py would send them); writes,
+PING, the cluster client and TLS stay with redis-py (`DirectGets.for_url` answers None for
+those, and the backend reads through redis-py). Failures raise redis-py's exceptions
+(`redis.ConnectionError`, `redis.TimeoutError`, `redis.ResponseError` and its kinds), so the
+backend counts them as it counts redis-py's; a connection that failed, or that a read left
+mid-value, is closed, never reused. ``_lock`` guards ``_idle`` (a leaf lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+from redis import exceptions as rexc
+from redis.connection import parse_url
+
+from dataplane.storage.codec import (
+    MAX_HEADER,
+    Header,
+    RemoteValueError,
+    check_digest,
+    check_expected,
+    check_header,
+    check_key,
+    value_hasher,
+)
+
+_LINE_READ = 4096  # what a read for a reply's first line takes from the socket at most
+MAX_IDLE = 8  # connections kept open between reads
+NO_ROOM = memoryview(b"")  # `DirectGets.read`: the value was there, the caller had no room for it
+
+
+class NoRoom(Exception):
+    """The buffer for a value could not be had (L1 full of pinned chunks)."""
+
+
+class _Conn:
+    """One connection: a socket and the bytes received past what was asked for."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def send(self, *args: bytes) -> None:
+        out = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+        self.sock.sendall(out)
+
+    def line(self) -> bytes:
+        """The next line of the reply (without CRLF)."""
+        while True:
+            at = self.buf.find(b"\r\n")
+            if at >= 0:
+                out = bytes(self.buf[:at])
+                del self.buf[: at + 2]
+                return out
+            got = self.sock.recv(_LINE_READ)
+            if not got:
+                raise redis.ConnectionError("Redis closed the connection")
+            self.buf += got
+
+    def read_into(self, dst: memoryview) -> None:
+        """Fill ``dst`` with the reply's next bytes."""
+        n = min(len(self.buf), dst.nbytes)
+        if n:
+            dst[:n] = self.buf[:n]
+            del self.buf[:n]
+        while n < dst.nbytes:
+            got = self.sock.recv_into(dst[n:], dst.nbytes - n)
+            if not got:
+                raise redis.ConnectionError("Redis closed the connection")
+            n += got
+
+    def simple(self) -> bytes:
+        """A status reply's text; an error reply raises."""
+        line = self.line()
+        if line[:1] == b"-":
+            raise _error(line[1:].decode(errors="replace"))
+        if line[:1] != b"+":
+            raise redis.ResponseError(f"unexpected reply {line[:40]!r}")
+        return line[1:]
+
+    def bulk_length(self) -> int:
+        """The length of a bulk reply (-1: nil); an error reply raises."""
+        line = self.line()
+        if line[:1] == b"-":
+            raise _error(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise redis.ResponseError(f"unexpected reply {line[:40]!r}")
+        try:
+            return int(line[1:])
+        except ValueError:
+            raise redis.ResponseError(f"bad bulk length {line[:40]!r}") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _error(text: str) -> redis.RedisError:
+    """redis-py's exception for an error reply (its kinds by prefix, as its parser maps them)."""
+    if text.startswith(("NOAUTH", "WRONGPASS", "ERR invalid password", "ERR AUTH")):
+        return rexc.AuthenticationError(text)
+    if text.startswith("NOPERM"):
+        return rexc.NoPermissionError(text)
+    if text.startswith("OOM"):
+        return rexc.OutOfMemoryError(text)
+    return redis.ResponseError(text)
+
+
+class DirectGets:
+    """GET into a caller's buffer, over a few connections of its own (any thread)."""
+
+    def __init__(self, params: dict[str, Any], timeout_s: float) -> None:
+        self._params = params
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # leaf: guards _idle
+        self._idle: list[_Conn] = []
+
+    @classmethod
+    def for_url(cls, url: str, password: str | None, timeout_s: float) -> DirectGets | None:
+        """The reader for ``url``; None where redis-py must read (a cluster, TLS, a URL it does
+        not parse plainly)."""
+        if not url.startswith(("redis://", "unix://")):
+            return None
+        try:
+            params: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError:
+            return None
+        if params.get("connection_class") not in (None, redis.UnixDomainSocketConnection):
+            return None
+        if password is not None:
+            params["password"] = password
+        return cls(params, timeout_s)
+
+    def read(
+        self,
+        key: bytes,
+        name: str,
+        dtype: str,
+        shape: Sequence[int] | None,
+        alloc: Callable[[int], memoryview | None] | None,
+        give_back: Callable[[memoryview], None] | None,
+    ) -> memoryview | None:
+        """The payload of chunk ``key`` (stored as ``name``), checked as `codec.decode` checks a
+        value (a damaged value is "checksum" whatever it claims, then the key, then the layout:
+        `RemoteValueError`), received into ``alloc``'s buffer (a new one without ``alloc``, and
+        for a value of another layout); None: Redis holds nothing under ``name``; `NO_ROOM`:
+        ``alloc`` had none. A buffer ``alloc`` gave for a read that failed goes to
+        ``give_back``; Redis's failures raise redis-py's exceptions."""
+        given: list[memoryview] = []
+        want = None if shape is None else tuple(shape)
+
+        def into(h: Header) -> memoryview | None:
+            if alloc is None or h.dtype != dtype or want not in (None, h.shape):
+                return memoryview(bytearray(h.nbytes))
+            dst = alloc(h.nbytes)
+            if dst is not None:
+                given.append(dst)
+            return dst
+
+        try:
+            got = self.get_into(name, into, lambda head, total: check_header(None, head, total))
+            if got is not None:
+                check_key(key, got[0])
+                check_expected(got[0], dtype, shape)
+        except NoRoom:
+            return NO_ROOM
+        except BaseException:
+            if given and give_back is not None:
+                give_back(given[0])
+            raise
+        return None if got is None else got[1]
+
+    def get_into(
+        self,
+        name: str,
+        alloc: Callable[[Header], memoryview | None],
+        header_of: Callable[[bytes, int], Header],
+    ) -> tuple[Header, memoryview] | None:
+        """GET ``name``: None when Redis holds nothing under it; else the value's header (checked
+        by ``header_of(first bytes, total)``, which raises `RemoteValueError`) and the payload,
+        received into ``alloc(header)`` and hash-checked. ``alloc`` answering None (no room)
+        raises `NoRoom`. A value that fails a check raises `RemoteValueError` after its buffer
+        was handed out (the caller gives it back)."""
+        conn = self._take()
+        reusable = False
+        try:
+            conn.send(b"GET", name.encode())
+            total = conn.bulk_length()
+            if total < 0:
+                reusable = True
+                return None
+            first = bytearray(min(total, MAX_HEADER))
+            conn.read_into(memoryview(first))
+            head = bytes(first)
+            h = header_of(head, total)
+            dst = alloc(h)
+            if dst is None:
+                raise NoRoom(f"no room in L1 for {h.nbytes} bytes")
+            early = memoryview(head)[h.start :]
+            dst[: early.nbytes] = early
+            conn.read_into(dst[early.nbytes :])
+            if conn.line() != b"":
+                raise redis.ResponseError("a bulk reply without its CRLF")
+            reusable = True
+            hasher = value_hasher(head, h)
+            hasher.update(dst)
+            check_digest(head, h, hasher.intdigest())
+            return h, dst
+        except TimeoutError:
+            raise redis.TimeoutError("Timeout reading from Redis") from None
+        except (redis.RedisError, RemoteValueError, NoRoom):
+            raise
+        except OSError as exc:
+            raise redis.ConnectionError(f"error reading from Redis: {exc}") from None
+        finally:
+            self._put(conn, reusable)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    def _take(self) -> _Conn:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _put(self, conn: _Conn, reusable: bool) -> None:
+        if reusable and not conn.buf:
+            with self._lock:
+                if len(self._idle) < MAX_IDLE:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
+    def _connect(self) -> _Conn:
+        p = self._params
+        try:
+            if p.get("path"):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout_s)
+                sock.connect(p["path"])
+            else:
+                sock = socket.create_connection(
+                    (p.get("host", "localhost"), int(p.get("port", 6379))), self.timeout_s
+                )
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except TimeoutError:
+            raise redis.TimeoutError("Timeout connecting to Redis") from None
+        except OSError as exc:
+            raise redis.ConnectionError(f"error connecting to Redis: {exc}") from None
+        conn = _Conn(sock)
+        try:
+            if p.get("password") is not None:
+                user = p.get("username")
+                creds = [user.encode(), p["password"].encode()] if user else [p["password"].encode()]
+                conn.send(b"AUTH", *creds)
+                conn.simple()
+            if int(p.get("db", 0) or 0):
+                conn.send(b"SELECT", str(int(p["db"])).encode())
+                conn.simple()
+            conn.send(b"CLIENT", b"SETNAME", b"kvwarden")
+            conn.simple()
+        except TimeoutError:
+            conn.close()
+            raise redis.TimeoutError("Timeout connecting to Redis") from None
+        except OSError as exc:
+            conn.close()
+            raise redis.ConnectionError(f"error connecting to Redis: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn

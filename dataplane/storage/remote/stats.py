@@ -1,0 +1,38 @@
+"""The remote tier's counters: `RemoteStats`, a snapshot of one backend's (a copy), which
+/metrics and /status read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dataplane.storage.lower import DROP_REASONS, DURATION_BUCKETS, OK, OPS, SpaceState
+
+FAILURE_KINDS = ("timeout", "connection", "auth", "no_space", "error")
+
+
+@dataclass
+class RemoteStats:
+    """Counters of one backend (a snapshot is a copy)."""
+
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    get_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
+    put_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
+    bad_values: dict[str, int] = field(default_factory=dict)  # codec kinds
+    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    queue_depth: int = 0
+    queue_bytes: int = 0
+    ping_latency_s: float = 0.0
+    ping_code: int = OK
+    ping_successes: int = 0
+    ping_errors: int = 0
+    # op -> counts per bucket of DURATION_BUCKETS (+Inf last), and the sum of the durations
+    durations: dict[str, list[int]] = field(
+        default_factory=lambda: {op: [0] * (len(DURATION_BUCKETS) + 1) for op in OPS}
+    )
+    duration_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
+    space: SpaceState = field(default_factory=lambda: SpaceState(False, "", 0.0, 0, 0))
