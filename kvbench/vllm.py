@@ -56,16 +56,20 @@ class EngineProcess:
         url: str | None,
         log: Path,
         extra: dict[str, Any] | None = None,
-        prefix_caching: bool = False,
+        prefix_caching: bool | str = False,
         env_extra: dict[str, str] | None = None,
         lora: dict[str, Any] | None = None,
     ) -> None:
-        """``lora``: LoRA on, with these engine options (``max_lora_rank``, ``max_loras``...)."""
+        """``lora``: LoRA on, with these engine options (``max_lora_rank``, ``max_loras``...);
+        ``prefix_caching`` "force": vLLM's own prefix cache on even where its platform turns it
+        off (MLA on its CPU backend: a comparator for tests, `kvbench.vllm_engine`)."""
         env = {**os.environ, **(env_extra or {})}
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env["KVWARDEN_ENGINE_CONNECTOR_EXTRA"] = json.dumps(extra or {})
-        env["KVWARDEN_ENGINE_PREFIX_CACHING"] = "1" if prefix_caching else "0"
+        env["KVWARDEN_ENGINE_PREFIX_CACHING"] = (
+            "force" if prefix_caching == "force" else "1" if prefix_caching else "0"
+        )
         env.pop("KVWARDEN_ENGINE_LORA", None)
         if lora is not None:
             env["KVWARDEN_ENGINE_LORA"] = json.dumps(lora)

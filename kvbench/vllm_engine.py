@@ -3,13 +3,17 @@
     python -m kvbench.vllm_engine MODEL_DIR [KVWARDEN_URL]    (no URL: no connector)
 
 Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for each line
-``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "cached": n, "s": s}``
-(``s``: the request's time in the engine). A line may also carry ``"cache_salt": str`` (put in
+``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "logprobs": [...],
+"cached": n, "s": s}`` (``logprobs``: each output token's; ``s``: the request's time in the
+engine). A line may also carry ``"cache_salt": str`` (put in
 the prompt, as vLLM takes it) and ``"lora": {"name": str, "id": int, "path": str}`` (the
 request's ``LoRARequest``). ``{"quit": true}`` (or end of input) shuts the engine down. Run with
 the Python of the vLLM environment (``.venv-vllm``); greedy sampling, so outputs are comparable
 token for token. ``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by
-default); ``KVWARDEN_ENGINE_LORA``, a JSON object, turns LoRA on with those engine options (such
+default), ``force`` on even where vLLM's platform turns it off (multi-head latent attention on
+its CPU backend, whose decode path after a prefix hit of all but one token does not compute what
+a prefill does: tests compare kvwarden's hits there with vLLM's own at the same boundaries);
+``KVWARDEN_ENGINE_LORA``, a JSON object, turns LoRA on with those engine options (such
 as ``{"max_lora_rank": 8, "max_loras": 2}``; ``{}``: vLLM's defaults); ``KVWARDEN_ENGINE_CONNECTOR_EXTRA``
 holds more ``kv_connector_extra_config`` keys, as JSON; ``KVWARDEN_ENGINE_KV_EVENTS`` the engine's own
 KV events (vLLM's ``KVEventsConfig`` fields, as JSON). Used by `kvbench.vllm` and the
@@ -23,6 +27,24 @@ import os
 import sys
 import time
 from typing import Any
+
+
+def force_prefix_caching() -> None:
+    """Keep vLLM's own prefix cache on where its CPU platform turns it off (MLA models). Run at
+    import, so the engine core process, which imports this module again, does it too."""
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def keep_on(cls: Any, vllm_config: Any) -> None:
+        check(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = True
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(keep_on)  # type: ignore[method-assign,assignment]
+
+
+if os.environ.get("KVWARDEN_ENGINE_PREFIX_CACHING") == "force":
+    force_prefix_caching()
 
 
 def build(model: str, url: str | None, extra: dict[str, Any], lora: dict[str, Any] | None) -> Any:
@@ -40,7 +62,7 @@ def build(model: str, url: str | None, extra: dict[str, Any], lora: dict[str, An
         )
     if lora is not None:
         kw.update(enable_lora=True, **lora)
-    prefix = os.environ.get("KVWARDEN_ENGINE_PREFIX_CACHING") == "1"
+    prefix = os.environ.get("KVWARDEN_ENGINE_PREFIX_CACHING") in ("1", "force")
     events = os.environ.get("KVWARDEN_ENGINE_KV_EVENTS")
     if events:  # the engine's own KV events (vLLM's KVEventsConfig, as JSON)
         from vllm.config import KVEventsConfig
@@ -84,13 +106,20 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
-        params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0, detokenize=False)
+        params = SamplingParams(
+            max_tokens=int(cmd.get("max_tokens", 8)), temperature=0, detokenize=False, logprobs=0
+        )
         prompt, lora_request = request(cmd)
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)[0]
         elapsed = time.perf_counter() - t0
+        chosen = out.outputs[0]
         answer = {
-            "tokens": list(out.outputs[0].token_ids),
+            "tokens": list(chosen.token_ids),
+            # each output token's logprob (greedy: the chosen one), as computed
+            "logprobs": [
+                float(lp[t].logprob) for t, lp in zip(chosen.token_ids, chosen.logprobs or [], strict=False)
+            ],
             "cached": int(out.num_cached_tokens or 0),
             "s": elapsed,
         }

@@ -69,6 +69,104 @@ def build_model(path: str | Path, shape: ModelShape, seed: int = 1234) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """A DeepSeek-V2 with multi-head latent attention, its MLP dense in every layer: each
+    token caches one latent of ``kv_lora_rank + rope_dim`` (576 in DeepSeek's models, the only
+    width vLLM's CPU MLA kernel takes)."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    nope_dim: int = 64
+    v_dim: int = 64
+    vocab: int = 1024
+    # wider than the usual 0.02: a random MLA model's greedy output then varies with the
+    # prompt and its top token leads by a margin, rather than repeating one token on a flat
+    # distribution where any rounding flips it
+    init_std: float = 0.2
+    max_positions: int = 4096
+
+
+MLA = MLAShape()
+
+
+def build_mla_model(path: str | Path, shape: MLAShape = MLA, seed: int = 1234) -> Path:
+    """Save a random DeepSeek-V2 (MLA) model under ``path`` (kept when the same shape is there)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out = Path(path)
+    stamp = out / "kvwarden-shape.json"
+    want = json.dumps({"mla": asdict(shape), "seed": seed}, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want:
+        return out
+    cfg = DeepseekV2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.hidden,
+        moe_intermediate_size=shape.hidden // 2,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        kv_lora_rank=shape.kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=shape.rope_dim,
+        qk_nope_head_dim=shape.nope_dim,
+        v_head_dim=shape.v_dim,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=shape.layers,  # no MoE layer: dense MLPs only
+        initializer_range=shape.init_std,
+        max_position_embeddings=shape.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(want)
+    return out
+
+
+def build_sliding_window_model(path: str | Path, window: int = 256, seed: int = 1234) -> Path:
+    """Save a random Mistral whose every layer attends to a sliding window of ``window`` tokens
+    (TINY's sizes) under ``path`` (kept when already there)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    out = Path(path)
+    stamp = out / "kvwarden-shape.json"
+    want = json.dumps({"sliding_window": window, **asdict(TINY), "seed": seed}, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want:
+        return out
+    cfg = MistralConfig(
+        vocab_size=TINY.vocab,
+        hidden_size=TINY.hidden,
+        intermediate_size=2 * TINY.hidden,
+        num_hidden_layers=TINY.layers,
+        num_attention_heads=TINY.heads,
+        num_key_value_heads=TINY.kv_heads,
+        head_dim=TINY.head_dim,
+        sliding_window=window,
+        max_position_embeddings=TINY.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(cfg).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(want)
+    return out
+
+
 LORA_RANK = 8  # an engine that serves these adapters needs max_lora_rank >= this
 LORA_TARGETS = ("k_proj", "v_proj")
 

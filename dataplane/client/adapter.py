@@ -187,7 +187,9 @@ class WorkerAdapter:
         """Register the per-layer KV tensors. ``kv_format`` says how they are laid out
         (`dataplane.wire.messages.KVFormat`): ``token_major`` tensors are ``[2, num_blocks,
         block_size, heads, head_dim]``; ``vllm_cpu`` ones ``[num_blocks, heads, block_size,
-        2 * head_dim]`` (vLLM's CPU backend; engine-driven only, moved in whole blocks)."""
+        2 * head_dim]`` (vLLM's CPU backend; engine-driven only, moved in whole blocks); ``latent``
+        ones ``[num_blocks, 1, block_size, latent_dim]`` (multi-head latent attention, one latent
+        a token: engine-driven only, moved in whole blocks, keyed once for every rank)."""
         formats = [f.value for f in KVFormat]
         if kv_format not in formats:
             raise ValueError(f"kv_format {kv_format!r}: use {' or '.join(map(repr, formats))}")

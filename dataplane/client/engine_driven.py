@@ -58,8 +58,8 @@ class EngineDrivenTransport:
                 f"dtype {first.dtype} is not supported; use one of {sorted(DTYPE_NAMES.values())}"
             )
         local: LocalKV
-        if kv_format is KVFormat.VLLM_CPU:
-            local = BlockKV.of_vllm_cpu(caches)
+        if kv_format is not KVFormat.TOKEN_MAJOR:
+            local = BlockKV.of_engine(caches, kv_format)
         else:
             if len(first.shape) != 5 or first.shape[0] != 2:
                 raise ValueError("KV tensors must be [2, num_blocks, block_size, heads, head_dim]")

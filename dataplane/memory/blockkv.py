@@ -4,7 +4,9 @@ vLLM's CPU backend keeps each layer as ``[num_blocks, kv_heads, block_size, 2 * 
 block and head, K transposed (``[head_dim][block_size]``) then V (``[block_size][head_dim]``). A
 token's K is strided across the block, so such memory moves only in whole blocks, as bytes: a
 chunk is ``[layers, blocks, block_bytes]``, each block exactly as the engine keeps it (format
-``vllm_cpu``, `dataplane.wire.messages.KVFormat`). The same interface as
+``vllm_cpu``, `dataplane.wire.messages.KVFormat`). Multi-head latent attention keeps one
+latent vector a token, ``[num_blocks, 1, block_size, latent_dim]``, moved the same way (format
+``latent``). The same interface as
 `dataplane.memory.kvmemory.MappedKV` for the worker-side copies (``gather``, ``scatter``,
 ``block_size``, ``num_blocks``).
 """
@@ -19,6 +21,7 @@ import torch
 
 from dataplane.memory.copies import Blocks, CopySplitter, Placement, whole_blocks
 from dataplane.memory.kvmemory import MappedKV
+from dataplane.wire.kinds import KVFormat
 
 
 @dataclass
@@ -36,13 +39,20 @@ class BlockKV:
     def of_vllm_cpu(cls, caches: Sequence[torch.Tensor]) -> BlockKV:
         """Per layer ``[num_blocks, heads, block_size, 2 * head_dim]``, each block contiguous
         (ValueError naming what is not)."""
-        first = caches[0]
-        if first.dim() != 4 or first.shape[3] % 2:
-            raise ValueError(
-                f"vllm_cpu KV tensors must be [num_blocks, heads, block_size, 2 * head_dim], "
-                f"got {list(first.shape)}"
-            )
-        nb, heads, bs, two_d = (int(x) for x in first.shape)
+        return cls.of_engine(caches, KVFormat.VLLM_CPU)
+
+    @classmethod
+    def of_engine(cls, caches: Sequence[torch.Tensor], kv_format: KVFormat) -> BlockKV:
+        """Per layer ``[num_blocks, heads, block_size, planes * head_dim]`` (``vllm_cpu``: K and
+        V, 2 planes; ``latent``: one latent a token, 1 plane and 1 head), each block contiguous
+        (ValueError naming what is not)."""
+        first, planes = caches[0], kv_format.planes
+        shape = "[num_blocks, 1, block_size, latent_dim]"
+        if planes == 2:
+            shape = "[num_blocks, heads, block_size, 2 * head_dim]"
+        if first.dim() != 4 or first.shape[3] % planes or (planes == 1 and first.shape[1] != 1):
+            raise ValueError(f"{kv_format.value} KV tensors must be {shape}, got {list(first.shape)}")
+        nb, heads, bs, row = (int(x) for x in first.shape)
         layers = []
         for i, t in enumerate(caches):
             if t.shape != first.shape or t.dtype != first.dtype or t.device.type != "cpu":
@@ -50,8 +60,8 @@ class BlockKV:
             if not t[0].is_contiguous():
                 raise ValueError(f"layer {i}: a block is not contiguous (strides {list(t.stride())})")
             layers.append(t.flatten(1).view(torch.uint8))
-        block_bytes = heads * bs * two_d * first.element_size()
-        return cls(len(caches), nb, bs, heads, two_d // 2, first.dtype, block_bytes, layers)
+        block_bytes = heads * bs * row * first.element_size()
+        return cls(len(caches), nb, bs, heads, row // planes, first.dtype, block_bytes, layers)
 
     def chunk_nbytes(self, n_tokens: int) -> int:
         return self.num_layers * (n_tokens // self.block_size) * self.block_bytes
@@ -61,7 +71,7 @@ class BlockKV:
             return where.ids
         blocks = whole_blocks(where, self.block_size)
         if blocks is None:
-            raise ValueError(f"vllm_cpu memory moves whole blocks of {self.block_size} tokens only")
+            raise ValueError(f"block-major memory moves whole blocks of {self.block_size} tokens only")
         return blocks
 
     def gather(self, where: Placement, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:

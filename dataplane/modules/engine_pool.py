@@ -139,7 +139,8 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             )
         dtype = TORCH_DTYPES[reg.dtype]
         item = torch.empty((), dtype=dtype).element_size()
-        chunk_bytes = reg.num_layers * 2 * self.chunk_size * reg.heads * reg.head_dim * item
+        row = reg.kv_format.planes * reg.heads * reg.head_dim  # a token's vectors, in a layer
+        chunk_bytes = reg.num_layers * self.chunk_size * row * item
         old = self.registry.refresh_if(
             reg.instance_id, lambda c: c.strategy is not None and c.reg == reg, rctx.conn_fd, reg.secret
         )

@@ -77,7 +77,7 @@ class LookupModule:
         """(chunks every rank's scope holds, those and the chunks being stored right after, the
         chunks every rank's scope holds in L1 as asked: before the lower tiers' read-ahead)."""
         held = reach = in_l1 = len(p.token_ids) // self.chunk_size
-        for rank in range(p.world_size):
+        for rank in range(1 if p.kv_format.replicated else p.world_size):  # (one key for all ranks)
             if reach == 0:
                 break
             scope = scope_digest(

@@ -4,8 +4,11 @@
 covers every token before it, so the same chunk text after a different prefix is a different
 key. The scope binds the model name, world size, worker id (the tensor-parallel rank: ranks
 hold different shards) and the KV layout (dtype, layers, heads, head dim), so two models, two
-ranks or two layouts never share a key. A token-major chunk is independent of how the worker
-pages its memory, so block size and block count are not in its scope; a chunk of another format
+ranks or two layouts never share a key. A format whose bytes are the same on every rank
+(``latent``: multi-head latent attention keeps the whole latent on each rank) is keyed with
+neither world size nor rank, so one copy serves every rank of any world size. A token-major
+chunk is independent of how the worker pages its memory, so block size and block count are not
+in its scope; a chunk of another format
 (``dataplane.wire.messages.KVFormat``) holds whole blocks as the engine lays them out, so its
 format and block size are.
 
@@ -23,6 +26,7 @@ import numpy as np
 
 from dataplane.wire.checks import ID_DTYPE
 from dataplane.wire.context import KeyContext
+from dataplane.wire.kinds import KVFormat
 
 KEY_BYTES = 16
 
@@ -38,10 +42,9 @@ def scope_digest(
     kv_format: str = "token_major",
     block_size: int = 0,
 ) -> bytes:
-    text = (
-        f"kvwarden/v1|{model_name}|ws={world_size}|rank={worker_id}|{dtype}|"
-        f"L={num_layers}|H={num_heads}|D={head_dim}"
-    )
+    # a format every rank holds alike is keyed once for all ranks and world sizes
+    ranks = "ws=*|rank=*" if KVFormat(kv_format).replicated else f"ws={world_size}|rank={worker_id}"
+    text = f"kvwarden/v1|{model_name}|{ranks}|{dtype}|L={num_layers}|H={num_heads}|D={head_dim}"
     if kv_format != "token_major":  # (token-major keys are unchanged from before formats existed)
         text += f"|F={kv_format}|B={block_size}"
 

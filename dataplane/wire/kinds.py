@@ -38,14 +38,28 @@ class MemoryKind(enum.StrEnum):
 
 
 class KVFormat(enum.StrEnum):
-    """What a chunk's bytes are: the engine's own layout of a block's K and V, moved as is. A
-    chunk is only ever served to a worker of the same format (it is part of the key scope)."""
+    """What a chunk's bytes are: the engine's own layout of a block's KV, moved as is. A chunk is
+    only ever served to a worker of the same format (it is part of the key scope)."""
 
     # per layer: K of every token, then V, each [tokens, heads * head_dim] (vLLM on CUDA)
     TOKEN_MAJOR = "token_major"
     # per layer and block: per head K transposed [head_dim][block_size], then V
     # [block_size][head_dim] (vLLM's CPU backend); moves in whole blocks only
     VLLM_CPU = "vllm_cpu"
+    # per layer and block: one latent vector a token, [block_size][head_dim] (multi-head latent
+    # attention: DeepSeek's compressed KV and its rotary key, registered as one head); the same
+    # on every tensor-parallel rank; moves in whole blocks only
+    LATENT = "latent"
+
+    @property
+    def planes(self) -> int:
+        """Vectors a token and head: K and V (2), or one latent (1)."""
+        return 1 if self is KVFormat.LATENT else 2
+
+    @property
+    def replicated(self) -> bool:
+        """Every tensor-parallel rank holds the same bytes: one copy is keyed for all ranks."""
+        return self is KVFormat.LATENT
 
 
 class TransferMode(enum.StrEnum):

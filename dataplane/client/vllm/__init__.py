@@ -6,7 +6,9 @@ Users name this package in vLLM's configuration, and it stays the connector's on
 
 Door: `KVWardenConnector` (and its metadata classes), loaded from `connector` when first asked
 for, so the parts that need no vLLM import without it. Inside: `connector` (the only module that
-imports vLLM: the scheduler side and the worker side of vLLM's connector API), `state` (the
+imports vLLM: the scheduler side and the worker side of vLLM's connector API), `kinds` (which
+models and requests are cached, and how: a model kind's scope, or why the cache is declined),
+`state` (the
 scheduler's plans, lookups and the step's loads and saves), `wait` (read-your-writes: prefixes
 being saved, waited for or copied), `worker` (registration, the saver thread, loads and the copy
 into vLLM's blocks), `events` (vLLM's KV events from the server's), `settings` (the connector's

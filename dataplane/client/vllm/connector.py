@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,19 +51,29 @@ from dataplane.client.keys import (
     mm_spans,
 )
 from dataplane.client.vllm.events import EventRelay, engine_names
+from dataplane.client.vllm.kinds import (
+    FULL,
+    KNOWN_EXTRA_KEYS,
+    MLA,
+    Declined,
+    EngineModel,
+    Group,
+    scope_of,
+    uncached,
+)
 from dataplane.client.vllm.settings import connector_settings
 from dataplane.client.vllm.state import (
-    UNCACHED,
     Plan,
     Planner,
     RequestKey,
     Scope,
     ScopeLookup,
     Uncached,
+    prompt_of,
 )
 from dataplane.client.vllm.wait import OwnSaves, Waits
 from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load
-from dataplane.memory.kvmemory import DTYPE_NAMES
+from dataplane.memory.kvmemory import DTYPE_NAMES, TORCH_DTYPES
 from dataplane.wire.messages import KVFormat
 
 if TYPE_CHECKING:
@@ -80,42 +90,50 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def scope_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scope:
-    """The scope every worker of this engine registers, from the configuration alone."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvwarden: models with {len(groups)} KV cache groups are not supported (one)")
-    spec = groups[0].kv_cache_spec
-    if spec.dtype not in DTYPE_NAMES:
-        raise ValueError(f"kvwarden: KV cache dtype {spec.dtype} is not supported")
-    name = vllm_config.model_config.served_model_name or vllm_config.model_config.model
-    cpu = vllm_config.device_config.device_type == "cpu"
-    return Scope(
+def describe(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineModel:
+    """What `dataplane.client.vllm.kinds` decides the engine's scope from."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    def group(g: Any) -> Group:
+        spec = g.kv_cache_spec
+        kind = type(spec).__name__
+        if isinstance(spec, MLAAttentionSpec):
+            kind = MLA
+        elif isinstance(spec, FullAttentionSpec):
+            kind = FULL
+        heads, head_size = getattr(spec, "num_kv_heads", 0), getattr(spec, "head_size", 0)
+        dtype = DTYPE_NAMES.get(getattr(spec, "dtype", None))  # type: ignore[arg-type]
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        return Group(kind, dtype, heads, head_size, spec.block_size, len(g.layer_names), cache_dtype)
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    name = mc.served_model_name or mc.model
+    return EngineModel(
         str(name[0] if isinstance(name, list) else name),
-        vllm_config.parallel_config.tensor_parallel_size,
-        DTYPE_NAMES[spec.dtype],
-        len(groups[0].layer_names),
-        spec.num_kv_heads,
-        spec.head_size,
-        KVFormat.VLLM_CPU if cpu else KVFormat.TOKEN_MAJOR,
-        spec.block_size,
+        str(getattr(mc.hf_config, "model_type", "?")),
+        pc.tensor_parallel_size,
+        pc.decode_context_parallel_size,
+        vllm_config.device_config.device_type == "cpu",
+        tuple(group(g) for g in kv_cache_config.kv_cache_groups),
     )
 
 
+def _scope(model: EngineModel, role: KVConnectorRole) -> tuple[Scope | None, str | None]:
+    """(the engine's scope, None), or (None, why the engine runs without the cache), said once
+    an engine (by its scheduler)."""
+    try:
+        return scope_of(model), None
+    except Declined as exc:
+        if role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "kvwarden: the cache is off for model type %r, requests recompute and nothing is stored: %s",
+                model.model_type,
+                exc,
+            )
+        return None, str(exc)
+
+
 FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
-
-# the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that
-# request_key folds in; a request whose block keys carry any other kind is never cached
-KNOWN_EXTRA_KEYS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
-_said: set[str] = set()  # the reasons already logged (once each)
-
-
-def _uncached(why: str) -> RequestKey:
-    kind = " ".join(why.split()[:2])  # "adapter path", "multimodal input", "unknown extra"
-    if kind not in _said:
-        _said.add(kind)
-        logger.warning("kvwarden: requests recompute, neither loaded nor stored: %s", why)
-    return UNCACHED
 
 
 def request_key(request: Request, block_size: int) -> RequestKey:
@@ -130,7 +148,7 @@ def request_key(request: Request, block_size: int) -> RequestKey:
             k[0] if isinstance(k, tuple) and k and isinstance(k[0], str) else repr(k) for k in extra or ()
         }
         if kinds - KNOWN_EXTRA_KEYS:
-            return _uncached(f"unknown extra keys: block keys carry {sorted(kinds - KNOWN_EXTRA_KEYS)}")
+            return uncached(f"unknown extra keys: block keys carry {sorted(kinds - KNOWN_EXTRA_KEYS)}")
     try:
         lora = request.lora_request
         adapter = b""
@@ -146,14 +164,7 @@ def request_key(request: Request, block_size: int) -> RequestKey:
             spans += embeds_spans(request.prompt_embeds, block_size)
         return key_context(request.cache_salt, adapter, spans)
     except UninterpretableKey as exc:
-        return _uncached(str(exc))
-
-
-def prompt_of(token_ids: Sequence[int] | None, embeds: torch.Tensor | None) -> Sequence[int] | None:
-    """The prompt's token ids; prompt embeddings' positions hold token 0 (their spans key them)."""
-    if token_ids is not None:
-        return token_ids
-    return [0] * int(embeds.shape[0]) if embeds is not None else None
+        return uncached(str(exc))
 
 
 class KVWardenConnectorMetadata(KVConnectorMetadata):
@@ -182,8 +193,10 @@ class KVWardenConnector(KVConnectorBase_V1):
                 "kvwarden: pipeline parallel engines are not supported (pipeline_parallel_size 1)"
             )
         self._cfg = connector_settings(self._kv_transfer_config.kv_connector_extra_config)
-        self._scope = scope_of(vllm_config, kv_cache_config)
-        self._block_size = self._scope.block_size
+        # None, and why: this engine runs without the cache
+        scope, self._declined = _scope(describe(vllm_config, kv_cache_config), role)
+        self._scope_or_none = scope
+        self._block_size = scope.block_size if scope is not None else 0
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
                 "kvwarden: kv_load_failure_policy is %r: a load cut short (the server killed while "
@@ -202,7 +215,7 @@ class KVWardenConnector(KVConnectorBase_V1):
         self._planned: set[str] = set()  # requests this worker was asked to store
         self._load_errors: set[int] = set()
         self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
-        if role == KVConnectorRole.SCHEDULER:
+        if role == KVConnectorRole.SCHEDULER and scope is not None:
             cfg = self._cfg
             lookup = ScopeLookup(
                 cfg["kvwarden.url"], self._scope, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
@@ -211,10 +224,20 @@ class KVWardenConnector(KVConnectorBase_V1):
             waits = Waits(cfg["kvwarden.lookup_wait_s"], lookup.report_wait)
             own = OwnSaves(self._scope.world_size)
             self._planner = Planner(lookup.find, self._block_size, waits, own)
+            if scope.kv_format is KVFormat.LATENT:
+                # a prompt whose one token is left after a hit goes through vLLM's MLA decode
+                # path, which on its CPU backend does not compute what a prefill does (the reason
+                # vLLM turns its own prefix cache off there): a hit leaves at least two
+                self._planner.tail = 2
             self._planner.chunk_size = lambda: lookup.chunk_size
             if cfg["kvwarden.kv_events_endpoint"] is not None:
                 self._relay = EventRelay(cfg["kvwarden.kv_events_endpoint"], cfg["kvwarden.kv_events_topic"])
                 self._relay.start()
+
+    @property
+    def _scope(self) -> Scope:
+        assert self._scope_or_none is not None, "a declined engine has no scope"
+        return self._scope_or_none
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -222,16 +245,20 @@ class KVWardenConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        caches = list(kv_caches.values())
+        if self._declined is not None:
+            return  # (said once, at start)
+        want = TORCH_DTYPES[self._scope.dtype]  # fp8 KV, which vLLM keeps as bytes: as what it is
+        fp8 = want in (torch.float8_e4m3fn, torch.float8_e5m2)
+        caches = [t.view(want) if fp8 and t.dtype == torch.uint8 else t for t in kv_caches.values()]
         mode, kv_format = self._layout(caches)
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        s = self._scope
+        s, rank = self._scope, get_tensor_model_parallel_rank()
         adapter = WorkerAdapter(
             self._cfg["kvwarden.url"],
             s.model_name,
             s.world_size,
-            get_tensor_model_parallel_rank(),
+            rank,
             heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"],
             transfer_mode=mode,
             request_timeout=self._cfg["kvwarden.request_timeout_s"],
@@ -244,8 +271,9 @@ class KVWardenConnector(KVConnectorBase_V1):
             adapter.close()
             raise ValueError(f"kvwarden: registration refused: {registrar.error}") from registrar.error
         self._adapter, self._registrar = adapter, registrar
-        self._copier = BlockCopier(caches, 0 if kv_format == KVFormat.VLLM_CPU else 1)
-        self._saver = Saver(adapter)
+        self._copier = BlockCopier(caches, 1 if kv_format == KVFormat.TOKEN_MAJOR else 0)
+        # a format every rank holds alike (the latent) is stored by rank 0 for all of them
+        self._saver = Saver(adapter, store=rank == 0 or not kv_format.replicated)
         self._saver.start()
         self._loader = Loader(adapter, self._block_size, self._copier)
         self._loader.start()
@@ -255,12 +283,8 @@ class KVWardenConnector(KVConnectorBase_V1):
         scheduler looks up (a mismatch would make every lookup miss)."""
         first, s = caches[0], self._scope
         if first.dim() == 4 and first.device.type == "cpu":
-            kv_format, heads, bs, head_dim = (
-                KVFormat.VLLM_CPU,
-                first.shape[1],
-                first.shape[2],
-                first.shape[3] // 2,
-            )
+            kv_format = KVFormat.LATENT if s.kv_format is KVFormat.LATENT else KVFormat.VLLM_CPU
+            heads, bs, head_dim = first.shape[1], first.shape[2], first.shape[3] // kv_format.planes
         elif first.dim() == 5 and first.shape[0] == 2:
             kv_format, heads, bs, head_dim = (
                 KVFormat.TOKEN_MAJOR,
@@ -359,7 +383,8 @@ class KVWardenConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._planner is not None
+        if self._planner is None:
+            return 0, False  # declined (said at start)
         p, rid = self._planner, request.request_id
         key = p.keys[rid] if rid in p.keys else request_key(request, self._block_size)
         if rid not in p.names and not isinstance(key, Uncached):
@@ -411,7 +436,8 @@ class KVWardenConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self._planner is not None
+        if self._planner is None:
+            return  # declined
         rid = request.request_id
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
         background = rid in self._background and num_external_tokens > 0
@@ -421,7 +447,8 @@ class KVWardenConnector(KVConnectorBase_V1):
         self._planner.allocated(rid, prompt, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._planner is not None
+        if self._planner is None:
+            return KVWardenConnectorMetadata(Plan())  # declined: nothing to load or store
         so = scheduler_output
         new = [
             (
@@ -456,7 +483,8 @@ class KVWardenConnector(KVConnectorBase_V1):
         return () if self._relay is None else self._relay.take()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._planner is not None
+        if self._planner is None:
+            return False, None  # declined
         self._background.discard(request.request_id)
         held = self._planner.finished(request.request_id)
         if held:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -27,6 +27,10 @@ from dataplane.client.channel import Channel, R
 from dataplane.client.vllm.wait import LookupFound, OwnSaves, Source, Waits
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import KVWardenError, RequestError
+
+if TYPE_CHECKING:
+    import torch
+
 from dataplane.wire.messages import (
     MAX_WAIT_S,
     KeyContext,
@@ -231,8 +235,8 @@ class _Request:
 
 class Planner:
     """The scheduler's bookkeeping (called on vLLM's scheduler thread only). Loads and stores
-    are whole chunks of the prompt; a load never covers the prompt's last token (vLLM must
-    compute at least one). Each request's key context is the one ``matched`` was given: a
+    are whole chunks of the prompt; a load never covers the prompt's last ``tail`` tokens (vLLM
+    must compute at least one). Each request's key context is the one ``matched`` was given: a
     request never seen there, or ``UNCACHED``, neither loads nor stores. A request whose prefix
     is being stored (`dataplane.client.vllm.wait`) is answered None by ``matched`` until it
     lands or ``waits.bound_s`` passes."""
@@ -247,6 +251,8 @@ class Planner:
         self.lookup = lookup
         self.block_size = block_size
         self.chunk_size: Callable[[], int | None] = lambda: None
+        # the fewest prompt tokens a hit leaves vLLM to compute (it must compute the last one)
+        self.tail = 1
         self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
         self.own = own if own is not None else OwnSaves()
         self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
@@ -284,7 +290,7 @@ class Planner:
 
         def limit() -> int:  # (the chunk size is learnt from the server's first answer)
             cs = self.chunk_size()
-            return 0 if cs is None else (len(tokens) - 1) // cs * cs
+            return 0 if cs is None else max(0, len(tokens) - self.tail) // cs * cs
 
         cs, most = self.chunk_size(), limit()
         src = self.own.source(tokens, key) if most and len(self.own) else None
@@ -292,7 +298,7 @@ class Planner:
         if local and local == most:
             found = LookupFound(local)  # it covers all that could load: the server is not asked
         else:
-            found = self.lookup(tokens[: len(tokens) - 1], key)
+            found = self.lookup(tokens[: max(0, len(tokens) - self.tail)], key)
             cs, most = self.chunk_size(), limit()
         if src is not None and local and local >= found.hit:
             self._sources[req_id] = src
@@ -402,3 +408,10 @@ class Planner:
         loading = req_id in self.loading
         self.loading.discard(req_id)  # (vLLM frees its blocks at the report it waits for)
         return (r is not None and r.saving) or loading
+
+
+def prompt_of(token_ids: Sequence[int] | None, embeds: torch.Tensor | None) -> Sequence[int] | None:
+    """The prompt's token ids; prompt embeddings' positions hold token 0 (their spans key them)."""
+    if token_ids is not None:
+        return token_ids
+    return [0] * int(embeds.shape[0]) if embeds is not None else None

@@ -146,13 +146,16 @@ class Saver(_JobThread[Save, int]):
     A request whose chunks are being stored keeps its blocks (the scheduler holds them) until
     ``finished`` reports it. Every save over, stored or failed, is reported by its sequence
     number (``take_done``), so the scheduler stops counting it as on its way. ``stop`` lets
-    the saves queued run first. ``_cond`` also guards ``_pending``, ``_asked`` and ``_busy``."""
+    the saves queued run first. ``store`` False: saves are reported over without storing (a
+    rank whose bytes another rank stores for it). ``_cond`` also guards ``_pending``, ``_asked``
+    and ``_busy``."""
 
     name = "kvwarden-vllm-saver"
 
-    def __init__(self, adapter: WorkerAdapter) -> None:
+    def __init__(self, adapter: WorkerAdapter, store: bool = True) -> None:
         super().__init__()
         self.adapter = adapter
+        self.store = store
         self._pending: dict[str, int] = {}  # req id -> saves queued or running
         self._asked: set[str] = set()  # finished requests whose saves were planned
         self._busy = False
@@ -201,8 +204,8 @@ class Saver(_JobThread[Save, int]):
                     self._cond.notify_all()
 
     def _store(self, job: Save) -> None:
-        if self.adapter.registration is None:
-            return  # not registered (yet): nothing to store into
+        if not self.store or self.adapter.registration is None:
+            return  # another rank stores these bytes, or not registered (yet): nothing to store into
         try:
             r = self.adapter.store_detail(job.tokens, job.blocks, job.key, job.names)
         except (KVWardenError, ValueError) as exc:

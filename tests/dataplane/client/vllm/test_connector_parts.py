@@ -1,5 +1,6 @@
 """The vLLM connector's parts that need no vLLM, against a real server where they talk to one:
-vLLM's CPU block layout moved whole (``vllm_cpu``), LOOKUP_SCOPE, the scheduler's planning, the
+vLLM's CPU block layout moved whole (``vllm_cpu``), multi-head latent attention's one latent a
+token, keyed once for every rank (``latent``), LOOKUP_SCOPE, the scheduler's planning, the
 worker's registration that waits for a server, its stores off the step, its loads that name
 the blocks they could not fill, and the connector's settings."""
 
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -44,6 +46,15 @@ def vllm_cpu_caches(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     buf = torch.randn(LAYERS, NB, HEADS, BS, 2 * HD, generator=g).to(torch.bfloat16)
     return list(buf.unbind(0))
+
+
+LATENT = 24  # the latent's width here (DeepSeek's: 512 + 64 rotary)
+
+
+def latent_caches(seed: int = 0) -> list[torch.Tensor]:
+    """Multi-head latent attention as vLLM keeps it: per layer [num_blocks, 1, block_size, latent]."""
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randn(LAYERS, NB, 1, BS, LATENT, generator=g).to(torch.bfloat16).unbind(0))
 
 
 def scope(model: str = "m", fmt: KVFormat = KVFormat.VLLM_CPU, world: int = 1) -> Scope:
@@ -151,6 +162,82 @@ def test_kv_format_is_checked_by_the_client() -> None:
             w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
     finally:
         w.close()
+
+
+def _transfer_bytes(srv: ServerProcess, direction: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+    head = f'kvwarden_transfer_bytes_total{{direction="{direction}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(head))
+
+
+def test_latent_chunks_hold_one_vector_a_token_and_serve_every_rank(server: ServerProcess) -> None:
+    src = latent_caches(1)
+    tokens = np.arange(500, 500 + 3 * CS + 5)
+    with WorkerAdapter(server.endpoint, "m", 2, 0, transfer_mode="engine_driven") as w:
+        w.register_kv_caches(src, "latent")
+        assert w.store_detail(tokens, np.arange(NB)).stored == 3
+    # a latent, not a K and a V: layers x tokens x latent x 2 bytes
+    assert _transfer_bytes(server, "store") == LAYERS * 3 * CS * LATENT * 2
+    # stored once by rank 0, held for every rank of any world size
+    for world, rank in ((2, 0), (2, 1), (4, 3)):
+        look = ScopeLookup(
+            server.endpoint, Scope("m", world, "bfloat16", LAYERS, 1, LATENT, KVFormat.LATENT, BS)
+        )
+        try:
+            assert look.hit_tokens(tokens) == 3 * CS
+        finally:
+            look.close()
+        dst = latent_caches(2 + rank)
+        blocks = np.arange(NB)[::-1].copy()
+        with WorkerAdapter(server.endpoint, "m", world, rank, transfer_mode="engine_driven") as w:
+            w.register_kv_caches(dst, "latent")
+            assert w.retrieve(tokens, blocks) == 3 * CS
+        for layer in range(LAYERS):
+            for i in range(3 * CS // BS):
+                assert torch.equal(dst[layer][blocks[i]], src[layer][i])
+    # the same bytes a block as a vllm_cpu layout of one head and half the width: another format
+    same_bytes = Scope("m", 1, "bfloat16", LAYERS, 1, LATENT // 2, KVFormat.VLLM_CPU, BS)
+    for other in (same_bytes, Scope("m", 2, "bfloat16", LAYERS, 1, LATENT, KVFormat.VLLM_CPU, BS)):
+        look = ScopeLookup(server.endpoint, other)
+        try:
+            assert look.hit_tokens(tokens) == 0
+        finally:
+            look.close()
+
+
+def test_ranks_of_a_vllm_cpu_scope_never_share_chunks(server: ServerProcess) -> None:
+    tokens = np.arange(2 * CS)
+    with WorkerAdapter(server.endpoint, "m", 2, 0, transfer_mode="engine_driven") as w:
+        w.register_kv_caches(vllm_cpu_caches(1), "vllm_cpu")
+        assert w.store_detail(tokens, np.arange(NB)).stored == 2
+    with WorkerAdapter(server.endpoint, "m", 2, 1, transfer_mode="engine_driven") as w:
+        w.register_kv_caches(vllm_cpu_caches(2), "vllm_cpu")
+        assert w.lookup(tokens) == 0 and w.retrieve(tokens, np.arange(NB)) == 0
+
+
+def test_fp8_chunks_are_served_only_to_their_own_fp8_kind(server: ServerProcess) -> None:
+    """fp8 KV (vLLM keeps it as bytes) is registered as what it is: never read by a bf16, an
+    E5M2 or a plain-bytes scope of the same shape."""
+    e4m3 = [t.to(torch.float8_e4m3fn) for t in vllm_cpu_caches(1)]
+    tokens = np.arange(2 * CS)
+    with worker(server) as w:
+        w.register_kv_caches(e4m3, "vllm_cpu")
+        assert w.store_detail(tokens, np.arange(NB)).stored == 2
+    for dtype, hit in (("float8_e4m3fn", 2 * CS), ("float8_e5m2", 0), ("uint8", 0), ("bfloat16", 0)):
+        look = ScopeLookup(server.endpoint, Scope("m", 1, dtype, LAYERS, HEADS, HD, KVFormat.VLLM_CPU, BS))
+        try:
+            assert look.hit_tokens(tokens) == hit, dtype
+        finally:
+            look.close()
+
+
+def test_block_kv_takes_a_latent_as_one_head_of_one_vector() -> None:
+    kv = BlockKV.of_engine(latent_caches(), KVFormat.LATENT)
+    assert (kv.heads, kv.head_dim, kv.block_bytes) == (1, LATENT, BS * LATENT * 2)
+    with pytest.raises(
+        ValueError, match=r"latent KV tensors must be \[num_blocks, 1, block_size, latent_dim\]"
+    ):
+        BlockKV.of_engine([torch.zeros(4, 2, 16, 8)], KVFormat.LATENT)
 
 
 # -------------------------------------------------------------- the scheduler's lookups
@@ -409,6 +496,23 @@ def test_saver_stores_off_the_step_and_frees_only_what_it_was_asked_to(server: S
             assert saver.finished(set(), {"a"}) == set()  # not finished yet: blocks stay
             assert saver.finished({"a", "z"}, {"a"}) == {"a"}  # z was never saved: not ours
             assert saver.finished(set(), {"a"}) == set()  # reported once
+        finally:
+            saver.stop()
+            assert saver.join()
+
+
+def test_a_saver_that_does_not_store_reports_its_saves_over(server: ServerProcess) -> None:
+    """A rank whose bytes rank 0 stores (the latent): its saves are over at once, nothing sent."""
+    with WorkerAdapter(server.endpoint, "m", 2, 1, transfer_mode="engine_driven") as w:
+        w.register_kv_caches(latent_caches(), "latent")
+        saver = Saver(w, store=False)
+        saver.start()
+        try:
+            tokens = np.arange(2 * CS)
+            saver.submit([Save("a", tokens, np.arange(4), seq=7)])
+            assert saver.drain(30.0)
+            assert saver.take_done() == [7] and saver.finished({"a"}, {"a"}) == {"a"}
+            assert w.lookup(tokens) == 0 and saver.stored_chunks == 0
         finally:
             saver.stop()
             assert saver.join()

@@ -1,0 +1,106 @@
+"""Which models and requests kvwarden caches, and how: the scope an engine's workers register, decided from
+a plain description of the engine's model (`EngineModel`, which the connector reads off vLLM's
+configuration), or why the engine runs without the cache (`Declined`).
+
+- Dense attention (one KV cache group of full attention): K and V a token and head, format
+  ``vllm_cpu`` on vLLM's CPU backend, ``token_major`` on CUDA.
+- Multi-head latent attention (DeepSeek V2/V3, Kimi K2): one latent a token, format ``latent``,
+  registered as one head of the latent's width; every tensor-parallel rank holds the same latent,
+  so it is keyed once for all ranks and rank 0 stores it. vLLM's CPU backend only: its CUDA
+  layout is not one kvwarden moves yet. Not with decode context parallelism (ranks then hold
+  different tokens).
+- Quantized KV (vLLM's ``kv_cache_dtype``): fp8 (``fp8`` and ``fp8_e4m3``, E4M3; ``fp8_e5m2``)
+  is registered under its own dtype (``float8_e4m3fn``, ``float8_e5m2``), not as the bytes vLLM
+  stores it in, so a bf16 engine never reads fp8 KV and E4M3 never serves E5M2; its per-layer
+  scales are the checkpoint's (vLLM 0.32 computes none at run time), part of the model as its
+  weights are. The kinds that keep scales beside the KV (per token and head) are declined.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from dataplane.client.vllm.state import UNCACHED, RequestKey, Scope
+from dataplane.wire.messages import KVFormat
+
+logger = logging.getLogger(__name__)
+
+FULL, MLA = "full", "mla"  # the kinds of KV cache group `scope_of` takes
+# vLLM's kv_cache_dtype -> the dtype its chunks are registered and keyed under
+KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+class Declined(Exception):
+    """This engine's KV cannot be cached by kvwarden: the engine runs without the cache (every
+    request recomputes, nothing is stored), saying why once at start."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group of the engine (vLLM's ``KVCacheGroupSpec``)."""
+
+    kind: str  # FULL, MLA, or vLLM's name of another spec ("SlidingWindowSpec", "MambaSpec"...)
+    dtype: str | None  # the tensors' dtype (`dataplane.memory.kvmemory.DTYPE_NAMES`); None: another
+    heads: int  # KV heads (1 for a latent)
+    head_size: int  # a head's width (the latent's, for MLA)
+    block_size: int
+    layers: int
+    cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" (the model's dtype), "fp8"...
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    name: str  # the served model name
+    model_type: str  # the checkpoint's ``model_type`` (for what is said at start)
+    tensor_parallel: int
+    decode_context_parallel: int
+    cpu: bool  # vLLM's CPU backend (else CUDA)
+    groups: tuple[Group, ...]
+
+
+def scope_of(m: EngineModel) -> Scope:
+    """The scope every worker of the engine registers (Declined: a model kvwarden does not
+    cache; ValueError: a configuration it refuses)."""
+    if len(m.groups) != 1:
+        raise ValueError(f"kvwarden: models with {len(m.groups)} KV cache groups are not supported (one)")
+    g = m.groups[0]
+    dtype = g.dtype
+    if g.cache_dtype != "auto":
+        dtype = KV_DTYPES.get(g.cache_dtype)
+        if dtype is None:
+            raise Declined(f"its KV cache dtype {g.cache_dtype!r} is not one kvwarden caches yet")
+    if dtype is None:
+        raise ValueError("kvwarden: the KV cache's dtype is not supported")
+    kv_format = KVFormat.VLLM_CPU if m.cpu else KVFormat.TOKEN_MAJOR
+    if g.kind == MLA:
+        if not m.cpu:
+            raise Declined(
+                "multi-head latent attention is cached on vLLM's CPU backend only (its CUDA "
+                "layout is not one kvwarden moves yet)"
+            )
+        if m.decode_context_parallel > 1:
+            raise Declined(
+                "multi-head latent attention with decode context parallelism (its ranks hold "
+                "different tokens, not the same latent)"
+            )
+        kv_format = KVFormat.LATENT
+    elif g.kind != FULL:
+        raise Declined(f"its KV cache ({g.kind}) is not one kvwarden caches")
+    heads = 1 if kv_format is KVFormat.LATENT else g.heads
+    return Scope(m.name, m.tensor_parallel, dtype, g.layers, heads, g.head_size, kv_format, g.block_size)
+
+
+# the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that
+# request_key folds in; a request whose block keys carry any other kind is never cached
+KNOWN_EXTRA_KEYS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
+_said: set[str] = set()  # the reasons already logged (once each)
+
+
+def uncached(why: str) -> RequestKey:
+    """UNCACHED, logging ``why`` once for each kind of reason."""
+    kind = " ".join(why.split()[:2])  # "adapter path", "multimodal input", "unknown extra"
+    if kind not in _said:
+        _said.add(kind)
+        logger.warning("kvwarden: requests recompute, neither loaded nor stored: %s", why)
+    return UNCACHED

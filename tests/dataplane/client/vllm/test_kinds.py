@@ -1,0 +1,64 @@
+"""Which models kvwarden caches, decided from a plain description of the engine's model
+(`dataplane.client.vllm.kinds`): the scope each kind registers, or why the cache is declined."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataplane.client.vllm.kinds import FULL, MLA, Declined, EngineModel, Group, scope_of
+from dataplane.wire.messages import KVFormat
+
+
+def model(*groups: Group, cpu: bool = True, tp: int = 1, dcp: int = 1) -> EngineModel:
+    return EngineModel("m", "llama", tp, dcp, cpu, groups)
+
+
+DENSE = Group(FULL, "bfloat16", 8, 128, 128, 32)
+LATENT = Group(MLA, "bfloat16", 1, 576, 16, 4)
+
+
+def test_dense_attention_is_k_and_v_in_the_engines_layout() -> None:
+    cpu, cuda = scope_of(model(DENSE)), scope_of(model(DENSE, cpu=False, tp=2))
+    assert (cpu.kv_format, cpu.heads, cpu.head_dim, cpu.dtype) == (KVFormat.VLLM_CPU, 8, 128, "bfloat16")
+    assert (cuda.kv_format, cuda.world_size) == (KVFormat.TOKEN_MAJOR, 2)
+
+
+def test_latent_attention_is_one_latent_on_the_cpu_backend_and_declined_elsewhere() -> None:
+    s = scope_of(model(LATENT, tp=2))
+    assert (s.kv_format, s.heads, s.head_dim, s.block_size, s.world_size) == (KVFormat.LATENT, 1, 576, 16, 2)
+    with pytest.raises(Declined, match="CPU backend only"):
+        scope_of(model(LATENT, cpu=False))
+    with pytest.raises(Declined, match="decode context parallelism"):
+        scope_of(model(LATENT, dcp=2))
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype"),
+    [
+        ("auto", "bfloat16"),
+        ("fp8", "float8_e4m3fn"),
+        ("fp8_e4m3", "float8_e4m3fn"),
+        ("fp8_e5m2", "float8_e5m2"),
+    ],
+)
+def test_quantized_kv_is_registered_and_keyed_as_what_it_is(cache_dtype: str, dtype: str) -> None:
+    g = Group(FULL, "uint8" if cache_dtype != "auto" else "bfloat16", 8, 128, 128, 32, cache_dtype)
+    assert scope_of(model(g)).dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "cache_dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "int8"]
+)
+def test_kv_kinds_with_their_own_scales_are_declined(cache_dtype: str) -> None:
+    with pytest.raises(Declined, match=f"KV cache dtype '{cache_dtype}'"):
+        scope_of(model(Group(FULL, "int8", 8, 128, 128, 32, cache_dtype)))
+
+
+def test_other_caches_are_declined_and_several_groups_refused() -> None:
+    for kind in ("SlidingWindowSpec", "MambaSpec", "ChunkedLocalAttentionSpec"):
+        with pytest.raises(Declined, match=kind):
+            scope_of(model(Group(kind, "bfloat16", 8, 128, 128, 32)))
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        scope_of(model(DENSE, Group("SlidingWindowSpec", "bfloat16", 8, 128, 128, 32)))
+    with pytest.raises(ValueError, match="dtype is not supported"):
+        scope_of(model(Group(FULL, None, 8, 128, 128, 32)))

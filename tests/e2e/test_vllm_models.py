@@ -1,0 +1,143 @@
+"""Model kinds beyond dense attention, with real vLLM engines (vLLM's CPU build) and a real
+``kvwarden serve``: what each kind gets from the cache (README, "Model kinds").
+
+Multi-head latent attention (a random DeepSeek-V2, `kvbench.vllm_model.MLA`: one latent of 576 a
+token): its chunks hold the latent (format ``latent``), nothing else. vLLM's CPU build turns its
+own prefix cache off for MLA models; the reference engine keeps it on (``prefix_caching="force"``)
+to compare with: a miss's output (tokens and logprobs) equals its full prefill, exactly, and a
+hit's equals its own prefix-cache hit on the same 1,024 tokens, exactly, in this engine and in
+another engine process. The bytes a hit moves are the latent's: layers x tokens x 576 x 2. A
+prompt of 4 chunks and one token loads 3 chunks, not 4: one token left after a hit goes through
+vLLM's MLA decode path, which on its CPU backend does not compute what a prefill does.
+
+A model kvwarden does not cache (every layer a sliding window, which vLLM keeps as a cache of its
+own kind) starts with the cache declined: one log line naming the model type, outputs those of an
+engine without a connector, nothing registered or stored on the server.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import numpy as np
+import pytest
+
+from kvbench.vllm import EngineProcess
+from tests.e2e.vllm_support import CHUNK, RESERVED_CPUS, VLLM_PYTHON, instances, require_vllm, serve
+from tests.helpers import ServerProcess, subprocess_env
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
+
+_rng = np.random.default_rng(47)
+# 1,040 tokens: kvwarden's hit (4 chunks of 256, two tokens left at least) and vLLM's own (its
+# 16-token blocks, one token left at least) both end at token 1,024
+MLA_PROMPT = [int(x) for x in _rng.integers(3, 1000, 1040)]
+MLA_HIT = 4 * CHUNK  # every full chunk but the last token's
+LATENT, MLA_LAYERS = 576, 4  # `kvbench.vllm_model.MLA`
+
+
+class Ref(NamedTuple):
+    miss: dict[str, Any]  # a full prefill's output (tokens, logprobs)
+    hit: dict[str, Any]  # vLLM's own prefix-cache hit on the same tokens
+
+
+class MLAWorld(NamedTuple):
+    model: Path
+    srv: ServerProcess
+    ref: Ref
+    logs: Path
+
+
+def _metric(srv: ServerProcess, head: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(head))
+
+
+def engine(model: Path, url: str | None, logs: Path, prefix_caching: bool | str = False) -> EngineProcess:
+    """An engine that computes on as many cores as every other here (vLLM keeps one more core
+    from an engine with a KV connector: other threads may sum in another order)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"engine-{len(list(logs.iterdir()))}.log"
+    extra = {"kvwarden.retry_s": 0.5}
+    return EngineProcess(VLLM_PYTHON, model, url, log, extra, prefix_caching, env_extra=RESERVED_CPUS)
+
+
+def _build(code: str) -> None:
+    subprocess.run([str(VLLM_PYTHON), "-c", code], check=True, env=subprocess_env())
+
+
+def _out(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
+    return answer["tokens"], answer["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MLAWorld]:
+    require_vllm()
+    tmp = tmp_path_factory.mktemp("mla")
+    model = tmp / "model"
+    _build(f"from kvbench.vllm_model import build_mla_model; build_mla_model({str(model)!r})")
+    ref = engine(model, None, tmp / "logs", prefix_caching="force")
+    try:
+        miss, hit = ref.generate(MLA_PROMPT, 8), ref.generate(MLA_PROMPT, 8)
+    finally:
+        ref.close()
+    assert (miss["cached"], hit["cached"]) == (0, MLA_HIT)  # vLLM's own hit: 64 blocks of 16
+    srv = serve(tmp / "server")
+    try:
+        yield MLAWorld(model, srv, Ref(miss, hit), tmp / "logs")
+    finally:
+        srv.stop()
+
+
+def test_an_mla_model_hits_its_latent_in_this_engine_and_another(mla: MLAWorld) -> None:
+    retrieve = 'kvwarden_transfer_bytes_total{direction="retrieve"}'
+    a = engine(mla.model, mla.srv.endpoint, mla.logs)
+    try:
+        miss = a.generate(MLA_PROMPT, 8)
+        assert miss["cached"] == 0 and _out(miss) == _out(mla.ref.miss)  # the full prefill, exactly
+        before = _metric(mla.srv, retrieve)
+        hit = a.generate(MLA_PROMPT, 8)
+        assert hit["cached"] == MLA_HIT, a.tail()
+        assert _out(hit) == _out(mla.ref.hit)  # vLLM's own hit on the same tokens, exactly
+        # the latent and nothing else: one vector of 576 a token and layer, in bf16
+        assert _metric(mla.srv, retrieve) - before == MLA_LAYERS * MLA_HIT * LATENT * 2
+        # 4 chunks and one token: a hit leaves two tokens at least, so it loads 3 chunks
+        assert a.generate(MLA_PROMPT[: MLA_HIT + 1], 8)["cached"] == MLA_HIT - CHUNK
+        assert "cache is off" not in a.tail()
+    finally:
+        a.close()
+    b = engine(mla.model, mla.srv.endpoint, mla.logs)
+    try:
+        other = b.generate(MLA_PROMPT, 8)
+    finally:
+        b.close()
+    assert other["cached"] == MLA_HIT and _out(other) == _out(mla.ref.hit)
+
+
+def test_a_model_kvwarden_does_not_cache_starts_with_the_cache_declined(tmp_path: Path) -> None:
+    require_vllm()
+    model = tmp_path / "model"
+    _build(f"import kvbench.vllm_model as m; m.build_sliding_window_model({str(model)!r})")
+    ref = engine(model, None, tmp_path / "logs")
+    try:
+        want = _out(ref.generate(MLA_PROMPT, 8))
+    finally:
+        ref.close()
+    srv = serve(tmp_path / "server")
+    try:
+        eng = engine(model, srv.endpoint, tmp_path / "logs")
+        try:
+            first, again = eng.generate(MLA_PROMPT, 8), eng.generate(MLA_PROMPT, 8)
+            log = eng.tail()
+        finally:
+            eng.close()
+        assert _out(first) == want and _out(again) == want and again["cached"] == 0
+        said = [line for line in log.splitlines() if "the cache is off" in line]
+        assert len(said) == 1 and "'mistral'" in said[0] and "SlidingWindowSpec" in said[0], log
+        assert instances(srv) == [] and _metric(srv, 'kvwarden_transfer_bytes_total{direction="store"}') == 0
+    finally:
+        srv.stop()
