@@ -5,19 +5,21 @@
 Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for each line
 ``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "logprobs": [...],
 "cached": n, "s": s}`` (``logprobs``: each output token's; ``s``: the request's time in the
-engine). A line may also carry ``"cache_salt": str`` (put in
-the prompt, as vLLM takes it) and ``"lora": {"name": str, "id": int, "path": str}`` (the
-request's ``LoRARequest``). ``{"quit": true}`` (or end of input) shuts the engine down. Run with
-the Python of the vLLM environment (``.venv-vllm``); greedy sampling, so outputs are comparable
-token for token. ``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by
+engine). A line may also carry ``"cache_salt": str`` (put in the prompt, as vLLM takes it) and
+``"lora": {"name": str, "id": int, "path": str}`` (the request's ``LoRARequest``).
+``{"quit": true}`` (or end of input) shuts the engine down. Run with the Python of the vLLM
+environment (``.venv-vllm``); greedy sampling, so outputs are comparable token for token.
+
+Environment: ``KVWARDEN_ENGINE_PREFIX_CACHING=1`` turns vLLM's own prefix caching on (off by
 default), ``force`` on even where vLLM's platform turns it off (multi-head latent attention on
 its CPU backend, whose decode path after a prefix hit of all but one token does not compute what
 a prefill does: tests compare kvwarden's hits there with vLLM's own at the same boundaries);
-``KVWARDEN_ENGINE_LORA``, a JSON object, turns LoRA on with those engine options (such
-as ``{"max_lora_rank": 8, "max_loras": 2}``; ``{}``: vLLM's defaults); ``KVWARDEN_ENGINE_CONNECTOR_EXTRA``
-holds more ``kv_connector_extra_config`` keys, as JSON; ``KVWARDEN_ENGINE_KV_EVENTS`` the engine's own
-KV events (vLLM's ``KVEventsConfig`` fields, as JSON). Used by `kvbench.vllm` and the
-vLLM tests.
+``KVWARDEN_ENGINE_OPTIONS``, a JSON object, holds more of ``LLM``'s options (such as
+``{"disable_hybrid_kv_cache_manager": true}``); ``KVWARDEN_ENGINE_LORA``, a JSON object, turns
+LoRA on with those engine options (such as ``{"max_lora_rank": 8, "max_loras": 2}``; ``{}``:
+vLLM's defaults); ``KVWARDEN_ENGINE_CONNECTOR_EXTRA`` holds more ``kv_connector_extra_config``
+keys, as JSON; ``KVWARDEN_ENGINE_KV_EVENTS`` the engine's own KV events (vLLM's
+``KVEventsConfig`` fields, as JSON). Used by `kvbench.vllm` and the vLLM tests.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def build(model: str, url: str | None, extra: dict[str, Any], lora: dict[str, An
         from vllm.config import KVEventsConfig
 
         kw["kv_events_config"] = KVEventsConfig(**json.loads(events))
+    kw.update(json.loads(os.environ.get("KVWARDEN_ENGINE_OPTIONS") or "{}"))
     return LLM(
         model=model,
         skip_tokenizer_init=True,

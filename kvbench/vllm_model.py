@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,66 @@ def build_sliding_window_model(path: str | Path, window: int = 256, seed: int = 
     model = MistralForCausalLM(cfg).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(want)
+    return out
+
+
+def build_hybrid_model(path: str | Path, kind: str, seed: int = 1234) -> Path:
+    """Save a random hybrid of TINY's sizes and 4 layers under ``path`` (kept when already
+    there): ``kind`` "gemma3", three sliding-window layers (a 256-token window) and one of full
+    attention; "granite4", three Mamba-2 layers and one of attention (Granite 4's kind)."""
+    import torch
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+    )
+
+    out = Path(path)
+    stamp = out / "kvwarden-shape.json"
+    want = json.dumps({"hybrid": kind, **asdict(TINY), "seed": seed}, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want:
+        return out
+    common = dict(
+        vocab_size=TINY.vocab,
+        hidden_size=TINY.hidden,
+        intermediate_size=2 * TINY.hidden,
+        num_hidden_layers=4,
+        num_attention_heads=TINY.heads,
+        num_key_value_heads=TINY.kv_heads,
+        max_position_embeddings=TINY.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="bfloat16",
+    )
+    model: Any
+    torch.manual_seed(seed)
+    if kind == "gemma3":
+        layers = ["sliding_attention"] * 3 + ["full_attention"]
+        cfg: Any = Gemma3TextConfig(head_dim=TINY.head_dim, sliding_window=256, layer_types=layers, **common)
+        model = Gemma3ForCausalLM(cfg)
+    elif kind == "granite4":
+        cfg = GraniteMoeHybridConfig(
+            shared_intermediate_size=2 * TINY.hidden,
+            layer_types=["mamba"] * 3 + ["attention"],
+            num_local_experts=0,
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=256,
+            position_embedding_type="rope",
+            **common,
+        )
+        model = GraniteMoeHybridForCausalLM(cfg)
+    else:
+        raise ValueError(f"hybrid kind {kind!r}: gemma3 or granite4")
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     stamp.write_text(want)
     return out
 

@@ -10,13 +10,20 @@ another engine process. The bytes a hit moves are the latent's: layers x tokens 
 prompt of 4 chunks and one token loads 3 chunks, not 4: one token left after a hit goes through
 vLLM's MLA decode path, which on its CPU backend does not compute what a prefill does.
 
-A model kvwarden does not cache (every layer a sliding window, which vLLM keeps as a cache of its
-own kind) starts with the cache declined: one log line naming the model type, outputs those of an
-engine without a connector, nothing registered or stored on the server.
+A model kvwarden does not cache starts with the cache declined: one log line naming the model
+type and why, outputs those of an engine without a connector, nothing registered or stored on the
+server. Such are a model whose every layer is a sliding window (vLLM keeps it as a cache of its
+own kind), and hybrids of several KV cache groups, which vLLM's hybrid KV cache manager keeps
+apart and which it leaves on (kvwarden supports it): a Gemma 3 (sliding-window and full layers)
+and a Granite 4 (Mamba-2 and attention layers; vLLM refuses to start such a model with a
+connector that does not support the hybrid manager). The Gemma 3 started with
+``disable_hybrid_kv_cache_manager`` is cached as dense attention: its hit equals vLLM's own
+prefix-cache hit on the same tokens (so started too).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,13 +64,22 @@ def _metric(srv: ServerProcess, head: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(head))
 
 
-def engine(model: Path, url: str | None, logs: Path, prefix_caching: bool | str = False) -> EngineProcess:
+def engine(
+    model: Path,
+    url: str | None,
+    logs: Path,
+    prefix_caching: bool | str = False,
+    options: dict[str, Any] | None = None,
+) -> EngineProcess:
     """An engine that computes on as many cores as every other here (vLLM keeps one more core
-    from an engine with a KV connector: other threads may sum in another order)."""
+    from an engine with a KV connector: other threads may sum in another order); ``options``:
+    more of vLLM's ``LLM`` options."""
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"engine-{len(list(logs.iterdir()))}.log"
-    extra = {"kvwarden.retry_s": 0.5}
-    return EngineProcess(VLLM_PYTHON, model, url, log, extra, prefix_caching, env_extra=RESERVED_CPUS)
+    env = {**RESERVED_CPUS, "KVWARDEN_ENGINE_OPTIONS": json.dumps(options or {})}
+    return EngineProcess(
+        VLLM_PYTHON, model, url, log, {"kvwarden.retry_s": 0.5}, prefix_caching, env_extra=env
+    )
 
 
 def _build(code: str) -> None:
@@ -127,17 +143,67 @@ def test_a_model_kvwarden_does_not_cache_starts_with_the_cache_declined(tmp_path
         want = _out(ref.generate(MLA_PROMPT, 8))
     finally:
         ref.close()
-    srv = serve(tmp_path / "server")
+    got, log = _declined(tmp_path, model)
+    assert _out(got) == want
+    said = [line for line in log.splitlines() if "the cache is off" in line]
+    assert len(said) == 1 and "'mistral'" in said[0] and "SlidingWindowSpec" in said[0], log
+
+
+def _declined(tmp: Path, model: Path, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """An engine whose cache is declined, on a server of its own: its first answer to
+    MLA_PROMPT (asked twice: never cached) and its log; nothing reaches the server."""
+    srv = serve(tmp / "server")
     try:
-        eng = engine(model, srv.endpoint, tmp_path / "logs")
+        eng = engine(model, srv.endpoint, tmp / "logs", options=options)
         try:
             first, again = eng.generate(MLA_PROMPT, 8), eng.generate(MLA_PROMPT, 8)
             log = eng.tail()
         finally:
             eng.close()
-        assert _out(first) == want and _out(again) == want and again["cached"] == 0
-        said = [line for line in log.splitlines() if "the cache is off" in line]
-        assert len(said) == 1 and "'mistral'" in said[0] and "SlidingWindowSpec" in said[0], log
+        assert _out(again) == _out(first) and again["cached"] == 0
         assert instances(srv) == [] and _metric(srv, 'kvwarden_transfer_bytes_total{direction="store"}') == 0
+        return first, log
     finally:
         srv.stop()
+
+
+def test_hybrids_start_with_the_cache_declined_and_vllms_hybrid_manager_on(tmp_path: Path) -> None:
+    for kind, why in (
+        ("granite4", "state-space or linear-attention layers"),
+        ("gemma3", "KV cache groups (SlidingWindowSpec, full)"),
+    ):
+        model = tmp_path / kind
+        _build(f"import kvbench.vllm_model as m; m.build_hybrid_model({str(model)!r}, {kind!r})")
+        ref = engine(model, None, tmp_path / "logs")
+        try:
+            want = _out(ref.generate(MLA_PROMPT, 8))
+        finally:
+            ref.close()
+        got, log = _declined(tmp_path / kind, model)
+        assert _out(got) == want
+        said = [line for line in log.splitlines() if "the cache is off" in line]
+        assert len(said) == 1 and why in said[0], log
+        assert "Turning off hybrid kv cache manager" not in log
+
+
+def test_a_sliding_window_hybrid_without_the_hybrid_manager_hits_as_dense_attention(tmp_path: Path) -> None:
+    model = tmp_path / "gemma3"
+    _build(f"import kvbench.vllm_model as m; m.build_hybrid_model({str(model)!r}, 'gemma3')")
+    off = {"disable_hybrid_kv_cache_manager": True}
+    ref = engine(model, None, tmp_path / "logs", prefix_caching=True, options=off)
+    try:
+        miss, hit = ref.generate(MLA_PROMPT, 8), ref.generate(MLA_PROMPT, 8)
+    finally:
+        ref.close()
+    assert (miss["cached"], hit["cached"]) == (0, 1024)  # vLLM's 128-token blocks
+    srv = serve(tmp_path / "server")
+    try:
+        eng = engine(model, srv.endpoint, tmp_path / "logs", options=off)
+        try:
+            first, again = eng.generate(MLA_PROMPT, 8), eng.generate(MLA_PROMPT, 8)
+        finally:
+            eng.close()
+    finally:
+        srv.stop()
+    assert first["cached"] == 0 and _out(first) == _out(miss)
+    assert again["cached"] == 1024 and _out(again) == _out(hit)

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from dataplane.client.adapter import WorkerAdapter
@@ -55,10 +56,9 @@ from dataplane.client.vllm.kinds import (
     FULL,
     KNOWN_EXTRA_KEYS,
     MLA,
-    Declined,
     EngineModel,
     Group,
-    scope_of,
+    cached_scope,
     uncached,
 )
 from dataplane.client.vllm.settings import connector_settings
@@ -118,21 +118,6 @@ def describe(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineM
     )
 
 
-def _scope(model: EngineModel, role: KVConnectorRole) -> tuple[Scope | None, str | None]:
-    """(the engine's scope, None), or (None, why the engine runs without the cache), said once
-    an engine (by its scheduler)."""
-    try:
-        return scope_of(model), None
-    except Declined as exc:
-        if role == KVConnectorRole.SCHEDULER:
-            logger.warning(
-                "kvwarden: the cache is off for model type %r, requests recompute and nothing is stored: %s",
-                model.model_type,
-                exc,
-            )
-        return None, str(exc)
-
-
 FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
 
 
@@ -183,7 +168,11 @@ class KVWardenWorkerMetadata(KVConnectorWorkerMetadata):
         return KVWardenWorkerMetadata(self.saved + other.saved)
 
 
-class KVWardenConnector(KVConnectorBase_V1):
+class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): vLLM keeps it on, and a model
+    of several KV cache groups (sliding-window or state-space hybrids) starts with the cache
+    declined (`dataplane.client.vllm.kinds`) rather than failing or losing the manager."""
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -194,7 +183,9 @@ class KVWardenConnector(KVConnectorBase_V1):
             )
         self._cfg = connector_settings(self._kv_transfer_config.kv_connector_extra_config)
         # None, and why: this engine runs without the cache
-        scope, self._declined = _scope(describe(vllm_config, kv_cache_config), role)
+        scope, self._declined = cached_scope(
+            describe(vllm_config, kv_cache_config), role == KVConnectorRole.SCHEDULER
+        )
         self._scope_or_none = scope
         self._block_size = scope.block_size if scope is not None else 0
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -490,3 +481,11 @@ class KVWardenConnector(KVConnectorBase_V1):
         if held:
             self._held.add(request.request_id)
         return held, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager asks this instead: a cached model has one group."""
+        if self._planner is None:
+            return False, None  # declined
+        return self.request_finished(request, block_ids[0])

@@ -14,6 +14,10 @@ configuration), or why the engine runs without the cache (`Declined`).
   stores it in, so a bf16 engine never reads fp8 KV and E4M3 never serves E5M2; its per-layer
   scales are the checkpoint's (vLLM 0.32 computes none at run time), part of the model as its
   weights are. The kinds that keep scales beside the KV (per token and head) are declined.
+- Several KV cache groups (vLLM's hybrid KV cache manager on: sliding-window hybrids such as
+  Gemma 3, state-space hybrids such as Granite 4 and Jamba): declined, saying how to cache a
+  sliding-window hybrid as dense attention (``--disable-hybrid-kv-cache-manager``); one group of
+  another kind (every layer a sliding window, a state-space model) is declined too.
 """
 
 from __future__ import annotations
@@ -59,19 +63,27 @@ class EngineModel:
     groups: tuple[Group, ...]
 
 
+def _hybrid(groups: tuple[Group, ...]) -> str:
+    """Why a model of several KV cache groups is not cached (yet)."""
+    kinds = sorted({g.kind for g in groups})
+    if any("Mamba" in k or "Linear" in k or "ShortConv" in k for k in kinds):
+        return (
+            f"a hybrid with state-space or linear-attention layers (KV cache groups {', '.join(kinds)}): "
+            "their state is not cached"
+        )
+    return (
+        f"a hybrid of {len(groups)} KV cache groups ({', '.join(kinds)}) that vLLM's hybrid KV cache "
+        "manager keeps apart is not cached yet; with --disable-hybrid-kv-cache-manager vLLM keeps "
+        "every layer's blocks and kvwarden caches it as dense attention"
+    )
+
+
 def scope_of(m: EngineModel) -> Scope:
     """The scope every worker of the engine registers (Declined: a model kvwarden does not
     cache; ValueError: a configuration it refuses)."""
     if len(m.groups) != 1:
-        raise ValueError(f"kvwarden: models with {len(m.groups)} KV cache groups are not supported (one)")
+        raise Declined(_hybrid(m.groups))
     g = m.groups[0]
-    dtype = g.dtype
-    if g.cache_dtype != "auto":
-        dtype = KV_DTYPES.get(g.cache_dtype)
-        if dtype is None:
-            raise Declined(f"its KV cache dtype {g.cache_dtype!r} is not one kvwarden caches yet")
-    if dtype is None:
-        raise ValueError("kvwarden: the KV cache's dtype is not supported")
     kv_format = KVFormat.VLLM_CPU if m.cpu else KVFormat.TOKEN_MAJOR
     if g.kind == MLA:
         if not m.cpu:
@@ -87,8 +99,30 @@ def scope_of(m: EngineModel) -> Scope:
         kv_format = KVFormat.LATENT
     elif g.kind != FULL:
         raise Declined(f"its KV cache ({g.kind}) is not one kvwarden caches")
+    dtype = g.dtype
+    if g.cache_dtype != "auto":
+        dtype = KV_DTYPES.get(g.cache_dtype)
+        if dtype is None:
+            raise Declined(f"its KV cache dtype {g.cache_dtype!r} is not one kvwarden caches yet")
+    if dtype is None:
+        raise ValueError("kvwarden: the KV cache's dtype is not supported")
     heads = 1 if kv_format is KVFormat.LATENT else g.heads
     return Scope(m.name, m.tensor_parallel, dtype, g.layers, heads, g.head_size, kv_format, g.block_size)
+
+
+def cached_scope(m: EngineModel, say: bool) -> tuple[Scope | None, str | None]:
+    """(the engine's scope, None), or (None, why the engine runs without the cache), logged
+    when ``say`` (by the engine's scheduler: once an engine)."""
+    try:
+        return scope_of(m), None
+    except Declined as exc:
+        if say:
+            logger.warning(
+                "kvwarden: the cache is off for model type %r, requests recompute and nothing is stored: %s",
+                m.model_type,
+                exc,
+            )
+        return None, str(exc)
 
 
 # the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that

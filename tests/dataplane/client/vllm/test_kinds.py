@@ -54,11 +54,14 @@ def test_kv_kinds_with_their_own_scales_are_declined(cache_dtype: str) -> None:
         scope_of(model(Group(FULL, "int8", 8, 128, 128, 32, cache_dtype)))
 
 
-def test_other_caches_are_declined_and_several_groups_refused() -> None:
+def test_other_caches_and_hybrids_of_several_groups_are_declined() -> None:
     for kind in ("SlidingWindowSpec", "MambaSpec", "ChunkedLocalAttentionSpec"):
         with pytest.raises(Declined, match=kind):
             scope_of(model(Group(kind, "bfloat16", 8, 128, 128, 32)))
-    with pytest.raises(ValueError, match="2 KV cache groups"):
-        scope_of(model(DENSE, Group("SlidingWindowSpec", "bfloat16", 8, 128, 128, 32)))
+    window = Group("SlidingWindowSpec", "bfloat16", 8, 128, 128, 32)
+    with pytest.raises(Declined, match=r"2 KV cache groups .*--disable-hybrid-kv-cache-manager"):
+        scope_of(model(DENSE, window))
+    with pytest.raises(Declined, match=r"state-space or linear-attention layers .*MambaSpec"):
+        scope_of(model(DENSE, Group("MambaSpec", None, 0, 0, 128, 3)))
     with pytest.raises(ValueError, match="dtype is not supported"):
         scope_of(model(Group(FULL, None, 8, 128, 128, 32)))
