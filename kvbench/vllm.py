@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 from kvbench.procs import bench_env, launch, wait_http
@@ -183,6 +184,13 @@ def add_args(sub: Any) -> None:
     p.add_argument("--prompt-tokens", type=int, default=None, help="default 2900")
     p.add_argument("--vllm-python", default=None, help="the Python of vLLM's environment (.venv-vllm)")
     p.add_argument(
+        "--model-kind",
+        choices=("dense", "mla"),
+        default="dense",
+        help="a dense Llama, or a DeepSeek-V2 with multi-head latent attention (one latent a token "
+        "cached; vLLM's own prefix cache kept on for it, which its CPU build turns off)",
+    )
+    p.add_argument(
         "--reserved-cpus",
         type=int,
         default=1,
@@ -198,19 +206,24 @@ def run_vllm(ns: argparse.Namespace) -> int:
     if ns.rounds < 1 or ns.prompt_tokens < 2 * CHUNK:
         print(f"bench: --rounds >= 1 and --prompt-tokens >= {2 * CHUNK}", file=sys.stderr)
         return 2
-    from kvbench.vllm_model import PREFILL, TINY
+    from kvbench.vllm_model import MLA, PREFILL, TINY
 
-    shape = TINY if ns.tiny else PREFILL
+    shape: object = TINY if ns.tiny else PREFILL
+    build = f"build_model({{path!r}}, {shape!r})"
+    if ns.model_kind == "mla":
+        shape, build = MLA, "build_mla_model({path!r})"
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-vllm-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        code = f"from kvbench.vllm_model import *; build_model({str(model)!r}, {shape!r})"
+        code = "from kvbench.vllm_model import *; " + build.format(path=str(model))
         subprocess.run([python, "-c", code], check=True, env=bench_env())
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ns.reserved_cpus)}
-        out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env)
+        own_cache: bool | str = "force" if ns.model_kind == "mla" else True
+        out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env, own_cache)
     out["params"] = {
         "rounds": ns.rounds,
         "prompt_tokens": ns.prompt_tokens,
+        "model_kind": ns.model_kind,
         "model": str(shape),
         "reserved_cpus": ns.reserved_cpus,
     }
@@ -233,14 +246,27 @@ def _serve(eng: EngineProcess, prompts: list[list[int]], cases: dict[str, list[A
         eng.close()
 
 
+def _retrieved(srv: Any) -> float:
+    """The bytes the server has copied out to workers (its /metrics)."""
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    head = 'kvwarden_transfer_bytes_total{direction="retrieve"}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(head))
+
+
 def _measure(
-    python: str, model: Path, work: Path, rounds: int, tokens: int, env: dict[str, str]
+    python: str,
+    model: Path,
+    work: Path,
+    rounds: int,
+    tokens: int,
+    env: dict[str, str],
+    own_cache: bool | str = True,
 ) -> dict[str, Any]:
     own, ours = _prompts(1, rounds, tokens), _prompts(2, rounds, tokens)
     keys = ("none", "vllm_miss", "vllm_hit", "miss", "repeat", "hit")
     cases: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
     _serve(EngineProcess(python, model, None, work / "none.log", env_extra=env), own, cases, "none")
-    prefix = EngineProcess(python, model, None, work / "prefix.log", prefix_caching=True, env_extra=env)
+    prefix = EngineProcess(python, model, None, work / "prefix.log", prefix_caching=own_cache, env_extra=env)
     _serve(prefix, own, cases, "vllm_miss", "vllm_hit")
     srv = launch("--chunk-size", str(CHUNK), "--l1-size-gb", "2")
     try:
@@ -248,7 +274,9 @@ def _measure(
         eng = EngineProcess(python, model, srv.endpoint, work / "miss.log", env_extra=env)
         _serve(eng, ours, cases, "miss", "repeat")
         eng = EngineProcess(python, model, srv.endpoint, work / "hit.log", env_extra=env)
+        before = _retrieved(srv)
         _serve(eng, ours, cases, "hit")
+        moved = _retrieved(srv) - before  # the hits' bytes, as the server counts them
     finally:
         srv.proc.terminate()
         srv.proc.wait(30)
@@ -266,6 +294,8 @@ def _measure(
             a["tokens"] == b["tokens"] for a, b in zip(cases["repeat"], cases["hit"], strict=True)
         ),
         "runs": {k: [round(r["s"], 4) for r in v] for k, v in cases.items()},
+        "retrieve_bytes_per_hit": moved / rounds,
+        "retrieve_bytes_per_hit_token": moved / max(1, sum(r["cached"] for r in cases["hit"])),
     }
 
 
@@ -288,4 +318,9 @@ def _show(rep: dict[str, Any]) -> None:
     print(f"  kvwarden hit / vLLM hit  {rep['hit_vs_vllm_hit']:.2f}x (target <= 1.1x)")
     print(f"  kvwarden repeat / vLLM hit  {rep['repeat_vs_vllm_hit']:.2f}x (target <= 1.2x)")
     print(f"  kvwarden miss / none     {rep['miss_vs_none']:.3f}x (target <= 1.03x)")
-    print(f"  hit and miss outputs equal: {rep['same_output']}", flush=True)
+    print(
+        f"  bytes a hit moves: {rep['retrieve_bytes_per_hit']:,.0f} "
+        f"({rep['retrieve_bytes_per_hit_token']:,.0f} a token; {rep['params']['model_kind']} model)"
+    )
+    mla = " (MLA: a hit and a full prefill may round apart)" if rep["params"]["model_kind"] == "mla" else ""
+    print(f"  hit and miss outputs equal: {rep['same_output']}{mla}", flush=True)

@@ -1,6 +1,7 @@
 """`kvwarden bench vllm --tiny --json` end to end, with real vLLM engines (``.venv-vllm``): the
 harness runs every case and its report holds every figure. The model and prompts are tiny: the
-numbers mean nothing here, but a hit must load what the miss stored, with the same output."""
+numbers mean nothing here, but a hit must load what the miss stored, with the same output, and
+move the bytes its model's KV takes (a dense model's K and V, an MLA model's latent alone)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,14 +19,19 @@ from tests.helpers import ROOT, subprocess_env
 pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
 
-def test_bench_vllm_tiny(tmp_path: Path) -> None:
-    require_vllm()
-    cmd = [sys.executable, "-m", "app.cli", "bench", "vllm", "--tiny", "--json"]
+def _bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    cmd = [sys.executable, "-m", "app.cli", "bench", "vllm", "--tiny", "--json", *args]
     cmd += ["--results-dir", str(tmp_path), "--vllm-python", str(VLLM_PYTHON)]
     p = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=850)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     (path,) = [line.split(": ", 1)[1] for line in p.stdout.splitlines() if line.startswith("results: ")]
-    rep = json.loads(Path(path).read_text())
+    rep: dict[str, Any] = json.loads(Path(path).read_text())
+    return rep, p.stdout
+
+
+def test_bench_vllm_tiny(tmp_path: Path) -> None:
+    require_vllm()
+    rep, out = _bench(tmp_path)
     assert rep["benchmark"] == "vllm" and rep["tier"] == "tiny"
     cached = rep["cached_tokens"]
     assert cached["none"] == cached["miss"] == cached["vllm_miss"] == 0
@@ -33,4 +40,20 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     assert rep["same_output"] is True and rep["repeat_same_as_hit"] is True
     assert set(rep["ttft_s"]) == {"none", "vllm_miss", "vllm_hit", "miss", "repeat", "hit"}
     assert rep["hit_vs_vllm_hit"] > 0 and rep["miss_vs_none"] > 0 and rep["repeat_vs_vllm_hit"] > 0
-    assert "kvwarden hit / vLLM hit" in p.stdout
+    assert "kvwarden hit / vLLM hit" in out
+    # TINY: 2 layers x 2 KV heads x 64 x K and V x 2 bytes a token, for each of 512 tokens
+    assert rep["retrieve_bytes_per_hit"] == 512 * 1024 and rep["retrieve_bytes_per_hit_token"] == 1024
+
+
+def test_bench_vllm_tiny_mla_moves_the_latent_alone(tmp_path: Path) -> None:
+    require_vllm()
+    rep, out = _bench(tmp_path, "--model-kind", "mla")
+    cached = rep["cached_tokens"]
+    assert cached["none"] == cached["miss"] == 0
+    # 600 tokens: two chunks of 256 (a hit leaves two tokens at least); vLLM's own 16-token blocks
+    assert cached["hit"] == cached["repeat"] == 512 and cached["vllm_hit"] == 592
+    # two hits on the same boundary are the same computation; a full prefill is not (MLA's context
+    # path rounds otherwise: tests/e2e/test_vllm_models.py compares hits with vLLM's own)
+    assert rep["repeat_same_as_hit"] is True
+    # 4 layers x one latent of 576 x 2 bytes a token
+    assert rep["retrieve_bytes_per_hit_token"] == 4 * 576 * 2 and "mla model" in out
