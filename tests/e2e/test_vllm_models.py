@@ -8,7 +8,9 @@ to compare with: a miss's output (tokens and logprobs) equals its full prefill, 
 hit's equals its own prefix-cache hit on the same 1,024 tokens, exactly, in this engine and in
 another engine process. The bytes a hit moves are the latent's: layers x tokens x 576 x 2. A
 prompt of 4 chunks and one token loads 3 chunks, not 4: one token left after a hit goes through
-vLLM's MLA decode path, which on its CPU backend does not compute what a prefill does.
+vLLM's MLA decode path, which on its CPU backend does not compute what a prefill does. With
+two tensor-parallel ranks (one core each), the latent is stored once, by rank 0, and loaded by
+both ranks, with the output of vLLM's own hit of the same engine shape.
 
 A model kvwarden does not cache starts with the cache declined: one log line naming the model
 type and why, outputs those of an engine without a connector, nothing registered or stored on the
@@ -35,7 +37,7 @@ import pytest
 
 from kvbench.vllm import EngineProcess
 from tests.e2e.vllm_support import CHUNK, RESERVED_CPUS, VLLM_PYTHON, instances, require_vllm, serve
-from tests.helpers import ServerProcess, subprocess_env
+from tests.helpers import ServerProcess, subprocess_env, wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
@@ -147,6 +149,52 @@ def test_a_model_kvwarden_does_not_cache_starts_with_the_cache_declined(tmp_path
     assert _out(got) == want
     said = [line for line in log.splitlines() if "the cache is off" in line]
     assert len(said) == 1 and "'mistral'" in said[0] and "SlidingWindowSpec" in said[0], log
+
+
+def test_an_mla_model_on_two_ranks_stores_its_latent_once_for_both(mla: MLAWorld, tmp_path: Path) -> None:
+    tp = {"tensor_parallel_size": 2}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # a core a rank
+
+    def two_ranks(url: str | None, logs: Path, prefix_caching: bool | str = False) -> EngineProcess:
+        logs.mkdir(parents=True, exist_ok=True)
+        extra = {"kvwarden.retry_s": 0.5}
+        env_extra = {**env, "KVWARDEN_ENGINE_OPTIONS": json.dumps(tp)}
+        return EngineProcess(
+            VLLM_PYTHON,
+            mla.model,
+            url,
+            logs / f"tp-{url is None}.log",
+            extra,
+            prefix_caching,
+            env_extra=env_extra,
+        )
+
+    prompt = MLA_PROMPT[::-1]  # a prompt of its own: nothing of it stored yet
+    one_copy = MLA_LAYERS * MLA_HIT * LATENT * 2
+    ref = two_ranks(None, tmp_path, prefix_caching="force")
+    try:
+        ref_miss, ref_hit = ref.generate(prompt, 8), ref.generate(prompt, 8)
+    finally:
+        ref.close()
+    srv = serve(tmp_path / "server")
+    try:
+        eng = two_ranks(srv.endpoint, tmp_path)
+        try:
+            assert sorted((i["worker_id"], i["world_size"]) for i in instances(srv)) == [(0, 2), (1, 2)]
+            miss = eng.generate(prompt, 8)
+            store = 'kvwarden_transfer_bytes_total{direction="store"}'
+            wait_until(lambda: _metric(srv, store) >= one_copy, 60, 0.05, what="the miss's store")
+            stored = _metric(srv, store)
+            hit = eng.generate(prompt, 8)
+            loaded = _metric(srv, 'kvwarden_transfer_bytes_total{direction="retrieve"}')
+        finally:
+            eng.close()
+    finally:
+        srv.stop()
+    assert miss["cached"] == 0 and _out(miss) == _out(ref_miss)
+    assert stored == one_copy  # rank 0 stores; rank 1's saves are over without a byte sent
+    assert hit["cached"] == MLA_HIT and _out(hit) == _out(ref_hit)
+    assert loaded == 2 * one_copy  # the one copy, read by both ranks
 
 
 def _declined(tmp: Path, model: Path, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
