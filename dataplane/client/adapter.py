@@ -248,17 +248,20 @@ class WorkerAdapter:
         return r is not None and r.complete
 
     def store_detail(
-        self, token_ids: TokenIds, block_ids: TokenIds, key: Ctx = None, names: Names = None
+        self, token_ids: TokenIds, block_ids: TokenIds, key: Ctx = None, names: Names = None, first: int = 0
     ) -> StoreCounts:
         """STORE's counts: chunks, stored (written now), present (already held), rejected,
-        skipped (`dataplane.wire.replies.StoreCounts`); all 0 without an answer."""
-        r = self._store(token_ids, block_ids, key, names)
+        skipped (`dataplane.wire.replies.StoreCounts`); all 0 without an answer. ``first``: the
+        first chunk to store (engine-driven; the blocks before it are not the prompt's)."""
+        r = self._store(token_ids, block_ids, key, names, first)
         return NO_STORE if r is None else r
 
-    def _store(self, token_ids: TokenIds, block_ids: TokenIds, key: Ctx, names: Names) -> StoreCounts | None:
+    def _store(
+        self, token_ids: TokenIds, block_ids: TokenIds, key: Ctx, names: Names, first: int = 0
+    ) -> StoreCounts | None:
         def run() -> StoreCounts | None:
             tokens, blocks = _id_array(token_ids), _id_array(block_ids)
-            return self._transport.store(self._send, tokens, blocks, self.chunk_size, key, names)
+            return self._transport.store(self._send, tokens, blocks, self.chunk_size, key, names, first)
 
         return self._unless_outage(run, None)
 
@@ -270,12 +273,16 @@ class WorkerAdapter:
         msg = Lookup(self.instance_id, self._secret, _id_array(token_ids), key)
         return self._unless_outage(lambda: self._send(msg), Hits(0, 0))
 
-    def retrieve(self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None) -> int:
-        """Write the longest stored prefix into ``block_ids``; returns its token count."""
+    def retrieve(
+        self, token_ids: TokenIds, block_ids: TokenIds, key: KeyContext | None = None, first: int = 0
+    ) -> int:
+        """Write the longest stored prefix into ``block_ids``; returns its token count. From
+        chunk ``first`` on (engine-driven): the chunks a sliding-window layer group needs, block
+        id -1 marking a block not to write; the count then includes the ``first`` chunks'."""
 
         def run() -> int:
             tokens, blocks = _id_array(token_ids), _id_array(block_ids)
-            return self._transport.retrieve(self._send, tokens, blocks, self.chunk_size, key)
+            return self._transport.retrieve(self._send, tokens, blocks, self.chunk_size, key, first)
 
         return self._unless_outage(run, 0)
 

@@ -127,17 +127,20 @@ class EngineDrivenTransport:
         chunk_size: int | None,
         ctx: Key = None,
         names: EngineBlocks | None = None,
+        first: int = 0,
     ) -> StoreCounts:
         cs, local = self._require_local(chunk_size)
         with self._lock:
             if self._arena is not None:
-                return self._arena[1].store(send, local, tokens, blocks, cs, self._splitter, ctx, names)
+                return self._arena[1].store(
+                    send, local, tokens, blocks, cs, self._splitter, ctx, names, first
+                )
         n_full = len(tokens) // cs
         # the chunks held need no copy
         present = send(Lookup(self.who.instance_id, self.who.secret, tokens, ctx)).hit_tokens // cs
-        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
-        total = StoreCounts(n_full, 0, present, 0, 0)
-        first = present
+        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs, first)
+        total = StoreCounts(max(0, n_full - first), 0, max(0, present - first), 0, 0)  # (from ``first``)
+        first = max(first, present)
         with self._lock:
             pool = self._slots()
             while first < n_full:
@@ -167,14 +170,20 @@ class EngineDrivenTransport:
         return total
 
     def retrieve(
-        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
+        self,
+        send: Send,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        chunk_size: int | None,
+        ctx: Key = None,
+        first: int = 0,
     ) -> int:
         cs, local = self._require_local(chunk_size)
         with self._lock:
             if self._arena is not None:
-                return self._arena[1].retrieve(send, local, tokens, blocks, cs, self._splitter, ctx)
+                return self._arena[1].retrieve(send, local, tokens, blocks, cs, self._splitter, ctx, first)
         n_full = len(tokens) // cs
-        first = 0
+        start = first
         with self._lock:
             pool = self._slots()
             while first < n_full:
@@ -183,7 +192,9 @@ class EngineDrivenTransport:
                     self.who.instance_id, self.who.secret, tokens[: (first + k) * cs], first, k, ctx
                 )
                 got = send(msg).chunks
-                chunks = ChunkMap(blocks, local.block_size, local.num_blocks, first + got, cs)
+                chunks = ChunkMap(
+                    blocks, local.block_size, local.num_blocks, first + got, cs, start, holes=True
+                )
                 for i in range(got):
                     c = first + i
                     local.scatter(chunks[c], pool[i], self._splitter)

@@ -154,11 +154,12 @@ class ArenaCopier:
         splitter: CopySplitter | None = None,
         ctx: KeyContext | None = None,
         names: EngineBlocks | None = None,
+        start: int = 0,
     ) -> StoreCounts:
         n_full = len(tokens) // cs
-        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs)
-        total = StoreCounts(n_full, 0, 0, 0, 0)
-        for first in range(0, n_full, MAX_POOL_CHUNKS):
+        chunks = ChunkMap(blocks, local.block_size, local.num_blocks, n_full, cs, start)
+        total = StoreCounts(max(0, n_full - start), 0, 0, 0, 0)  # (the chunks from ``start``)
+        for first in range(start, n_full, MAX_POOL_CHUNKS):
             k = min(MAX_POOL_CHUNKS, n_full - first)
             upto = tokens[: (first + k) * cs]
             r = send(EngineReserve(self.instance_id, self.secret, upto, first, k, ctx, names))
@@ -185,16 +186,19 @@ class ArenaCopier:
         cs: int,
         splitter: CopySplitter | None = None,
         ctx: KeyContext | None = None,
+        start: int = 0,
     ) -> int:
         n_full = len(tokens) // cs
-        first = 0
+        first = start
         while first < n_full:
             k = min(MAX_POOL_CHUNKS, n_full - first)
             r = send(EngineAcquire(self.instance_id, self.secret, tokens[: (first + k) * cs], first, k, ctx))
             offsets, cb = r.offsets, r.slot_bytes
             self.toucher.want(max(offsets, default=-cb) + cb, r.usable)
             with self._lease(send, r.lease, commit=False):
-                chunks = ChunkMap(blocks, local.block_size, local.num_blocks, first + len(offsets), cs)
+                chunks = ChunkMap(
+                    blocks, local.block_size, local.num_blocks, first + len(offsets), cs, start, holes=True
+                )
                 for i, off in enumerate(offsets):
                     c = first + i
                     local.scatter(chunks[c], self.arena[off : off + cb], splitter)

@@ -67,11 +67,25 @@ class Transport(Protocol):
         chunk_size: int | None,
         ctx: Key = None,
         names: EngineBlocks | None = None,
-    ) -> StoreCounts: ...
+        first: int = 0,
+    ) -> StoreCounts:
+        """Store the full chunks of ``tokens`` from chunk ``first`` on (those before it are not
+        in ``blocks``: a sliding window's blocks, freed)."""
+        ...
 
     def retrieve(
-        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
-    ) -> int: ...
+        self,
+        send: Send,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        chunk_size: int | None,
+        ctx: Key = None,
+        first: int = 0,
+    ) -> int:
+        """Retrieve the held full chunks of ``tokens`` from chunk ``first`` on into ``blocks``
+        (a block id of -1: a block not to write); the tokens up to the last chunk written, or
+        ``first`` chunks' tokens when none was."""
+        ...
 
     def set_rope(self, params: RopeParams) -> None:
         """The RoPE parameters the server accepted (for a worker that rotates itself)."""
@@ -138,12 +152,21 @@ class ServerDrivenTransport:
         chunk_size: int | None,
         ctx: Key = None,
         names: EngineBlocks | None = None,
+        first: int = 0,
     ) -> StoreCounts:
+        _whole(first)
         return send(Store(self.who.instance_id, self.who.secret, tokens, blocks, ctx, names))
 
     def retrieve(
-        self, send: Send, tokens: np.ndarray, blocks: np.ndarray, chunk_size: int | None, ctx: Key = None
+        self,
+        send: Send,
+        tokens: np.ndarray,
+        blocks: np.ndarray,
+        chunk_size: int | None,
+        ctx: Key = None,
+        first: int = 0,
     ) -> int:
+        _whole(first)
         msg = Retrieve(self.who.instance_id, self.who.secret, tokens, blocks, ctx)
         return send(msg).retrieved_tokens
 
@@ -175,3 +198,8 @@ class ServerDrivenTransport:
 
     def close(self) -> None:
         return None
+
+
+def _whole(first: int) -> None:
+    if first:
+        raise ValueError("server-driven transfers move a prefix from its first chunk (first must be 0)")

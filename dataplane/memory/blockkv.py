@@ -77,6 +77,8 @@ class BlockKV:
     def gather(self, where: Placement, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
         """The whole blocks ``where`` covers, into the chunk ``buf`` (uint8)."""
         blocks = self._blocks(where)
+        if len(blocks) and blocks.min() < 0:
+            raise ValueError("a chunk with blocks not written (-1) cannot be stored")
         out = buf.view(torch.uint8).view(self.num_layers, len(blocks), self.block_bytes)
         idx = torch.from_numpy(blocks)
 
@@ -87,12 +89,19 @@ class BlockKV:
         self._run(layers, splitter)
 
     def scatter(self, where: Placement, buf: torch.Tensor, splitter: CopySplitter | None = None) -> None:
+        """The chunk ``buf`` into the blocks ``where`` covers; a block id of -1 is left alone
+        (`dataplane.memory.copies.ChunkMap`)."""
         blocks = self._blocks(where)
         src = buf.view(torch.uint8).view(self.num_layers, len(blocks), self.block_bytes)
+        keep = blocks >= 0
+        whole = bool(keep.all())
 
         def layers(lo: int, hi: int) -> None:
             for i in range(lo, hi):
-                self.layers[i].numpy()[blocks] = src[i].numpy()
+                if whole:
+                    self.layers[i].numpy()[blocks] = src[i].numpy()
+                else:
+                    self.layers[i].numpy()[blocks[keep]] = src[i].numpy()[keep]
 
         self._run(layers, splitter)
 

@@ -23,18 +23,29 @@ import numpy as np
 _MAX_RUNS = 32
 
 
-def _needed_blocks(block_ids: np.ndarray, block_size: int, num_blocks: int, n_tokens: int) -> np.ndarray:
+def _needed_blocks(
+    block_ids: np.ndarray,
+    block_size: int,
+    num_blocks: int,
+    n_tokens: int,
+    from_block: int = 0,
+    holes: bool = False,
+) -> np.ndarray:
     """The blocks holding the first ``n_tokens`` tokens (int64); ValueError names a bad or
-    missing block."""
+    missing block. Those before ``from_block`` are not checked (and read as -1); ``holes``:
+    -1 passes, a block not to write (`ChunkMap`)."""
     need = -(-n_tokens // block_size)
     if len(block_ids) < need:
         raise ValueError(
             f"block_ids: {len(block_ids)} blocks cannot hold {n_tokens} tokens "
             f"(block size {block_size} needs {need})"
         )
-    blocks = np.asarray(block_ids[:need], dtype=np.int64)
-    if need and (blocks.min() < 0 or blocks.max() >= num_blocks):
-        i = int(np.flatnonzero((blocks < 0) | (blocks >= num_blocks))[0])
+    blocks = np.asarray(block_ids[:need], dtype=np.int64).copy()
+    blocks[: min(from_block, need)] = -1
+    checked = blocks[from_block:]
+    low = -1 if holes else 0
+    if len(checked) and (checked.min() < low or checked.max() >= num_blocks):
+        i = from_block + int(np.flatnonzero((checked < low) | (checked >= num_blocks))[0])
         raise ValueError(
             f"block_ids[{i}]: block {int(blocks[i])} is outside the registered cache [0, {num_blocks})"
         )
@@ -69,10 +80,20 @@ class ChunkMap:
     """Where each of ``n_chunks`` chunks of ``chunk_size`` tokens lives in a worker's blocks,
     token i in block ``block_ids[i // block_size]``; ValueError (at construction) names a bad or
     missing block. ``map[i]`` is chunk i's `Placement`: whole `Blocks` when the chunk size is a
-    multiple of the block size, else token slots."""
+    multiple of the block size, else token slots. From chunk ``first`` on (whole blocks only:
+    the blocks before it are not the prompt's, a sliding window's freed blocks); ``holes``: a
+    block id of -1 is a block not to write (vLLM's null block in a sliding window), which only
+    a block-major copy into the worker's memory skips (`BlockKV.scatter`)."""
 
     def __init__(
-        self, block_ids: np.ndarray, block_size: int, num_blocks: int, n_chunks: int, chunk_size: int
+        self,
+        block_ids: np.ndarray,
+        block_size: int,
+        num_blocks: int,
+        n_chunks: int,
+        chunk_size: int,
+        first: int = 0,
+        holes: bool = False,
     ) -> None:
         self.chunk_size = chunk_size
         n_tokens = n_chunks * chunk_size
@@ -80,7 +101,13 @@ class ChunkMap:
         self._slots: np.ndarray | None = None
         self._block_size = block_size
         if chunk_size % block_size == 0:
-            self._blocks = _needed_blocks(block_ids, block_size, num_blocks, n_tokens)
+            from_block = first * chunk_size // block_size
+            self._blocks = _needed_blocks(block_ids, block_size, num_blocks, n_tokens, from_block, holes)
+        elif first:
+            raise ValueError(
+                f"chunks from chunk {first} on move as whole blocks: chunk size {chunk_size} is not "
+                f"a multiple of the block size {block_size}"
+            )
         else:
             self._slots = token_slots(block_ids, block_size, num_blocks, n_tokens)
 

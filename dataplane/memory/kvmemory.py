@@ -108,6 +108,8 @@ class MappedKV:
     def _move(
         self, where: Placement, buf: torch.Tensor, to_chunk: bool, splitter: CopySplitter | None
     ) -> None:
+        if isinstance(where, Blocks) and len(where.ids) and where.ids.min() < 0:
+            raise ValueError("token-major memory has no blocks to leave alone (-1)")
         cpu = self.device.type == "cpu"
         if not cpu:
             self._move_gpu(where.slots() if isinstance(where, Blocks) else where, buf, to_chunk)

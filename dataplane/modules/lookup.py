@@ -1,10 +1,12 @@
 """The lookup module: LOOKUP answers how many prefix tokens the server holds for an instance;
 LOOKUP_SCOPE the same for a scope named by its fields (an engine's scheduler, which registers
-no memory), the prefix every rank of the scope holds. Both also answer how many tokens after
-those are being stored now (`dataplane.storage.l1.inflight`): a scheduler may hold the request back
-until they land. LOOKUP_WAITED is such a scheduler's report of a wait, counted in /metrics.
-PREFETCH_SCOPE is LOOKUP_SCOPE's read-ahead alone (a scheduler just given a request): what the
-slower tiers hold of its prefix starts coming into L1, and nothing is counted."""
+no memory), the prefix every rank of the scope holds, or, with a window, whether the last chunks
+of the prefix are held (all that a sliding-window layer group needs). Both also answer how many
+tokens after those are being stored now (`dataplane.storage.l1.inflight`): a scheduler may hold
+the request back until they land. LOOKUP_WAITED is such a scheduler's report of a wait, counted
+in /metrics. PREFETCH_SCOPE is LOOKUP_SCOPE's read-ahead alone (a scheduler just given a
+request): what the slower tiers hold of its prefix starts coming into L1, and nothing is
+counted."""
 
 from __future__ import annotations
 
@@ -92,10 +94,23 @@ class LookupModule:
                 p.block_size,
             )
             keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)
-            in_l1 = min(in_l1, self.l1.peek_prefix(keys))
-            h, r = self._reach(keys, scope, tenant_of(p.key))
-            held, reach = min(held, h), min(reach, r)
+            h, r, l1 = self._window(keys, scope, tenant_of(p.key), p.window)
+            held, reach, in_l1 = min(held, h), min(reach, r), min(in_l1, l1)
         return held, reach, min(in_l1, held)
+
+    def _window(self, keys: list[bytes], scope: bytes, tenant: bytes, window: int) -> tuple[int, int, int]:
+        """(held, reach, in L1) of one rank's ``keys``: a prefix, or, with ``window`` > 0, all
+        of ``keys`` when their last ``window`` chunks are held (a sliding-window layer group
+        needs no more), else the prefix held."""
+        n, w = len(keys), min(window, len(keys))
+        if w:
+            tail = keys[n - w :]
+            in_l1 = n if self.l1.peek_prefix(tail) == w else 0  # (asked before the read-ahead)
+            if self.l1.prefix_hits(tail, scope, tenant) == w:
+                return n, n, in_l1
+        in_l1 = self.l1.peek_prefix(keys)
+        held, reach = self._reach(keys, scope, tenant)
+        return held, reach, in_l1
 
     def _waited(self, rctx: RequestContext, p: LookupWaited) -> Noted:
         self.metrics.lookup_waits.labels(outcome=p.outcome).inc()

@@ -77,6 +77,7 @@ MAX_LAYERS = 1024
 MAX_POOL_CHUNKS = 64  # chunk slots of one engine-driven pool
 MAX_RANKS = 1 << 20
 MAX_SCOPE_RANKS = 64  # ranks one LOOKUP_SCOPE checks
+MAX_WINDOW_CHUNKS = 1 << 16  # the chunks a LOOKUP_SCOPE window may name
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 
 Layer = ShmLayer | CudaLayer
@@ -226,6 +227,11 @@ class ScopeRequest(Record):
     block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE), "as for ENGINE_REGISTER"]
     token_ids: Annotated[np.ndarray, _IDS, "the prompt"]
     key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
+    window: Annotated[
+        int,
+        small_int(0, MAX_WINDOW_CHUNKS),
+        "0: the prefix's every chunk is needed; w > 0: its last w (a sliding-window layer group)",
+    ] = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

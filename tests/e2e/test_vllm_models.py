@@ -136,19 +136,62 @@ def test_an_mla_model_hits_its_latent_in_this_engine_and_another(mla: MLAWorld) 
     assert other["cached"] == MLA_HIT and _out(other) == _out(mla.ref.hit)
 
 
-def test_a_model_kvwarden_does_not_cache_starts_with_the_cache_declined(tmp_path: Path) -> None:
-    require_vllm()
-    model = tmp_path / "model"
-    _build(f"import kvbench.vllm_model as m; m.build_sliding_window_model({str(model)!r})")
-    ref = engine(model, None, tmp_path / "logs")
+def _window_hits(tmp: Path, model: Path, token_layers: int, groups: int) -> None:
+    """A model with sliding-window layers and vLLM's hybrid manager on: a miss equals vLLM's full
+    prefill, a hit (4 chunks of MLA_PROMPT's 1,040 tokens) vLLM's own prefix-cache hit on the
+    same tokens, exactly, in this engine and in another; the hit moves ``token_layers`` tokens'
+    layers (`kvbench.vllm_model.TINY`: 512 bytes a token and layer), each KV cache group
+    registered by an instance of its own."""
+    ref = engine(model, None, tmp / "logs", prefix_caching=True)
     try:
-        want = _out(ref.generate(MLA_PROMPT, 8))
+        miss, hit = ref.generate(MLA_PROMPT, 8), ref.generate(MLA_PROMPT, 8)
     finally:
         ref.close()
-    got, log = _declined(tmp_path, model)
-    assert _out(got) == want
-    said = [line for line in log.splitlines() if "the cache is off" in line]
-    assert len(said) == 1 and "'mistral'" in said[0] and "SlidingWindowSpec" in said[0], log
+    assert (miss["cached"], hit["cached"]) == (0, 1024)  # vLLM's own: 8 blocks of 128
+    srv = serve(tmp / "server")
+    retrieve = 'kvwarden_transfer_bytes_total{direction="retrieve"}'
+    try:
+        a = engine(model, srv.endpoint, tmp / "logs")
+        try:
+            first = a.generate(MLA_PROMPT, 8)
+            assert first["cached"] == 0 and _out(first) == _out(miss)
+            assert len(instances(srv)) == groups
+            before = _metric(srv, retrieve)
+            again = a.generate(MLA_PROMPT, 8)
+            assert again["cached"] == 1024, a.tail()
+            assert _out(again) == _out(hit)
+            assert _metric(srv, retrieve) - before == token_layers * 512
+            log = a.tail()
+        finally:
+            a.close()
+        b = engine(model, srv.endpoint, tmp / "logs")
+        try:
+            other = b.generate(MLA_PROMPT, 8)
+        finally:
+            b.close()
+    finally:
+        srv.stop()
+    assert other["cached"] == 1024 and _out(other) == _out(hit)
+    assert "cache is off" not in log and "Turning off hybrid kv cache manager" not in log, log
+
+
+def test_a_sliding_window_hybrid_hits_with_vllms_hybrid_manager_on(tmp_path: Path) -> None:
+    """Gemma 3's kind: a full-attention layer and three sliding-window layers (a 256-token window),
+    four KV cache groups. The hit loads the full layer's 1,024 tokens and each window's last
+    chunk alone: 1 x 1,024 + 3 x 256 tokens' layers, 7/16 of what a dense model's would."""
+    require_vllm()
+    model = tmp_path / "gemma3"
+    _build(f"import kvbench.vllm_model as m; m.build_hybrid_model({str(model)!r}, 'gemma3')")
+    _window_hits(tmp_path, model, 1 * 1024 + 3 * 256, 4)
+
+
+def test_a_model_whose_every_layer_is_a_sliding_window_loads_the_window_alone(tmp_path: Path) -> None:
+    """Mistral's kind (two layers, a 256-token window): one KV cache group, the hit's last
+    chunk alone loaded, 2 x 256 tokens' layers of the 2 x 1,024 a dense model's would move."""
+    require_vllm()
+    model = tmp_path / "mistral"
+    _build(f"import kvbench.vllm_model as m; m.build_sliding_window_model({str(model)!r})")
+    _window_hits(tmp_path, model, 2 * 256, 1)
 
 
 def test_an_mla_model_on_two_ranks_stores_its_latent_once_for_both(mla: MLAWorld, tmp_path: Path) -> None:
@@ -219,10 +262,7 @@ def _declined(tmp: Path, model: Path, options: dict[str, Any] | None = None) -> 
 
 
 def test_hybrids_start_with_the_cache_declined_and_vllms_hybrid_manager_on(tmp_path: Path) -> None:
-    for kind, why in (
-        ("granite4", "state-space or linear-attention layers"),
-        ("gemma3", "KV cache groups (SlidingWindowSpec, full)"),
-    ):
+    for kind, why in (("granite4", "state-space or linear-attention layers"),):
         model = tmp_path / kind
         _build(f"import kvbench.vllm_model as m; m.build_hybrid_model({str(model)!r}, {kind!r})")
         ref = engine(model, None, tmp_path / "logs")

@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -56,9 +57,10 @@ from dataplane.client.vllm.kinds import (
     FULL,
     KNOWN_EXTRA_KEYS,
     MLA,
+    SLIDING,
     EngineModel,
     Group,
-    cached_scope,
+    cached_scopes,
     uncached,
 )
 from dataplane.client.vllm.settings import connector_settings
@@ -92,19 +94,21 @@ logger = logging.getLogger(__name__)
 
 def describe(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineModel:
     """What `dataplane.client.vllm.kinds` decides the engine's scope from."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     def group(g: Any) -> Group:
         spec = g.kv_cache_spec
-        kind = type(spec).__name__
+        kind, window = type(spec).__name__, 0
         if isinstance(spec, MLAAttentionSpec):
             kind = MLA
         elif isinstance(spec, FullAttentionSpec):
             kind = FULL
+        elif type(spec) is SlidingWindowSpec:
+            kind, window = SLIDING, int(spec.sliding_window)
         heads, head_size = getattr(spec, "num_kv_heads", 0), getattr(spec, "head_size", 0)
         dtype = DTYPE_NAMES.get(getattr(spec, "dtype", None))  # type: ignore[arg-type]
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        return Group(kind, dtype, heads, head_size, spec.block_size, len(g.layer_names), cache_dtype)
+        return Group(kind, dtype, heads, head_size, spec.block_size, len(g.layer_names), cache_dtype, window)
 
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     name = mc.served_model_name or mc.model
@@ -119,6 +123,16 @@ def describe(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineM
 
 
 FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
+NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a sliding window's freed blocks
+
+
+def groups_of(block_ids: Iterable[Iterable[int]], windows: tuple[int, ...]) -> list[list[int]]:
+    """A request's block ids, one list a KV cache group; in a sliding-window group vLLM's null
+    block reads -1 (a block never written, `dataplane.memory.copies.ChunkMap`)."""
+    return [
+        [-1 if b == NULL_BLOCK else int(b) for b in ids] if w else list(ids)
+        for ids, w in zip(block_ids, windows, strict=True)
+    ]
 
 
 def request_key(request: Request, block_size: int) -> RequestKey:
@@ -169,9 +183,13 @@ class KVWardenWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
-    """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): vLLM keeps it on, and a model
-    of several KV cache groups (sliding-window or state-space hybrids) starts with the cache
-    declined (`dataplane.client.vllm.kinds`) rather than failing or losing the manager."""
+    """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): vLLM keeps it on. Each KV cache
+    group is a scope of its own, registered by an instance of its own on each worker; a hit
+    covers a prefix only when every group can serve it, and a sliding-window group loads only
+    its window's chunks (`dataplane.client.vllm.kinds`). A model with sliding windows or several
+    groups loads every hit off the step (vLLM takes such a model's failed loads request by
+    request, from asynchronous loads only) and finishes its saves within the step (vLLM frees a
+    window's old blocks at the next one). A state-space hybrid starts with the cache declined."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -183,11 +201,22 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._cfg = connector_settings(self._kv_transfer_config.kv_connector_extra_config)
         # None, and why: this engine runs without the cache
-        scope, self._declined = cached_scope(
+        scopes, self._declined = cached_scopes(
             describe(vllm_config, kv_cache_config), role == KVConnectorRole.SCHEDULER
         )
-        self._scope_or_none = scope
-        self._block_size = scope.block_size if scope is not None else 0
+        self._scopes = scopes or ()
+        self._scope_or_none = scopes[0] if scopes else None
+        self._block_size = scopes[0].block_size if scopes else 0
+        self._windows = tuple(s.window for s in self._scopes)
+        self._group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        # sliding windows or several groups: loads off the step, failures by request, saves on it
+        self._windowed = len(self._scopes) > 1 or any(self._windows)
+        if self._windowed and self._cfg["kvwarden.async_load"] is False:
+            raise ValueError(
+                "kvwarden.async_load false: a model with sliding-window or several KV cache groups "
+                "loads its hits off the step (vLLM takes its failed loads only from those); use "
+                "true or auto"
+            )
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
                 "kvwarden: kv_load_failure_policy is %r: a load cut short (the server killed while "
@@ -196,8 +225,9 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._lookup: ScopeLookup | None = None
         self._planner: Planner | None = None
-        self._adapter: WorkerAdapter | None = None
-        self._registrar: Registrar | None = None
+        self._adapter: WorkerAdapter | None = None  # the first KV cache group's instance
+        self._more: list[WorkerAdapter] = []  # the other groups' instances, in order
+        self._registrars: list[Registrar] = []
         self._saver: Saver | None = None
         self._copier: BlockCopier | None = None  # a prefix still being saved, copied block to block
         self._loader: Loader | None = None  # loads off the step (vLLM's asynchronous loads)
@@ -205,17 +235,19 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._held: set[str] = set()  # finished requests whose blocks a save or a load still holds
         self._planned: set[str] = set()  # requests this worker was asked to store
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # windowed models: loads that came back short
         self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
-        if role == KVConnectorRole.SCHEDULER and scope is not None:
+        if role == KVConnectorRole.SCHEDULER and scopes:
             cfg = self._cfg
             lookup = ScopeLookup(
-                cfg["kvwarden.url"], self._scope, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
+                cfg["kvwarden.url"], self._scopes, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
             )
             self._lookup = lookup
             waits = Waits(cfg["kvwarden.lookup_wait_s"], lookup.report_wait)
             own = OwnSaves(self._scope.world_size)
             self._planner = Planner(lookup.find, self._block_size, waits, own)
-            if scope.kv_format is KVFormat.LATENT:
+            self._planner.windows = self._windows
+            if self._scope.kv_format is KVFormat.LATENT:
                 # a prompt whose one token is left after a hit goes through vLLM's MLA decode
                 # path, which on its CPU backend does not compute what a prefill does (the reason
                 # vLLM turns its own prefix cache off there): a hit leaves at least two
@@ -240,39 +272,59 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             return  # (said once, at start)
         want = TORCH_DTYPES[self._scope.dtype]  # fp8 KV, which vLLM keeps as bytes: as what it is
         fp8 = want in (torch.float8_e4m3fn, torch.float8_e5m2)
-        caches = [t.view(want) if fp8 and t.dtype == torch.uint8 else t for t in kv_caches.values()]
-        mode, kv_format = self._layout(caches)
+
+        def as_kv(t: torch.Tensor) -> torch.Tensor:
+            return t.view(want) if fp8 and t.dtype == torch.uint8 else t
+
+        if len(self._scopes) == 1:
+            groups = [[as_kv(t) for t in kv_caches.values()]]
+        else:  # (each group's layers: vLLM's hybrid manager may share one tensor among groups)
+            groups = [[as_kv(kv_caches[name]) for name in layers] for layers in self._group_layers]
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        s, rank = self._scope, get_tensor_model_parallel_rank()
-        adapter = WorkerAdapter(
-            self._cfg["kvwarden.url"],
-            s.model_name,
-            s.world_size,
-            rank,
-            heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"],
-            transfer_mode=mode,
-            request_timeout=self._cfg["kvwarden.request_timeout_s"],
-        )
-        registrar = Registrar(adapter, caches, kv_format.value, self._cfg["kvwarden.retry_s"])
-        registrar.start()
-        registrar.wait(self._cfg["kvwarden.connect_wait_s"])
-        if registrar.error is not None:
-            registrar.join()
-            adapter.close()
-            raise ValueError(f"kvwarden: registration refused: {registrar.error}") from registrar.error
-        self._adapter, self._registrar = adapter, registrar
-        self._copier = BlockCopier(caches, 1 if kv_format == KVFormat.TOKEN_MAJOR else 0)
+        rank = get_tensor_model_parallel_rank()
+        adapters: list[WorkerAdapter] = []
+        kv_format = KVFormat.TOKEN_MAJOR
+        for scope, caches in zip(self._scopes, groups, strict=True):
+            mode, kv_format = self._layout(caches, scope)
+            adapter = WorkerAdapter(
+                self._cfg["kvwarden.url"],
+                scope.model_name,
+                scope.world_size,
+                rank,
+                heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"],
+                transfer_mode=mode,
+                request_timeout=self._cfg["kvwarden.request_timeout_s"],
+            )
+            adapters.append(adapter)
+            self._registrars.append(
+                Registrar(adapter, caches, kv_format.value, self._cfg["kvwarden.retry_s"])
+            )
+        for registrar in self._registrars:
+            registrar.start()
+        for registrar in self._registrars:
+            registrar.wait(self._cfg["kvwarden.connect_wait_s"])
+        refused = next((r.error for r in self._registrars if r.error is not None), None)
+        if refused is not None:
+            for registrar in self._registrars:
+                registrar.stop()
+                registrar.join()
+            for adapter in adapters:
+                adapter.close()
+            self._registrars = []
+            raise ValueError(f"kvwarden: registration refused: {refused}") from refused
+        self._adapter, self._more = adapters[0], adapters[1:]
+        self._copier = BlockCopier(groups[0], 1 if kv_format == KVFormat.TOKEN_MAJOR else 0)
         # a format every rank holds alike (the latent) is stored by rank 0 for all of them
-        self._saver = Saver(adapter, store=rank == 0 or not kv_format.replicated)
+        self._saver = Saver(self._adapter, rank == 0 or not kv_format.replicated, self._more)
         self._saver.start()
-        self._loader = Loader(adapter, self._block_size, self._copier)
+        self._loader = Loader(self._adapter, self._block_size, self._copier, self._more)
         self._loader.start()
 
-    def _layout(self, caches: list[torch.Tensor]) -> tuple[str, KVFormat]:
+    def _layout(self, caches: list[torch.Tensor], s: Scope) -> tuple[str, KVFormat]:
         """The transfer mode and format of vLLM's tensors, checked against the scope the
         scheduler looks up (a mismatch would make every lookup miss)."""
-        first, s = caches[0], self._scope
+        first = caches[0]
         if first.dim() == 4 and first.device.type == "cpu":
             kv_format = KVFormat.LATENT if s.kv_format is KVFormat.LATENT else KVFormat.VLLM_CPU
             heads, bs, head_dim = first.shape[1], first.shape[2], first.shape[3] // kv_format.planes
@@ -307,7 +359,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             self._loader.submit(background)
         for job in meta.plan.loads:
             if not job.background:
-                self._load_errors |= load(self._adapter, job, self._block_size, self._copier)
+                self._load_errors |= load(self._adapter, job, self._block_size, self._copier, self._more)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole before the forward pass
@@ -323,6 +375,8 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.plan.saves and self._saver is not None:
             self._planned |= {s.req_id for s in meta.plan.saves}
             self._saver.submit(meta.plan.saves)
+            if self._windowed:  # a window's old blocks go back at the next step: save them now
+                self._saver.drain(self._cfg["kvwarden.request_timeout_s"])
         if meta.plan.flush_saves and self._saver is not None:
             self._saver.drain(FLUSH_S)  # a step with nothing to compute: requests wait for these
 
@@ -341,8 +395,19 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         loaded = set()
         for req_id, missing in self._loader.take_done():
             loaded.add(req_id)
-            self._load_errors |= missing
+            if missing and self._windowed:
+                self._failed_loads.add(req_id)  # (blocks of several groups, or a window: by request)
+            else:
+                self._load_errors |= missing
         return done or None, loaded or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s, and the loads that came back short of a windowed model: vLLM
+        recomputes those requests whole (block ids cannot name them: a window's blocks before
+        the hit are not loaded, and groups' ids overlap)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_loads = self._failed_loads, set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed, failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         saved = self._saver.take_done() if self._saver is not None else []
@@ -359,11 +424,12 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         if self._saver is not None:
             self._saver.stop()
             self._saver.join(self._cfg["kvwarden.request_timeout_s"])
-        if self._registrar is not None:
-            self._registrar.stop()
-            self._registrar.join()
-        if self._adapter is not None:
-            self._adapter.close()
+        for registrar in self._registrars:
+            registrar.stop()
+            registrar.join()
+        for adapter in [self._adapter, *self._more]:
+            if adapter is not None:
+                adapter.close()
         if self._lookup is not None:
             self._lookup.close()
         if self._relay is not None:
@@ -386,7 +452,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         background = (
             bool(n)
             and not p.copies_own(rid)
-            and (mode is True or (mode == "auto" and p.from_lower_tiers(rid)))
+            and (mode is True or self._windowed or (mode == "auto" and p.from_lower_tiers(rid)))
         )
         if background:
             self._background.add(rid)
@@ -434,7 +500,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         background = rid in self._background and num_external_tokens > 0
         self._background.discard(rid)
         # an asynchronous load is not scheduled this step: the plan loads it into these blocks
-        ids = list(blocks.get_block_ids()[0]) if background else None
+        ids = groups_of(blocks.get_block_ids(), self._windows) if background else None
         self._planner.allocated(rid, prompt, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -445,7 +511,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             (
                 r.req_id,
                 prompt_of(r.prompt_token_ids, r.prompt_embeds),
-                list(r.block_ids[0]),
+                groups_of(r.block_ids, self._windows),
                 r.num_computed_tokens,
                 so.num_scheduled_tokens[r.req_id],
             )
@@ -455,7 +521,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         cached = [
             (
                 req_id,
-                None if c.new_block_ids[i] is None else list(c.new_block_ids[i][0]),  # type: ignore[index]
+                None if c.new_block_ids[i] is None else groups_of(c.new_block_ids[i], self._windows),  # type: ignore[arg-type]
                 req_id in c.resumed_req_ids,
                 c.num_computed_tokens[i],
                 so.num_scheduled_tokens[req_id],
@@ -485,7 +551,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's hybrid manager asks this instead: a cached model has one group."""
+        """vLLM's hybrid manager asks this instead: every group's blocks are held alike."""
         if self._planner is None:
             return False, None  # declined
         return self.request_finished(request, block_ids[0])

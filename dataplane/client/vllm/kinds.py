@@ -14,23 +14,29 @@ configuration), or why the engine runs without the cache (`Declined`).
   stores it in, so a bf16 engine never reads fp8 KV and E4M3 never serves E5M2; its per-layer
   scales are the checkpoint's (vLLM 0.32 computes none at run time), part of the model as its
   weights are. The kinds that keep scales beside the KV (per token and head) are declined.
-- Several KV cache groups (vLLM's hybrid KV cache manager on: sliding-window hybrids such as
-  Gemma 3, state-space hybrids such as Granite 4 and Jamba): declined, saying how to cache a
-  sliding-window hybrid as dense attention (``--disable-hybrid-kv-cache-manager``); one group of
-  another kind (every layer a sliding window, a state-space model) is declined too.
+- Sliding-window layers, with vLLM's hybrid KV cache manager on (Gemma 3, gpt-oss: groups of
+  sliding-window layers beside groups of full attention; Mistral: every layer a sliding window):
+  each KV cache group is a scope of its own (its layers; the served name with ``#g<i>`` when the
+  model has several groups), registered by its own instance of each worker. A sliding-window
+  group's scope carries its window: a hit needs the group's last chunks before the hit's end,
+  not the whole prefix (LOOKUP_SCOPE's ``window``), and loads only those. vLLM's CPU backend
+  only (its layout on CUDA is not one kvwarden moves for these yet).
+- State-space and linear-attention layers (Granite 4, Jamba, Qwen3-Next), and any other kind of
+  KV cache group: declined. (``--disable-hybrid-kv-cache-manager`` turns a sliding-window
+  hybrid's groups into one of full attention: then it is cached as dense attention.)
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dataplane.client.vllm.state import UNCACHED, RequestKey, Scope
 from dataplane.wire.messages import KVFormat
 
 logger = logging.getLogger(__name__)
 
-FULL, MLA = "full", "mla"  # the kinds of KV cache group `scope_of` takes
+FULL, MLA, SLIDING = "full", "mla", "sliding"  # the kinds of KV cache group `scopes_of` takes
 # vLLM's kv_cache_dtype -> the dtype its chunks are registered and keyed under
 KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
@@ -51,6 +57,7 @@ class Group:
     block_size: int
     layers: int
     cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" (the model's dtype), "fp8"...
+    window: int = 0  # SLIDING: the tokens a token sees, itself included (vLLM's sliding_window)
 
 
 @dataclass(frozen=True)
@@ -72,18 +79,55 @@ def _hybrid(groups: tuple[Group, ...]) -> str:
             "their state is not cached"
         )
     return (
-        f"a hybrid of {len(groups)} KV cache groups ({', '.join(kinds)}) that vLLM's hybrid KV cache "
-        "manager keeps apart is not cached yet; with --disable-hybrid-kv-cache-manager vLLM keeps "
-        "every layer's blocks and kvwarden caches it as dense attention"
+        f"a hybrid of KV cache groups {', '.join(kinds)}: kvwarden caches full and sliding-window "
+        "attention only"
     )
 
 
+def scopes_of(m: EngineModel) -> tuple[Scope, ...]:
+    """The scope of each KV cache group, in vLLM's order of the groups: what each worker
+    registers, one instance a group (Declined: a model kvwarden does not cache; ValueError: a
+    configuration it refuses)."""
+    if len(m.groups) == 1 and m.groups[0].kind != SLIDING:
+        return (scope_of(m),)
+    if any(g.kind not in (FULL, SLIDING) for g in m.groups):
+        raise Declined(
+            _hybrid(m.groups)
+            if len(m.groups) > 1
+            else f"its KV cache ({m.groups[0].kind}) is not one kvwarden caches"
+        )
+    if not m.cpu:
+        raise Declined(
+            "sliding-window layers are cached on vLLM's CPU backend only (their layout on CUDA is not "
+            "one kvwarden moves yet)"
+        )
+    if len({g.block_size for g in m.groups}) != 1:
+        raise Declined(
+            f"its KV cache groups have different block sizes {sorted({g.block_size for g in m.groups})}"
+        )
+    several = len(m.groups) > 1
+    out = []
+    for i, g in enumerate(m.groups):
+        if g.kind == SLIDING and g.window < 1:
+            raise ValueError(f"kvwarden: KV cache group {i}: a sliding window of {g.window} tokens")
+        name = f"{m.name}#g{i}" if several else m.name
+        s = _scope(
+            EngineModel(name, m.model_type, m.tensor_parallel, m.decode_context_parallel, m.cpu, (g,)), g
+        )
+        out.append(replace(s, window=g.window if g.kind == SLIDING else 0))
+    return tuple(out)
+
+
 def scope_of(m: EngineModel) -> Scope:
-    """The scope every worker of the engine registers (Declined: a model kvwarden does not
-    cache; ValueError: a configuration it refuses)."""
-    if len(m.groups) != 1:
-        raise Declined(_hybrid(m.groups))
-    g = m.groups[0]
+    """The scope every worker of a one-group engine of full or latent attention registers
+    (Declined: a model kvwarden does not cache, or one of several scopes: `scopes_of`;
+    ValueError: a configuration it refuses)."""
+    if len(m.groups) != 1 or m.groups[0].kind == SLIDING:
+        raise Declined("a model of sliding-window or several KV cache groups has a scope a group (scopes_of)")
+    return _scope(m, m.groups[0])
+
+
+def _scope(m: EngineModel, g: Group) -> Scope:
     kv_format = KVFormat.VLLM_CPU if m.cpu else KVFormat.TOKEN_MAJOR
     if g.kind == MLA:
         if not m.cpu:
@@ -97,7 +141,7 @@ def scope_of(m: EngineModel) -> Scope:
                 "different tokens, not the same latent)"
             )
         kv_format = KVFormat.LATENT
-    elif g.kind != FULL:
+    elif g.kind not in (FULL, SLIDING):
         raise Declined(f"its KV cache ({g.kind}) is not one kvwarden caches")
     dtype = g.dtype
     if g.cache_dtype != "auto":
@@ -110,11 +154,11 @@ def scope_of(m: EngineModel) -> Scope:
     return Scope(m.name, m.tensor_parallel, dtype, g.layers, heads, g.head_size, kv_format, g.block_size)
 
 
-def cached_scope(m: EngineModel, say: bool) -> tuple[Scope | None, str | None]:
-    """(the engine's scope, None), or (None, why the engine runs without the cache), logged
-    when ``say`` (by the engine's scheduler: once an engine)."""
+def cached_scopes(m: EngineModel, say: bool) -> tuple[tuple[Scope, ...] | None, str | None]:
+    """(the scope of each of the engine's KV cache groups, None), or (None, why the engine runs
+    without the cache), logged when ``say`` (by the engine's scheduler: once an engine)."""
     try:
-        return scope_of(m), None
+        return scopes_of(m), None
     except Declined as exc:
         if say:
             logger.warning(

@@ -56,6 +56,17 @@ class Scope:
     head_dim: int
     kv_format: KVFormat
     block_size: int
+    # a sliding-window layer group: the tokens a token sees, itself included (a hit needs only
+    # the chunks of the last ``window - 1`` tokens before it); 0: every token before it
+    window: int = 0
+
+    def window_chunks(self, chunk_size: int) -> int:
+        """The last chunks before a hit's end that the group needs (0: all of them)."""
+        return 0 if not self.window else max(1, -(-(self.window - 1) // chunk_size))
+
+    def first_chunk(self, tokens: int, chunk_size: int) -> int:
+        """The first chunk a hit of ``tokens`` tokens needs of this group."""
+        return 0 if not self.window else max(0, tokens - self.window + 1) // chunk_size
 
 
 class ScopeLookup:
@@ -69,12 +80,14 @@ class ScopeLookup:
     def __init__(
         self,
         endpoint: str,
-        scope: Scope,
+        scope: Scope | tuple[Scope, ...],
         timeout_s: float = 1.0,
         retry_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.scope = scope
+        # one scope a KV cache group of the engine (`dataplane.client.vllm.kinds.scopes_of`)
+        self.scopes = scope if isinstance(scope, tuple) else (scope,)
+        self.scope = self.scopes[0]
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._clock = clock
@@ -88,19 +101,68 @@ class ScopeLookup:
 
     def find(self, token_ids: np.ndarray, key: KeyContext | None = None) -> LookupFound:
         """Tokens of ``token_ids``' prefix that every rank's chunks hold under ``key``, and how
-        many more are being stored (nothing, unanswered, when unsure)."""
-        msg = LookupScope(*self._scope_fields(), np.asarray(token_ids, dtype=np.int64), key)
-        reply = self._ask(msg)
-        if reply is None:
-            return LookupFound(0, 0, answered=False)
+        many more are being stored (nothing, unanswered, when unsure). With several KV cache
+        groups: the longest prefix every group can serve, the full-attention groups all of it,
+        each sliding-window group the chunks of its window before the prefix's end."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        full = [s for s in self.scopes if not s.window]
+        sliding = [s for s in self.scopes if s.window]
+        hit = reach = len(tokens)
+        l1 = len(tokens)
+        for s in full:
+            r = self._ask(LookupScope(*self._scope_fields(s), tokens, key))
+            if r is None:
+                return LookupFound(0, 0, answered=False)
+            self._learn(r.chunk_size)
+            hit, reach, l1 = (
+                min(hit, r.hit_tokens),
+                min(reach, r.hit_tokens + r.pending_tokens),
+                min(l1, r.l1_tokens),
+            )
+        if sliding:
+            cs = self.chunk_size or self._chunk_size_now(tokens, key)
+            if cs is None:
+                return LookupFound(0, 0, answered=False)
+            if not full:
+                hit = reach = len(tokens) // cs * cs
+            lowered = True
+            while lowered and hit:  # (a lower end needs each window again: it ends elsewhere)
+                lowered = False
+                for s in sliding:
+                    r = self._ask(LookupScope(*self._scope_fields(s), tokens[:hit], key, s.window_chunks(cs)))
+                    if r is None:
+                        return LookupFound(0, 0, answered=False)
+                    reach = min(reach, r.hit_tokens + r.pending_tokens)
+                    l1 = min(l1, r.l1_tokens)
+                    if r.hit_tokens < hit:
+                        hit, lowered = r.hit_tokens, True
+                        if not hit:
+                            break
+        return LookupFound(hit, max(0, reach - hit), l1=min(l1, hit))
+
+    def _learn(self, chunk_size: int) -> None:
         with self._lock:
-            self.chunk_size = reply.chunk_size
-        return LookupFound(reply.hit_tokens, reply.pending_tokens, l1=reply.l1_tokens)
+            self.chunk_size = chunk_size
+
+    def _chunk_size_now(self, tokens: np.ndarray, key: KeyContext | None) -> int | None:
+        """The server's chunk size, asked with a lookup of no window (a sliding-window group's
+        window is counted in chunks)."""
+        r = self._ask(LookupScope(*self._scope_fields(self.scope), tokens[:0], key))
+        if r is not None:
+            self._learn(r.chunk_size)
+        return None if r is None else r.chunk_size
 
     def prefetch(self, token_ids: np.ndarray, key: KeyContext | None = None) -> None:
-        """PREFETCH_SCOPE: the server starts bringing the prefix its slower tiers hold into L1.
-        Nothing is sent while resting after a failure; a failure is one more outage."""
-        self._ask(PrefetchScope(*self._scope_fields(), np.asarray(token_ids, dtype=np.int64), key))
+        """PREFETCH_SCOPE, for each group: the server starts bringing the prefix its slower
+        tiers hold into L1 (a sliding-window group's window before the prompt's end). Nothing is
+        sent while resting after a failure; a failure is one more outage."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        cs = self.chunk_size
+        for s in self.scopes:
+            if s.window and cs is None:
+                continue
+            window = s.window_chunks(cs) if s.window and cs is not None else 0
+            self._ask(PrefetchScope(*self._scope_fields(s), tokens, key, window))
 
     def _ask(self, msg: Message[R]) -> R | None:
         """``msg``'s reply; None, unasked, while resting after a failure, or when it fails (one
@@ -120,8 +182,8 @@ class ScopeLookup:
             logger.info("kvwarden: lookups answered again")
         return reply
 
-    def _scope_fields(self) -> tuple[str, int, str, int, int, int, KVFormat, int]:
-        s = self.scope
+    def _scope_fields(self, scope: Scope | None = None) -> tuple[str, int, str, int, int, int, KVFormat, int]:
+        s = self.scope if scope is None else scope
         return (
             s.model_name,
             s.world_size,
@@ -174,9 +236,19 @@ class ScopeLookup:
         self._ctx.term()
 
 
+@dataclass(frozen=True)
+class Part:
+    """Another KV cache group's share of a load or a save (`Load.more`, `Save.more`): its
+    blocks (-1: vLLM's null block, never written) and the first chunk it moves."""
+
+    blocks: np.ndarray
+    first: int = 0
+
+
 @dataclass
 class Load:
-    """Before the forward pass: write the held prefix ``tokens`` into ``blocks``."""
+    """Before the forward pass: write the held prefix ``tokens`` into ``blocks`` (the first KV
+    cache group's), from chunk ``first`` on, and each other group's part (``more``)."""
 
     req_id: str
     tokens: np.ndarray
@@ -188,11 +260,18 @@ class Load:
     # loaded off the step (vLLM's asynchronous loads): the request waits in
     # WAITING_FOR_REMOTE_KVS while others run, and the worker reports it through get_finished
     background: bool = False
+    first: int = 0  # a sliding-window group: the first chunk its window needs
+    more: tuple[Part, ...] = ()
+
+    def parts(self) -> list[Part]:
+        """Each KV cache group's blocks and first chunk, in order."""
+        return [Part(self.blocks, self.first), *self.more]
 
 
 @dataclass
 class Save:
-    """After the forward pass: store the full chunks of ``tokens`` (from ``blocks``)."""
+    """After the forward pass: store the full chunks of ``tokens`` (from ``blocks``, the first
+    KV cache group's, from chunk ``first`` on; each other group's part: ``more``)."""
 
     req_id: str
     tokens: np.ndarray
@@ -200,6 +279,12 @@ class Save:
     key: KeyContext | None = None
     seq: int = 0  # reported back to the scheduler when the save is over (`OwnSaves`)
     names: EngineBlocks | None = None  # vLLM's names of the blocks, for kvwarden's KV events
+    first: int = 0
+    more: tuple[Part, ...] = ()
+
+    def parts(self) -> list[Part]:
+        """Each KV cache group's blocks and first chunk, in order."""
+        return [Part(self.blocks, self.first), *self.more]
 
 
 class Uncached:
@@ -221,10 +306,13 @@ class Plan:
     flush_saves: bool = False
 
 
+Groups = Sequence[Sequence[int]]  # a request's block ids, one list a KV cache group
+
+
 @dataclass
 class _Request:
     tokens: np.ndarray  # the prompt
-    blocks: list[int]
+    blocks: list[list[int]]  # one list a KV cache group
     key: KeyContext | None
     saved: int = 0  # prompt tokens kvwarden holds or has been asked to store
     load: int = 0  # tokens to load before the first forward pass
@@ -253,6 +341,8 @@ class Planner:
         self.chunk_size: Callable[[], int | None] = lambda: None
         # the fewest prompt tokens a hit leaves vLLM to compute (it must compute the last one)
         self.tail = 1
+        # each KV cache group's sliding window in tokens (0: full attention), in vLLM's order
+        self.windows: tuple[int, ...] = (0,)
         self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
         self.own = own if own is not None else OwnSaves()
         self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
@@ -318,7 +408,7 @@ class Planner:
         return req_id in self._sources
 
     def allocated(
-        self, req_id: str, prompt: Sequence[int] | None, external: int, blocks: Sequence[int] | None = None
+        self, req_id: str, prompt: Sequence[int] | None, external: int, blocks: Groups | None = None
     ) -> None:
         """vLLM allocated blocks for ``external`` tokens to load: the hit ``matched`` found.
         ``blocks``: the request's blocks, when vLLM loads it asynchronously (it is not scheduled
@@ -329,7 +419,7 @@ class Planner:
         if external > 0 and prompt and hit and not isinstance(key, Uncached):
             r = _Request(np.asarray(prompt, dtype=np.int64), [], key, load=hit, source=src)
             if blocks is not None and src is None:
-                r.blocks, r.background = list(blocks), True
+                r.blocks, r.background = [list(b) for b in blocks], True
             self._reqs[req_id] = r
 
     def loaded(self, req_ids: Iterable[str]) -> None:
@@ -338,21 +428,21 @@ class Planner:
 
     def plan(
         self,
-        new: list[tuple[str, Sequence[int] | None, list[int], int, int]],
-        cached: list[tuple[str, list[int] | None, bool, int, int]],
+        new: Sequence[tuple[str, Sequence[int] | None, Groups, int, int]],
+        cached: Sequence[tuple[str, Groups | None, bool, int, int]],
         preempted: bool,
         preempted_ids: Iterable[str] = (),
     ) -> Plan:
         """``new``: (req id, prompt, block ids, computed, scheduled); ``cached``: (req id, new
-        block ids, resumed, computed, scheduled); ``preempted_ids``: requests whose blocks went
-        back to vLLM this step (never copied from again)."""
+        block ids, resumed, computed, scheduled), block ids one list a KV cache group;
+        ``preempted_ids``: requests whose blocks went back to vLLM this step (never copied from
+        again)."""
         out = Plan(preempted=preempted)
         self.own.no_source(preempted_ids)
         scheduled_now = {n[0] for n in new}
         for req_id, waiting in self._reqs.items():
             if waiting.background and waiting.load and req_id not in scheduled_now:
-                tokens, blocks_ = waiting.tokens[: waiting.load], np.asarray(waiting.blocks, dtype=np.int64)
-                out.loads.append(Load(req_id, tokens, blocks_, waiting.key, background=True))
+                out.loads.append(self._load(req_id, waiting, None, background=True))
                 waiting.saved, waiting.load, waiting.background = waiting.load, 0, False
                 self.loading.add(req_id)
         for req_id, prompt, blocks, computed, scheduled in new:
@@ -362,37 +452,76 @@ class Planner:
                 if not prompt or isinstance(key, Uncached):
                     continue
                 r = self._reqs[req_id] = _Request(np.asarray(prompt, dtype=np.int64), [], key)
-            r.blocks, r.background = list(blocks), False  # (scheduled now: loaded on this step)
+            r.blocks, r.background = [list(b) for b in blocks], False  # (scheduled now: loaded on this step)
             if r.load:
-                blocks_ = np.asarray(r.blocks, dtype=np.int64)
                 src = r.source
                 if src is not None and (preempted or not self.own.holds(src.seq)):
                     src = None  # its blocks may have gone back: the server's copy, if it landed
                 copy = None if src is None else src.blocks[: -(-r.load // self.block_size)]
-                out.loads.append(Load(req_id, r.tokens[: r.load], blocks_, r.key, copy))
+                out.loads.append(self._load(req_id, r, copy))
                 r.saved, r.load, r.source = r.load, 0, None
-            self._save(out, req_id, r, computed + scheduled)
+            self._save(out, req_id, r, computed, computed + scheduled)
         for req_id, new_blocks, resumed, computed, scheduled in cached:
             r = self._reqs.get(req_id)
             if r is None:
                 continue
             if resumed:
-                r.blocks = list(new_blocks or [])
+                r.blocks = [list(b) for b in new_blocks or [[] for _ in self.windows]]
             elif new_blocks:
-                r.blocks.extend(new_blocks)
-            self._save(out, req_id, r, computed + scheduled)
+                for have, more in zip(r.blocks, new_blocks, strict=True):
+                    have.extend(more)
+            self._save(out, req_id, r, computed, computed + scheduled)
         return out
 
-    def _save(self, out: Plan, req_id: str, r: _Request, done: int) -> None:
+    def _load(self, req_id: str, r: _Request, copy: np.ndarray | None, background: bool = False) -> Load:
+        """The load of ``r``'s hit: every full-attention group's chunks, each sliding-window
+        group's from the first its window needs."""
+        cs = self.chunk_size() or 1
+        parts = [
+            Part(np.asarray(b, dtype=np.int64), 0 if not w else max(0, r.load - w + 1) // cs)
+            for b, w in zip(r.blocks, self.windows, strict=True)
+        ]
+        head = parts[0]
+        return Load(
+            req_id, r.tokens[: r.load], head.blocks, r.key, copy, background, head.first, tuple(parts[1:])
+        )
+
+    def _save(self, out: Plan, req_id: str, r: _Request, computed: int, done: int) -> None:
+        """Store the chunks ``r`` completed by ``done`` tokens (``computed`` when its step
+        began). A sliding-window group stores from the first chunk whose blocks vLLM still
+        holds: none of vLLM's null blocks, and none it may free before the save is over (those
+        of tokens before its window at the step's start)."""
         cs = self.chunk_size()
         if cs is None:
             return
         full = min(done, len(r.tokens)) // cs * cs
         if full > r.saved:
             n_blocks = -(-full // self.block_size)
-            blocks = np.asarray(r.blocks[:n_blocks], dtype=np.int64)
-            seq = self.own.add(r.tokens[:full], r.key, req_id, blocks)
-            out.saves.append(Save(req_id, r.tokens[:full], blocks, r.key, seq, self.names.get(req_id)))
+            parts = []
+            for ids, w in zip(r.blocks, self.windows, strict=True):
+                blocks = np.asarray(ids[:n_blocks], dtype=np.int64)
+                first = 0
+                if w:
+                    nulls = np.flatnonzero(blocks < 0)
+                    after_null = 0 if not len(nulls) else -(-(int(nulls[-1]) + 1) * self.block_size // cs)
+                    held = -(-max(0, computed - w + 1) // cs)
+                    first = max(r.saved // cs, after_null, held)
+                parts.append(Part(blocks, first))
+            one = self.windows == (0,)  # (several groups, or a window: nothing copies from its blocks)
+            seq = self.own.add(r.tokens[:full], r.key, req_id, parts[0].blocks if one else None)
+            head = parts[0]
+            out.saves.append(
+                Save(
+                    req_id,
+                    r.tokens[:full],
+                    head.blocks,
+                    r.key,
+                    seq,
+                    self.names.get(req_id),
+                    head.first,
+                    tuple(parts[1:]),
+                )
+            )
             r.saved, r.saving = full, True
 
     def finished(self, req_id: str) -> bool:

@@ -152,9 +152,12 @@ class Saver(_JobThread[Save, int]):
 
     name = "kvwarden-vllm-saver"
 
-    def __init__(self, adapter: WorkerAdapter, store: bool = True) -> None:
+    def __init__(
+        self, adapter: WorkerAdapter, store: bool = True, more: Sequence[WorkerAdapter] = ()
+    ) -> None:
         super().__init__()
         self.adapter = adapter
+        self.more = list(more)  # the other KV cache groups' instances (`Save.more`), in order
         self.store = store
         self._pending: dict[str, int] = {}  # req id -> saves queued or running
         self._asked: set[str] = set()  # finished requests whose saves were planned
@@ -204,15 +207,20 @@ class Saver(_JobThread[Save, int]):
                     self._cond.notify_all()
 
     def _store(self, job: Save) -> None:
-        if not self.store or self.adapter.registration is None:
-            return  # another rank stores these bytes, or not registered (yet): nothing to store into
-        try:
-            r = self.adapter.store_detail(job.tokens, job.blocks, job.key, job.names)
-        except (KVWardenError, ValueError) as exc:
-            self.failed += 1
-            logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)
-            return
-        self.stored_chunks += r.stored
+        if not self.store:
+            return  # another rank stores these bytes
+        n_full = len(job.tokens)  # (an upper bound of the chunks: a part from past it stores nothing)
+        for adapter, part in zip([self.adapter, *self.more], job.parts(), strict=True):
+            if adapter.registration is None or part.first >= n_full:
+                continue  # not registered (yet): nothing to store into
+            try:
+                names = job.names if adapter is self.adapter else None  # (the events name the first group's)
+                r = adapter.store_detail(job.tokens, part.blocks, job.key, names, part.first)
+            except (KVWardenError, ValueError) as exc:
+                self.failed += 1
+                logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)
+                return
+            self.stored_chunks += r.stored
 
 
 class Loader(_JobThread[Load, tuple[str, set[int]]]):
@@ -225,9 +233,16 @@ class Loader(_JobThread[Load, tuple[str, set[int]]]):
 
     name = "kvwarden-vllm-loader"
 
-    def __init__(self, adapter: WorkerAdapter, block_size: int, copy: BlockCopier | None = None) -> None:
+    def __init__(
+        self,
+        adapter: WorkerAdapter,
+        block_size: int,
+        copy: BlockCopier | None = None,
+        more: Sequence[WorkerAdapter] = (),
+    ) -> None:
         super().__init__()
         self.adapter = adapter
+        self.more = list(more)  # the other KV cache groups' instances (`Load.more`), in order
         self.block_size = block_size
         self.copy = copy
 
@@ -247,7 +262,7 @@ class Loader(_JobThread[Load, tuple[str, set[int]]]):
                     return
                 job = self._queue.popleft()
             try:
-                missing = load(self.adapter, job, self.block_size, self.copy)
+                missing = load(self.adapter, job, self.block_size, self.copy, self.more)
             except Exception as exc:  # a load that breaks is recomputed, never served half-made
                 logger.warning("kvwarden: background load of request %s failed: %r", job.req_id, exc)
                 missing = _blocks_from(job, 0, self.block_size)
@@ -291,20 +306,30 @@ class BlockCopier:
 
 
 def load(
-    adapter: WorkerAdapter | None, job: Load, block_size: int, copy: BlockCopier | None = None
+    adapter: WorkerAdapter | None,
+    job: Load,
+    block_size: int,
+    copy: BlockCopier | None = None,
+    more: Sequence[WorkerAdapter] = (),
 ) -> set[int]:
     """Write ``job``'s prefix into its blocks: copied from this worker's own blocks when the job
-    names them (``job.source``), else retrieved. Returns the blocks it could not fill (empty
-    when all came; all of them with no adapter or an unregistered one). A miss is not an error:
-    the scheduler recomputes those blocks."""
+    names them (``job.source``), else retrieved, each KV cache group's part by its own instance
+    (``more``: the groups after the first). Returns the first group's blocks from the first
+    token some group could not fill (empty when all came; all of them with no adapter or an
+    unregistered one). A miss is not an error: the scheduler recomputes those blocks."""
     if job.source is not None and copy is not None:
         copy(job.source, job.blocks[: len(job.source)])
         return set()
     want = len(job.tokens)
-    got = 0
-    if adapter is not None and adapter.registration is not None:
-        try:
-            got = adapter.retrieve(job.tokens, job.blocks, job.key)
-        except (KVWardenError, ValueError) as exc:
-            logger.warning("kvwarden: load of request %s failed: %s", job.req_id, exc)
+    got = want
+    for a, part in zip([adapter, *more], job.parts(), strict=True):
+        filled = 0
+        if a is not None and a.registration is not None:
+            try:
+                filled = a.retrieve(job.tokens, part.blocks, job.key, part.first)
+            except (KVWardenError, ValueError) as exc:
+                logger.warning("kvwarden: load of request %s failed: %s", job.req_id, exc)
+        got = min(got, filled)
+        if got < want:
+            break  # (the hit is cut short: the rest is recomputed)
     return set() if got >= want else _blocks_from(job, got, block_size)

@@ -311,7 +311,7 @@ def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new(
     assert p.matched("a", prompt, 2 * CS) == 0  # vLLM already has them
     p.allocated("a", prompt, 2 * CS)
     blocks = list(range(10, 16))
-    plan = p.plan([("a", prompt, blocks, 2 * CS, CS)], [], False)
+    plan = p.plan([("a", prompt, [blocks], 2 * CS, CS)], [], False)
     (ld,) = plan.loads
     assert len(ld.tokens) == 2 * CS and list(ld.blocks) == blocks
     (sv,) = plan.saves  # the third chunk, computed this step, is stored; the loaded two are held
@@ -319,9 +319,9 @@ def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new(
     assert p.finished("a") is True  # a store is planned: its blocks wait for the worker
     # chunked prefill: stores follow what has been computed, whole chunks only
     p.matched("b", list(range(5000, 5000 + 3 * CS)), 0)
-    plan = p.plan([("b", list(range(5000, 5000 + 3 * CS)), [1, 2], 0, CS + 3)], [], False)
+    plan = p.plan([("b", list(range(5000, 5000 + 3 * CS)), [[1, 2]], 0, CS + 3)], [], False)
     assert [len(s.tokens) for s in plan.saves] == [CS]
-    plan = p.plan([], [("b", [3, 4, 5, 6], False, CS + 3, 2 * CS - 3)], False)
+    plan = p.plan([], [("b", [[3, 4, 5, 6]], False, CS + 3, 2 * CS - 3)], False)
     assert [len(s.tokens) for s in plan.saves] == [3 * CS] and list(plan.saves[0].blocks) == [
         1,
         2,
@@ -346,15 +346,15 @@ def test_planner_carries_each_requests_key_context_and_never_caches_an_uncached_
     ctx = KeyContext(b"tenant-a")
     assert p.matched("a", prompt, 0, ctx) == 2 * CS and asked == [ctx]
     p.allocated("a", prompt, 2 * CS)
-    plan = p.plan([("a", prompt, blocks, 2 * CS, CS)], [], False)
+    plan = p.plan([("a", prompt, [blocks], 2 * CS, CS)], [], False)
     assert [ld.key for ld in plan.loads] == [ctx] and [sv.key for sv in plan.saves] == [ctx]
     # a request whose KV no key can name: no LOOKUP, no load, no store
     assert p.matched("u", prompt, 0, UNCACHED) == 0 and asked == [ctx]
     p.allocated("u", prompt, 0)
-    assert p.plan([("u", prompt, blocks, 0, 3 * CS)], [], False) == Plan()
+    assert p.plan([("u", prompt, [blocks], 0, 3 * CS)], [], False) == Plan()
     assert p.finished("u") is False
     # one that was never looked up has no known context: it is not stored under a guessed one
-    assert p.plan([("x", prompt, blocks, 0, 3 * CS)], [], False) == Plan()
+    assert p.plan([("x", prompt, [blocks], 0, 3 * CS)], [], False) == Plan()
     assert p.finished("a") is True and "a" not in p.keys
 
 
@@ -385,14 +385,14 @@ def test_planner_loads_an_asynchronous_hit_before_it_is_scheduled_and_holds_its_
     p.chunk_size = lambda: CS
     prompt, blocks = list(range(3 * CS)), list(range(10, 16))
     assert p.matched("a", prompt, 0) == 2 * CS and not p.copies_own("a")
-    p.allocated("a", prompt, 2 * CS, blocks)  # vLLM loads it asynchronously: not scheduled
+    p.allocated("a", prompt, 2 * CS, [blocks])  # vLLM loads it asynchronously: not scheduled
     plan = p.plan([], [], False)
     (ld,) = plan.loads
     assert ld.background and len(ld.tokens) == 2 * CS and list(ld.blocks) == blocks and not plan.saves
     assert p.loading == {"a"}
     assert p.plan([], [], False) == Plan()  # planned once
     p.loaded({"a"})  # the workers report it over; vLLM schedules it from its loaded prefix
-    plan = p.plan([("a", prompt, blocks, 2 * CS, CS)], [], False)
+    plan = p.plan([("a", prompt, [blocks], 2 * CS, CS)], [], False)
     assert not plan.loads and [len(s.tokens) for s in plan.saves] == [3 * CS]  # only what is new
     assert p.finished("a") is True  # its save holds the blocks
 
@@ -402,15 +402,15 @@ def test_planner_loads_an_asynchronous_hit_before_it_is_scheduled_and_holds_its_
     # finished (aborted) while its load runs: its blocks wait for the load's report
     other = list(range(1000, 1000 + 3 * CS))
     assert p.matched("b", other, 0) == 2 * CS and not p.copies_own("b")
-    p.allocated("b", other, 2 * CS, blocks)
+    p.allocated("b", other, 2 * CS, [blocks])
     assert [ld.req_id for ld in p.plan([], [], False).loads] == ["b"]
     assert p.finished("b") is True and "b" not in p.loading
 
     # allocated asynchronously but scheduled in the same step after all: loaded on the step
     third = list(range(2000, 2000 + 3 * CS))
     assert p.matched("c", third, 0) == 2 * CS
-    p.allocated("c", third, 2 * CS, blocks)
-    plan = p.plan([("c", third, blocks, 2 * CS, CS)], [], False)
+    p.allocated("c", third, 2 * CS, [blocks])
+    plan = p.plan([("c", third, [blocks], 2 * CS, CS)], [], False)
     (ld,) = plan.loads
     assert not ld.background and "c" not in p.loading
 

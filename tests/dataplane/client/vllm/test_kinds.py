@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.client.vllm.kinds import FULL, MLA, Declined, EngineModel, Group, scope_of
+from dataplane.client.vllm.kinds import FULL, MLA, SLIDING, Declined, EngineModel, Group, scope_of, scopes_of
 from dataplane.wire.messages import KVFormat
 
 
@@ -54,14 +54,34 @@ def test_kv_kinds_with_their_own_scales_are_declined(cache_dtype: str) -> None:
         scope_of(model(Group(FULL, "int8", 8, 128, 128, 32, cache_dtype)))
 
 
-def test_other_caches_and_hybrids_of_several_groups_are_declined() -> None:
-    for kind in ("SlidingWindowSpec", "MambaSpec", "ChunkedLocalAttentionSpec"):
+def test_other_caches_and_state_space_hybrids_are_declined() -> None:
+    for kind in ("MambaSpec", "ChunkedLocalAttentionSpec"):
         with pytest.raises(Declined, match=kind):
-            scope_of(model(Group(kind, "bfloat16", 8, 128, 128, 32)))
-    window = Group("SlidingWindowSpec", "bfloat16", 8, 128, 128, 32)
-    with pytest.raises(Declined, match=r"2 KV cache groups .*--disable-hybrid-kv-cache-manager"):
-        scope_of(model(DENSE, window))
+            scopes_of(model(Group(kind, "bfloat16", 8, 128, 128, 32)))
     with pytest.raises(Declined, match=r"state-space or linear-attention layers .*MambaSpec"):
-        scope_of(model(DENSE, Group("MambaSpec", None, 0, 0, 128, 3)))
+        scopes_of(model(DENSE, Group("MambaSpec", None, 0, 0, 128, 3)))
+    with pytest.raises(Declined, match=r"KV cache groups ChunkedLocalAttentionSpec, full"):
+        scopes_of(model(DENSE, Group("ChunkedLocalAttentionSpec", "bfloat16", 8, 128, 128, 32)))
     with pytest.raises(ValueError, match="dtype is not supported"):
         scope_of(model(Group(FULL, None, 8, 128, 128, 32)))
+
+
+def test_each_group_of_a_sliding_window_hybrid_is_a_scope_of_its_own() -> None:
+    window = Group(SLIDING, "bfloat16", 8, 128, 128, 32, window=512)
+    full, sw1, sw2 = scopes_of(model(DENSE, window, window))
+    assert (full.model_name, sw1.model_name, sw2.model_name) == ("m#g0", "m#g1", "m#g2")
+    assert (full.window, sw1.window) == (0, 512) and sw1.num_layers == 32
+    assert sw1.kv_format is KVFormat.VLLM_CPU and sw1 != sw2  # (their names keep their chunks apart)
+    (alone,) = scopes_of(model(window))  # every layer a sliding window: the served name
+    assert alone.model_name == "m" and alone.window == 512
+    assert alone.window_chunks(256) == 2 and alone.first_chunk(1024, 256) == 2
+    with pytest.raises(Declined, match="CPU backend only"):
+        scopes_of(model(DENSE, window, cpu=False))
+    with pytest.raises(Declined, match="different block sizes"):
+        scopes_of(model(DENSE, Group(SLIDING, "bfloat16", 8, 128, 64, 32, window=512)))
+    with pytest.raises(Declined, match="kvwarden caches full and sliding-window attention only"):
+        scopes_of(model(LATENT, window))
+    with pytest.raises(ValueError, match="a sliding window of 0 tokens"):
+        scopes_of(model(DENSE, Group(SLIDING, "bfloat16", 8, 128, 128, 32)))
+    with pytest.raises(Declined, match="scopes_of"):
+        scope_of(model(DENSE, window))

@@ -99,7 +99,7 @@ def test_a_bound_of_zero_never_waits_and_an_outage_is_not_waited_on() -> None:
 def _first_saved(p: Planner) -> Save:
     """Request "first" computed and finished (max_tokens=1), its save planned and not over."""
     assert p.matched("first", PROMPT, 0) == 0
-    plan = p.plan([("first", PROMPT, list(range(13)), 0, len(PROMPT))], [], False)
+    plan = p.plan([("first", PROMPT, [list(range(13))], 0, len(PROMPT))], [], False)
     (save,) = plan.saves
     assert save.seq and len(save.tokens) == 3 * CS
     assert p.finished("first") is True  # its blocks are held until the worker's word
@@ -115,7 +115,7 @@ def test_the_engines_own_save_in_flight_is_copied_from_its_blocks_at_once() -> N
     assert p.matched("repeat", again, 0) == 3 * CS and reports == []  # never held back
     assert server.asked == asked  # it covers all that could load: the server is not asked
     p.allocated("repeat", again, 3 * CS)
-    (job,) = p.plan([("repeat", again, list(range(20, 33)), 0, 5)], [], False).loads
+    (job,) = p.plan([("repeat", again, [list(range(20, 33))], 0, 5)], [], False).loads
     assert list(job.tokens) == PROMPT[: 3 * CS]
     assert job.source is not None and list(job.source) == list(save.blocks[:12])  # 3 chunks, 12 blocks
     other = list(range(1000, 1000 + 3 * CS + 1))  # another prefix: the server's answer
@@ -131,12 +131,12 @@ def test_a_save_over_or_preempted_before_the_load_is_planned_is_not_copied_from(
     assert p.matched("repeat", PROMPT, 0) == 3 * CS
     p.allocated("repeat", PROMPT, 3 * CS)
     p.own.done([save.seq])  # the save is over: vLLM may have freed its blocks
-    (job,) = p.plan([("repeat", PROMPT, list(range(20, 33)), 0, 5)], [], False).loads
+    (job,) = p.plan([("repeat", PROMPT, [list(range(20, 33))], 0, 5)], [], False).loads
     assert job.source is None  # loaded from the server (a miss there is recomputed)
     # the saved request is preempted: its blocks go back to vLLM at once
     p2, clock, _ = planner(Server())
     assert p2.matched("first", PROMPT, 0) == 0
-    p2.plan([("first", PROMPT, list(range(13)), 0, len(PROMPT))], [], False)
+    p2.plan([("first", PROMPT, [list(range(13))], 0, len(PROMPT))], [], False)
     p2.plan([], [], True, ["first"])
     assert p2.own.source(np.asarray(PROMPT), None) is None
     assert p2.matched("repeat", PROMPT, 0) is None  # its save still counts: waited for
@@ -149,7 +149,7 @@ def test_a_preemption_in_the_step_of_the_load_drops_its_source() -> None:
     _first_saved(p)
     assert p.matched("repeat", PROMPT, 0) == 3 * CS
     p.allocated("repeat", PROMPT, 3 * CS)
-    (job,) = p.plan([("repeat", PROMPT, list(range(20, 33)), 0, 5)], [], True, ["someone"]).loads
+    (job,) = p.plan([("repeat", PROMPT, [list(range(20, 33))], 0, 5)], [], True, ["someone"]).loads
     assert job.source is None
 
 
@@ -158,11 +158,11 @@ def test_a_longer_hit_on_the_server_wins_over_a_shorter_own_save() -> None:
     p, _, _ = planner(server)
     p.matched("first", PROMPT, 0)
     short = PROMPT[: CS + 1]
-    p.plan([("first", short, list(range(5)), 0, len(short))], [], False)  # one chunk saved
+    p.plan([("first", short, [list(range(5))], 0, len(short))], [], False)  # one chunk saved
     server.held = 3 * CS
     assert p.matched("repeat", PROMPT, 0) == 3 * CS
     p.allocated("repeat", PROMPT, 3 * CS)
-    (job,) = p.plan([("repeat", PROMPT, list(range(20, 33)), 0, 5)], [], False).loads
+    (job,) = p.plan([("repeat", PROMPT, [list(range(20, 33))], 0, 5)], [], False).loads
     assert job.source is None
 
 
