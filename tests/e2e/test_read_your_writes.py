@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 import pytest
 
-from dataplane.client.vllm.state import Scope, ScopeLookup
+from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.wire.messages import KVFormat
 from kvbench.vllm import EngineProcess
 from tests.e2e.vllm_support import CHUNK, VLLM_PYTHON, require_vllm, serve

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from dataplane.client import WorkerAdapter, allocate_kv_caches
-from dataplane.client.vllm.state import Scope, ScopeLookup
+from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.wire.messages import KVFormat
 from tests.helpers import ROOT, ServerProcess, dealer, free_port, ping, subprocess_env, wait_until
 from tests.redis_server import RedisClusterServers, RedisServer

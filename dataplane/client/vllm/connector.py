@@ -22,7 +22,9 @@ With no server, or a server that dies, requests recompute; the worker registers,
 again, when the server is back. Chunks are keyed on what vLLM's own prefix cache keys its blocks
 on (``request_key``: the cache salt, the LoRA adapter with a digest of its files, multimodal
 inputs, prompt embeddings), carried to the workers in the plan; a request with anything else
-in its block keys is neither loaded nor stored. The planning and the worker's threads need no vLLM:
+in its block keys is neither loaded nor stored. A model with sliding-window layers or several KV
+cache groups (vLLM's hybrid manager on) registers one instance a group and loads only each
+window's chunks (`KVWardenConnector`). The planning and the worker's threads need no vLLM:
 `dataplane.client.vllm.state` and `dataplane.client.vllm.worker`.
 """
 
@@ -61,20 +63,14 @@ from dataplane.client.vllm.kinds import (
     EngineModel,
     Group,
     cached_scopes,
+    groups_of,
     uncached,
 )
+from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.client.vllm.settings import connector_settings
-from dataplane.client.vllm.state import (
-    Plan,
-    Planner,
-    RequestKey,
-    Scope,
-    ScopeLookup,
-    Uncached,
-    prompt_of,
-)
+from dataplane.client.vllm.state import Plan, Planner, RequestKey, Uncached, prompt_of
 from dataplane.client.vllm.wait import OwnSaves, Waits
-from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load
+from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load, register_groups
 from dataplane.memory.kvmemory import DTYPE_NAMES, TORCH_DTYPES
 from dataplane.wire.messages import KVFormat
 
@@ -123,16 +119,6 @@ def describe(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineM
 
 
 FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
-NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a sliding window's freed blocks
-
-
-def groups_of(block_ids: Iterable[Iterable[int]], windows: tuple[int, ...]) -> list[list[int]]:
-    """A request's block ids, one list a KV cache group; in a sliding-window group vLLM's null
-    block reads -1 (a block never written, `dataplane.memory.copies.ChunkMap`)."""
-    return [
-        [-1 if b == NULL_BLOCK else int(b) for b in ids] if w else list(ids)
-        for ids, w in zip(block_ids, windows, strict=True)
-    ]
 
 
 def request_key(request: Request, block_size: int) -> RequestKey:
@@ -238,24 +224,28 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads: set[str] = set()  # windowed models: loads that came back short
         self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
         if role == KVConnectorRole.SCHEDULER and scopes:
-            cfg = self._cfg
-            lookup = ScopeLookup(
-                cfg["kvwarden.url"], self._scopes, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
-            )
-            self._lookup = lookup
-            waits = Waits(cfg["kvwarden.lookup_wait_s"], lookup.report_wait)
-            own = OwnSaves(self._scope.world_size)
-            self._planner = Planner(lookup.find, self._block_size, waits, own)
-            self._planner.windows = self._windows
-            if self._scope.kv_format is KVFormat.LATENT:
-                # a prompt whose one token is left after a hit goes through vLLM's MLA decode
-                # path, which on its CPU backend does not compute what a prefill does (the reason
-                # vLLM turns its own prefix cache off there): a hit leaves at least two
-                self._planner.tail = 2
-            self._planner.chunk_size = lambda: lookup.chunk_size
-            if cfg["kvwarden.kv_events_endpoint"] is not None:
-                self._relay = EventRelay(cfg["kvwarden.kv_events_endpoint"], cfg["kvwarden.kv_events_topic"])
-                self._relay.start()
+            self._start_scheduler()
+
+    def _start_scheduler(self) -> None:
+        """The scheduler's lookups, planning and KV events relay."""
+        cfg = self._cfg
+        lookup = ScopeLookup(
+            cfg["kvwarden.url"], self._scopes, cfg["kvwarden.lookup_timeout_s"], cfg["kvwarden.retry_s"]
+        )
+        self._lookup = lookup
+        waits = Waits(cfg["kvwarden.lookup_wait_s"], lookup.report_wait)
+        own = OwnSaves(self._scope.world_size)
+        self._planner = Planner(lookup.find, self._block_size, waits, own)
+        self._planner.windows = self._windows
+        if self._scope.kv_format is KVFormat.LATENT:
+            # a prompt whose one token is left after a hit goes through vLLM's MLA decode
+            # path, which on its CPU backend does not compute what a prefill does (the reason
+            # vLLM turns its own prefix cache off there): a hit leaves at least two
+            self._planner.tail = 2
+        self._planner.chunk_size = lambda: lookup.chunk_size
+        if cfg["kvwarden.kv_events_endpoint"] is not None:
+            self._relay = EventRelay(cfg["kvwarden.kv_events_endpoint"], cfg["kvwarden.kv_events_topic"])
+            self._relay.start()
 
     @property
     def _scope(self) -> Scope:
@@ -282,37 +272,20 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             groups = [[as_kv(kv_caches[name]) for name in layers] for layers in self._group_layers]
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        rank = get_tensor_model_parallel_rank()
-        adapters: list[WorkerAdapter] = []
-        kv_format = KVFormat.TOKEN_MAJOR
-        for scope, caches in zip(self._scopes, groups, strict=True):
-            mode, kv_format = self._layout(caches, scope)
-            adapter = WorkerAdapter(
-                self._cfg["kvwarden.url"],
-                scope.model_name,
-                scope.world_size,
-                rank,
-                heartbeat_interval=self._cfg["kvwarden.heartbeat_interval_s"],
-                transfer_mode=mode,
-                request_timeout=self._cfg["kvwarden.request_timeout_s"],
-            )
-            adapters.append(adapter)
-            self._registrars.append(
-                Registrar(adapter, caches, kv_format.value, self._cfg["kvwarden.retry_s"])
-            )
-        for registrar in self._registrars:
-            registrar.start()
-        for registrar in self._registrars:
-            registrar.wait(self._cfg["kvwarden.connect_wait_s"])
-        refused = next((r.error for r in self._registrars if r.error is not None), None)
-        if refused is not None:
-            for registrar in self._registrars:
-                registrar.stop()
-                registrar.join()
-            for adapter in adapters:
-                adapter.close()
-            self._registrars = []
-            raise ValueError(f"kvwarden: registration refused: {refused}") from refused
+        rank, cfg = get_tensor_model_parallel_rank(), self._cfg
+        adapters, self._registrars, kv_format = register_groups(
+            self._scopes,
+            groups,
+            rank,
+            cfg["kvwarden.url"],
+            cfg["kvwarden.transfer_mode"],
+            cfg["kvwarden.connect_wait_s"],
+            dict(
+                heartbeat_interval=cfg["kvwarden.heartbeat_interval_s"],
+                request_timeout=cfg["kvwarden.request_timeout_s"],
+            ),
+            cfg["kvwarden.retry_s"],
+        )
         self._adapter, self._more = adapters[0], adapters[1:]
         self._copier = BlockCopier(groups[0], 1 if kv_format == KVFormat.TOKEN_MAJOR else 0)
         # a format every rank holds alike (the latent) is stored by rank 0 for all of them
@@ -320,36 +293,6 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._saver.start()
         self._loader = Loader(self._adapter, self._block_size, self._copier, self._more)
         self._loader.start()
-
-    def _layout(self, caches: list[torch.Tensor], s: Scope) -> tuple[str, KVFormat]:
-        """The transfer mode and format of vLLM's tensors, checked against the scope the
-        scheduler looks up (a mismatch would make every lookup miss)."""
-        first = caches[0]
-        if first.dim() == 4 and first.device.type == "cpu":
-            kv_format = KVFormat.LATENT if s.kv_format is KVFormat.LATENT else KVFormat.VLLM_CPU
-            heads, bs, head_dim = first.shape[1], first.shape[2], first.shape[3] // kv_format.planes
-        elif first.dim() == 5 and first.shape[0] == 2:
-            kv_format, heads, bs, head_dim = (
-                KVFormat.TOKEN_MAJOR,
-                first.shape[3],
-                first.shape[2],
-                first.shape[4],
-            )
-        else:
-            raise ValueError(
-                f"kvwarden: KV cache tensors of shape {list(first.shape)} are not a layout it knows"
-            )
-        seen = (DTYPE_NAMES.get(first.dtype), len(caches), int(heads), int(head_dim), kv_format, int(bs))
-        want = (s.dtype, s.num_layers, s.heads, s.head_dim, s.kv_format, s.block_size)
-        if seen != want:
-            raise ValueError(
-                f"kvwarden: the KV tensors (dtype, layers, heads, head dim, format, block) {seen} "
-                f"differ from the engine's configuration {want}"
-            )
-        mode = self._cfg["kvwarden.transfer_mode"]
-        if mode == "auto":
-            mode = "server_driven" if first.device.type == "cuda" else "engine_driven"
-        return mode, kv_format
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

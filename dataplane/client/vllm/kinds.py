@@ -29,9 +29,11 @@ configuration), or why the engine runs without the cache (`Declined`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from dataplane.client.vllm.state import UNCACHED, RequestKey, Scope
+from dataplane.client.vllm.lookup import Scope
+from dataplane.client.vllm.state import UNCACHED, RequestKey
 from dataplane.wire.messages import KVFormat
 
 logger = logging.getLogger(__name__)
@@ -167,6 +169,18 @@ def cached_scopes(m: EngineModel, say: bool) -> tuple[tuple[Scope, ...] | None, 
                 exc,
             )
         return None, str(exc)
+
+
+NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a sliding window's freed blocks
+
+
+def groups_of(block_ids: Iterable[Iterable[int]], windows: tuple[int, ...]) -> list[list[int]]:
+    """A request's block ids, one list a KV cache group; in a sliding-window group vLLM's null
+    block reads -1 (a block never written, `dataplane.memory.copies.ChunkMap`)."""
+    return [
+        [-1 if b == NULL_BLOCK else int(b) for b in ids] if w else list(ids)
+        for ids, w in zip(block_ids, windows, strict=True)
+    ]
 
 
 # the extra keys of vLLM's block hashes (kv_cache_utils.generate_block_hash_extra_keys) that

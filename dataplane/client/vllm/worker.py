@@ -9,15 +9,18 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 import torch
 
 from dataplane.client.adapter import WorkerAdapter
+from dataplane.client.vllm.lookup import Scope
 from dataplane.client.vllm.state import Load, Save
 from dataplane.memory.copies import _MAX_RUNS, slot_runs
+from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.errors import KVWardenError, RequestError
+from dataplane.wire.messages import KVFormat
 
 logger = logging.getLogger(__name__)
 
@@ -333,3 +336,67 @@ def load(
         if got < want:
             break  # (the hit is cut short: the rest is recomputed)
     return set() if got >= want else _blocks_from(job, got, block_size)
+
+
+def layout(caches: Sequence[torch.Tensor], s: Scope, mode: str) -> tuple[str, KVFormat]:
+    """The transfer mode (``mode``, "auto" resolved) and format of vLLM's tensors of one KV
+    cache group, checked against the scope the scheduler looks up (a mismatch would make every
+    lookup miss)."""
+    first = caches[0]
+    if first.dim() == 4 and first.device.type == "cpu":
+        kv_format = KVFormat.LATENT if s.kv_format is KVFormat.LATENT else KVFormat.VLLM_CPU
+        heads, bs, head_dim = first.shape[1], first.shape[2], first.shape[3] // kv_format.planes
+    elif first.dim() == 5 and first.shape[0] == 2:
+        kv_format, heads, bs, head_dim = KVFormat.TOKEN_MAJOR, first.shape[3], first.shape[2], first.shape[4]
+    else:
+        raise ValueError(f"kvwarden: KV cache tensors of shape {list(first.shape)} are not a layout it knows")
+    seen = (DTYPE_NAMES.get(first.dtype), len(caches), int(heads), int(head_dim), kv_format, int(bs))
+    want = (s.dtype, s.num_layers, s.heads, s.head_dim, s.kv_format, s.block_size)
+    if seen != want:
+        raise ValueError(
+            f"kvwarden: the KV tensors (dtype, layers, heads, head dim, format, block) {seen} "
+            f"differ from the engine's configuration {want}"
+        )
+    if mode == "auto":
+        mode = "server_driven" if first.device.type == "cuda" else "engine_driven"
+    return mode, kv_format
+
+
+def register_groups(
+    scopes: Sequence[Scope],
+    groups: Sequence[Sequence[torch.Tensor]],
+    rank: int,
+    url: str,
+    mode: str,
+    wait_s: float,
+    options: dict[str, Any],
+    retry_s: float,
+) -> tuple[list[WorkerAdapter], list[Registrar], KVFormat]:
+    """Register each KV cache group's tensors (``groups``, in the order of ``scopes``) by an
+    instance of its own: (the instances, their started registrars, the format), once every
+    registration is made or still retried in the background after ``wait_s``. A refusal of any
+    is final: every instance is closed and ValueError names it. ``options``: more of
+    `WorkerAdapter`'s keywords."""
+    adapters: list[WorkerAdapter] = []
+    registrars: list[Registrar] = []
+    kv_format = KVFormat.TOKEN_MAJOR
+    for scope, caches in zip(scopes, groups, strict=True):
+        group_mode, kv_format = layout(caches, scope, mode)
+        adapter = WorkerAdapter(
+            url, scope.model_name, scope.world_size, rank, transfer_mode=group_mode, **options
+        )
+        adapters.append(adapter)
+        registrars.append(Registrar(adapter, caches, kv_format.value, retry_s))
+    for registrar in registrars:
+        registrar.start()
+    for registrar in registrars:
+        registrar.wait(wait_s)
+    refused = next((r.error for r in registrars if r.error is not None), None)
+    if refused is not None:
+        for registrar in registrars:
+            registrar.stop()
+            registrar.join()
+        for adapter in adapters:
+            adapter.close()
+        raise ValueError(f"kvwarden: registration refused: {refused}") from refused
+    return adapters, registrars, kv_format

@@ -24,7 +24,7 @@ from dataplane.client.keys import (
     merge_spans,
     mm_spans,
 )
-from dataplane.client.vllm.state import Scope, ScopeLookup
+from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.server.config import Settings
 from dataplane.server.runtime import DataPlane, build_dataplane
 from dataplane.storage.l1 import arena as arena_module

@@ -18,16 +18,9 @@ import torch
 import zmq
 
 from dataplane.client import WorkerAdapter
+from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.client.vllm.settings import connector_settings
-from dataplane.client.vllm.state import (
-    UNCACHED,
-    Load,
-    Plan,
-    Planner,
-    Save,
-    Scope,
-    ScopeLookup,
-)
+from dataplane.client.vllm.state import UNCACHED, Load, Plan, Planner, Save
 from dataplane.client.vllm.wait import LookupFound
 from dataplane.client.vllm.worker import Loader, Registrar, Saver, load
 from dataplane.memory.blockkv import BlockKV
@@ -263,7 +256,7 @@ def test_scope_lookup_answers_zero_at_once_while_the_server_is_away(
             w.register_kv_caches(vllm_cpu_caches(), "vllm_cpu")
             w.store(np.arange(2 * CS), np.arange(NB))
         # still within retry_s (the clock stands still), but the channel connects again: asked
-        caplog.set_level(logging.INFO, logger="dataplane.client.vllm.state")
+        caplog.set_level(logging.INFO, logger="dataplane.client.vllm.lookup")
         wait_until(lambda: lookup.hit_tokens(np.arange(2 * CS)) == 2 * CS, 10, what="a lookup answered")
         assert lookup.chunk_size == CS
         assert sum("answered again" in r.message for r in caplog.records) == 1
