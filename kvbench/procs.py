@@ -37,7 +37,19 @@ def _below_ephemeral() -> tuple[int, int] | None:
     return (10_000, low) if low - 10_000 >= 1000 else None
 
 
-_RANGE = _below_ephemeral()
+def _this_worker(span: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Of ``span``, this test worker's share (pytest-xdist's ``PYTEST_XDIST_WORKER`` gwN of
+    ``PYTEST_XDIST_WORKER_COUNT``): workers never hand out the same port, so a port given to an
+    engine that binds it only after a slow start is not another worker's server's meanwhile."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if span is None or not worker.startswith("gw") or not worker[2:].isdigit() or not count.isdigit():
+        return span
+    n, i = int(count), int(worker[2:])
+    width = (span[1] - span[0]) // max(1, n)
+    return span if width < 1000 or i >= n else (span[0] + i * width, span[0] + (i + 1) * width)
+
+
+_RANGE = _this_worker(_below_ephemeral())
 _rng = random.Random()
 
 

@@ -185,10 +185,12 @@ def add_args(sub: Any) -> None:
     p.add_argument("--vllm-python", default=None, help="the Python of vLLM's environment (.venv-vllm)")
     p.add_argument(
         "--model-kind",
-        choices=("dense", "mla"),
+        choices=("dense", "mla", "gemma3"),
         default="dense",
-        help="a dense Llama, or a DeepSeek-V2 with multi-head latent attention (one latent a token "
-        "cached; vLLM's own prefix cache kept on for it, which its CPU build turns off)",
+        help="a dense Llama; a DeepSeek-V2 with multi-head latent attention (one latent a token "
+        "cached; vLLM's own prefix cache kept on for it, which its CPU build turns off); or a "
+        "Gemma 3 kind of sliding-window hybrid (one full-attention layer, three of a 256-token "
+        "window: a hit loads each window's last chunk alone), with vLLM's hybrid manager on",
     )
     p.add_argument(
         "--reserved-cpus",
@@ -212,6 +214,8 @@ def run_vllm(ns: argparse.Namespace) -> int:
     build = f"build_model({{path!r}}, {shape!r})"
     if ns.model_kind == "mla":
         shape, build = MLA, "build_mla_model({path!r})"
+    elif ns.model_kind == "gemma3":
+        shape, build = "gemma3 (TINY's sizes, 4 layers)", "build_hybrid_model({path!r}, 'gemma3')"
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-vllm-") as tmp:
         work = Path(tmp)
         model = work / "model"

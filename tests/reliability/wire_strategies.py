@@ -252,6 +252,8 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "count": st.one_of(st.none(), st.integers(-1, 70)),  # ENGINE_COMMIT: part of a lease, or all
     "waited_s": st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5000)),
     "outcome": st.sampled_from(["hit", "partial", "gave_up", "", "later"]),
+    # LOOKUP_SCOPE's window in chunks: none, a few, past the prompt, or out of range
+    "window": st.one_of(st.integers(0, 5), st.integers(-3, 1 << 17)),
     # a key context: none, a valid one (salt, namespace, spans), or fields of the wrong shape
     "key": st.one_of(
         st.none(),
