@@ -19,7 +19,8 @@ a prefill does: tests compare kvwarden's hits there with vLLM's own at the same 
 LoRA on with those engine options (such as ``{"max_lora_rank": 8, "max_loras": 2}``; ``{}``:
 vLLM's defaults); ``KVWARDEN_ENGINE_CONNECTOR_EXTRA`` holds more ``kv_connector_extra_config``
 keys, as JSON; ``KVWARDEN_ENGINE_KV_EVENTS`` the engine's own KV events (vLLM's
-``KVEventsConfig`` fields, as JSON). Used by `kvbench.vllm` and the vLLM tests.
+``KVEventsConfig`` fields, as JSON); ``KVWARDEN_ENGINE_ROLE`` the connector's ``kv_role``
+(``kv_both`` by default). Used by `kvbench.vllm` and the vLLM tests.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def build(model: str, url: str | None, extra: dict[str, Any], lora: dict[str, An
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVWardenConnector",
             kv_connector_module_path="dataplane.client.vllm",
-            kv_role="kv_both",
+            kv_role=os.environ.get("KVWARDEN_ENGINE_ROLE") or "kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kvwarden.url": url, **extra},
         )

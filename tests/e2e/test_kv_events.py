@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dataplane.client.keys import key_context
 from dataplane.events.describe import native_hash
@@ -98,7 +99,16 @@ class Events:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, hwm)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        sub.connect(f"tcp://127.0.0.1:{self.pub_port}")
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            sub.connect(f"tcp://127.0.0.1:{self.pub_port}")
+            # connected before anything is published (the subscription goes with the handshake):
+            # a subscriber that joined late would see none of what follows
+            assert monitor.poll(10_000), "the subscriber never connected"
+            recv_monitor_message(monitor)
+        finally:
+            sub.disable_monitor()
+            monitor.close(0)
         return sub
 
     def replay(self, start: int = 0) -> list[tuple[int, bytes]]:

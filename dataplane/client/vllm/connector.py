@@ -55,23 +55,13 @@ from dataplane.client.keys import (
     mm_spans,
 )
 from dataplane.client.vllm.events import EventRelay, engine_names
-from dataplane.client.vllm.kinds import (
-    FULL,
-    KNOWN_EXTRA_KEYS,
-    MLA,
-    SLIDING,
-    EngineModel,
-    Group,
-    cached_scopes,
-    groups_of,
-    uncached,
-)
+from dataplane.client.vllm.kinds import KNOWN_EXTRA_KEYS, cached_scopes, describe, groups_of, uncached
 from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.client.vllm.settings import connector_settings
 from dataplane.client.vllm.state import Plan, Planner, RequestKey, Uncached, prompt_of
 from dataplane.client.vllm.wait import OwnSaves, Waits
 from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load, register_groups
-from dataplane.memory.kvmemory import DTYPE_NAMES, TORCH_DTYPES
+from dataplane.memory.kvmemory import TORCH_DTYPES
 from dataplane.wire.messages import KVFormat
 
 if TYPE_CHECKING:
@@ -86,36 +76,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def describe(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineModel:
-    """What `dataplane.client.vllm.kinds` decides the engine's scope from."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
-    def group(g: Any) -> Group:
-        spec = g.kv_cache_spec
-        kind, window = type(spec).__name__, 0
-        if isinstance(spec, MLAAttentionSpec):
-            kind = MLA
-        elif isinstance(spec, FullAttentionSpec):
-            kind = FULL
-        elif type(spec) is SlidingWindowSpec:
-            kind, window = SLIDING, int(spec.sliding_window)
-        heads, head_size = getattr(spec, "num_kv_heads", 0), getattr(spec, "head_size", 0)
-        dtype = DTYPE_NAMES.get(getattr(spec, "dtype", None))  # type: ignore[arg-type]
-        cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        return Group(kind, dtype, heads, head_size, spec.block_size, len(g.layer_names), cache_dtype, window)
-
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    name = mc.served_model_name or mc.model
-    return EngineModel(
-        str(name[0] if isinstance(name, list) else name),
-        str(getattr(mc.hf_config, "model_type", "?")),
-        pc.tensor_parallel_size,
-        pc.decode_context_parallel_size,
-        vllm_config.device_config.device_type == "cpu",
-        tuple(group(g) for g in kv_cache_config.kv_cache_groups),
-    )
 
 
 FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
@@ -185,7 +145,10 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(
                 "kvwarden: pipeline parallel engines are not supported (pipeline_parallel_size 1)"
             )
-        self._cfg = connector_settings(self._kv_transfer_config.kv_connector_extra_config)
+        kv_role = str(self._kv_transfer_config.kv_role)
+        self._cfg = connector_settings(self._kv_transfer_config.kv_connector_extra_config, kv_role)
+        self._loads = kv_role != "kv_producer"  # a producer only stores (prefill of a disaggregated pair)
+        self._stores = kv_role != "kv_consumer"  # a consumer only loads
         # None, and why: this engine runs without the cache
         scopes, self._declined = cached_scopes(
             describe(vllm_config, kv_cache_config), role == KVConnectorRole.SCHEDULER
@@ -237,6 +200,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         own = OwnSaves(self._scope.world_size)
         self._planner = Planner(lookup.find, self._block_size, waits, own)
         self._planner.windows = self._windows
+        self._planner.stores, self._planner.loads = self._stores, self._loads
         if self._scope.kv_format is KVFormat.LATENT:
             # a prompt whose one token is left after a hit goes through vLLM's MLA decode
             # path, which on its CPU backend does not compute what a prefill does (the reason
@@ -407,7 +371,12 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         """A request just given to the scheduler: unless vLLM's own cache may serve all of it,
         the server starts bringing its prefix from the slower tiers into L1 (PREFETCH_SCOPE), so
         the load that follows its LOOKUP finds it there."""
-        if self._lookup is None or self._planner is None or not self._cfg["kvwarden.prefetch"]:
+        if (
+            self._lookup is None
+            or self._planner is None
+            or not self._loads
+            or not self._cfg["kvwarden.prefetch"]
+        ):
             return
         cs = self._lookup.chunk_size
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)

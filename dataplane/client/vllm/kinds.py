@@ -31,9 +31,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from dataplane.client.vllm.lookup import Scope
 from dataplane.client.vllm.state import UNCACHED, RequestKey
+from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.messages import KVFormat
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,38 @@ class EngineModel:
     decode_context_parallel: int
     cpu: bool  # vLLM's CPU backend (else CUDA)
     groups: tuple[Group, ...]
+
+
+def describe(vllm_config: Any, kv_cache_config: Any) -> EngineModel:
+    """The engine's `EngineModel`, read off vLLM's ``VllmConfig`` and ``KVCacheConfig`` by their
+    attributes and the class names of their KV cache specs (no vLLM import: vLLM's
+    ``MLAAttentionSpec`` is a ``FullAttentionSpec``; a ``SlidingWindowSpec`` exactly, not a kind
+    derived from it, is a sliding window)."""
+
+    def group(g: Any) -> Group:
+        spec = g.kv_cache_spec
+        kind, window, bases = type(spec).__name__, 0, {c.__name__ for c in type(spec).__mro__}
+        if "MLAAttentionSpec" in bases:
+            kind = MLA
+        elif "FullAttentionSpec" in bases:
+            kind = FULL
+        elif kind == "SlidingWindowSpec":
+            kind, window = SLIDING, int(spec.sliding_window)
+        heads, head_size = getattr(spec, "num_kv_heads", 0), getattr(spec, "head_size", 0)
+        dtype = DTYPE_NAMES.get(getattr(spec, "dtype", None))  # type: ignore[arg-type]
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        return Group(kind, dtype, heads, head_size, spec.block_size, len(g.layer_names), cache_dtype, window)
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    name = mc.served_model_name or mc.model
+    return EngineModel(
+        str(name[0] if isinstance(name, list) else name),
+        str(getattr(mc.hf_config, "model_type", "?")),
+        pc.tensor_parallel_size,
+        pc.decode_context_parallel_size,
+        vllm_config.device_config.device_type == "cpu",
+        tuple(group(g) for g in kv_cache_config.kv_cache_groups),
+    )
 
 
 def _hybrid(groups: tuple[Group, ...]) -> str:

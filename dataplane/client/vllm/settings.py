@@ -68,8 +68,23 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-def connector_settings(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """``kv_connector_extra_config``'s kvwarden keys, checked (ValueError naming the key)."""
+ROLES = ("kv_producer", "kv_consumer", "kv_both")  # vLLM's kv_role: stores only, loads only, both
+# what acts only on loads: set for a kv_producer (which never loads), it would do nothing
+_LOADS_ONLY = ("kvwarden.async_load", "kvwarden.prefetch", "kvwarden.lookup_wait_s")
+
+
+def connector_settings(extra: dict[str, Any] | None, role: str = "kv_both") -> dict[str, Any]:
+    """``kv_connector_extra_config``'s kvwarden keys, checked (ValueError naming the key), for
+    an engine of vLLM's ``kv_role`` ``role``."""
+    if role not in ROLES:
+        raise ValueError(f"kv_role {role!r}: kvwarden takes {', '.join(ROLES)}")
+    if role == "kv_producer":
+        for key in _LOADS_ONLY:
+            if key in (extra or {}):
+                raise ValueError(
+                    f"kv_connector_extra_config[{key!r}]: a kv_producer never loads, so it would do "
+                    "nothing; leave it out, or use kv_role kv_both"
+                )
     out = dict(_DEFAULTS)
     for key, value in (extra or {}).items():
         if not key.startswith("kvwarden."):

@@ -136,6 +136,8 @@ class Planner:
         self.tail = 1
         # each KV cache group's sliding window in tokens (0: full attention), in vLLM's order
         self.windows: tuple[int, ...] = (0,)
+        self.stores = True  # False: no save is ever planned (vLLM's kv_role kv_consumer)
+        self.loads = True  # False: nothing is ever loaded, or looked up (kv_producer)
         self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
         self.own = own if own is not None else OwnSaves()
         self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
@@ -151,8 +153,10 @@ class Planner:
     ) -> int | None:
         """Tokens beyond ``computed`` that kvwarden will load; None: not decided yet (chunks of
         the prompt are being stored), ask again on a later step."""
-        self.keys[req_id] = key
-        if not prompt or isinstance(key, Uncached):
+        self.keys[req_id] = key  # (what its saves are keyed on, loads or not)
+        if not self.loads and self.chunk_size() is None:
+            self.lookup(np.zeros(0, dtype=np.int64), None)  # (an empty lookup: the server's chunk size)
+        if not prompt or isinstance(key, Uncached) or not self.loads:
             return 0
         hit = self._hits.get(req_id)
         if hit is None:
@@ -285,7 +289,7 @@ class Planner:
         holds: none of vLLM's null blocks, and none it may free before the save is over (those
         of tokens before its window at the step's start)."""
         cs = self.chunk_size()
-        if cs is None:
+        if cs is None or not self.stores:
             return
         full = min(done, len(r.tokens)) // cs * cs
         if full > r.saved:

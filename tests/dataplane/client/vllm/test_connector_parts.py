@@ -324,6 +324,20 @@ def test_planner_loads_whole_chunks_never_the_last_token_and_stores_what_is_new(
         6,
     ]
     assert p.finished("c") is False  # never seen
+    # a kv_consumer's planner: loads, and plans no save (its blocks are never held for one)
+    p.stores = False
+    p.matched("d", prompt, 0)
+    p.allocated("d", prompt, 2 * CS)
+    plan = p.plan([("d", prompt, [blocks], 2 * CS, CS)], [], False)
+    assert len(plan.loads) == 1 and plan.saves == [] and p.finished("d") is False
+    # a kv_producer's: never asks the server nor loads, and stores under the request's key
+    p.stores, p.loads, asked[:] = True, False, []
+    assert p.matched("e", prompt, 0, KeyContext(b"salt")) == 0 and asked == []  # (chunk size known)
+    p.chunk_size = lambda: None
+    assert p.matched("f", prompt, 0) == 0 and asked == [0]  # asked nothing but the chunk size
+    p.chunk_size = lambda: CS
+    (save,) = p.plan([("e", prompt, [blocks], 0, 3 * CS)], [], False).saves
+    assert save.key == KeyContext(b"salt") and len(save.tokens) == 3 * CS
 
 
 def test_planner_carries_each_requests_key_context_and_never_caches_an_uncached_one() -> None:
@@ -541,6 +555,16 @@ def test_connector_settings_name_the_bad_key() -> None:
     assert connector_settings({"kvwarden.async_load": False})["kvwarden.async_load"] is False
     assert connector_settings({"kvwarden.async_load": "false"})["kvwarden.async_load"] is False
     assert connector_settings({"kvwarden.async_load": "true"})["kvwarden.async_load"] is True
+    # vLLM's kv_role: what acts on loads alone is refused for a producer, which never loads
+    assert connector_settings({"kvwarden.prefetch": False}, "kv_consumer")["kvwarden.prefetch"] is False
+    for key in ("kvwarden.async_load", "kvwarden.prefetch", "kvwarden.lookup_wait_s"):
+        with pytest.raises(ValueError, match=rf"\[{key!r}\]: a kv_producer never loads"):
+            connector_settings({key: 1}, "kv_producer")
+    assert connector_settings({"kvwarden.retry_s": 1}, "kv_producer")["kvwarden.retry_s"] == 1
+    with pytest.raises(
+        ValueError, match="kv_role 'kv_both ': kvwarden takes kv_producer, kv_consumer, kv_both"
+    ):
+        connector_settings({}, "kv_both ")
     assert connector_settings({"kvwarden.async_load": "AUTO"})["kvwarden.async_load"] == "auto"
     with pytest.raises(
         ValueError, match=r"\['kvwarden.async_load'\]: 1 is not a boolean \(true or false\) or \"auto\""

@@ -3,9 +3,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from dataplane.client.vllm.kinds import FULL, MLA, SLIDING, Declined, EngineModel, Group, scope_of, scopes_of
+from dataplane.client.vllm.kinds import (
+    FULL,
+    MLA,
+    SLIDING,
+    Declined,
+    EngineModel,
+    Group,
+    describe,
+    scope_of,
+    scopes_of,
+)
 from dataplane.wire.messages import KVFormat
 
 
@@ -85,3 +97,48 @@ def test_each_group_of_a_sliding_window_hybrid_is_a_scope_of_its_own() -> None:
         scopes_of(model(DENSE, Group(SLIDING, "bfloat16", 8, 128, 128, 32)))
     with pytest.raises(Declined, match="scopes_of"):
         scope_of(model(DENSE, window))
+
+
+def test_an_engine_is_described_from_vllms_config_by_attributes_and_spec_class_names() -> None:
+    """(vLLM's own objects are read in the engine tests; these stand in for them by shape.)"""
+    import torch
+
+    class FullAttentionSpec:
+        def __init__(self, heads: int = 8, size: int = 128) -> None:
+            self.num_kv_heads, self.head_size, self.dtype, self.block_size = heads, size, torch.bfloat16, 128
+
+    class MLAAttentionSpec(FullAttentionSpec):  # as in vLLM: a kind of full attention
+        pass
+
+    class SlidingWindowSpec:  # (in vLLM, not a kind of full attention)
+        num_kv_heads, head_size, dtype, block_size, sliding_window = 8, 128, torch.bfloat16, 128, 512
+
+    class MambaSpec:
+        block_size = 128
+
+    def group(spec: object, n: int) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(n)])
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(
+            served_model_name=["served"], model="/m", hf_config=SimpleNamespace(model_type="gemma3")
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, decode_context_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+    groups = [
+        group(FullAttentionSpec(), 2),
+        group(SlidingWindowSpec(), 2),
+        group(MLAAttentionSpec(1, 576), 1),
+        group(MambaSpec(), 3),
+    ]
+    m = describe(cfg, SimpleNamespace(kv_cache_groups=groups))
+    assert (m.name, m.model_type, m.tensor_parallel, m.cpu) == ("served", "gemma3", 2, True)
+    assert [(g.kind, g.window, g.layers) for g in m.groups] == [
+        (FULL, 0, 2),
+        (SLIDING, 512, 2),
+        (MLA, 0, 1),
+        ("MambaSpec", 0, 3),
+    ]
+    assert m.groups[0].dtype == "bfloat16" and m.groups[2].head_size == 576 and m.groups[3].dtype is None
