@@ -1,7 +1,9 @@
 """`kvwarden bench vllm --tiny --json` end to end, with real vLLM engines (``.venv-vllm``): the
 harness runs every case and its report holds every figure. The model and prompts are tiny: the
 numbers mean nothing here, but a hit must load what the miss stored, with the same output, and
-move the bytes its model's KV takes (a dense model's K and V, an MLA model's latent alone)."""
+move the bytes its model's KV takes (a dense model's K and V, an MLA model's latent alone, a
+sliding-window hybrid's full layers and each window's last chunk). The model kinds' runs are
+marked ``bench``."""
 
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     assert rep["retrieve_bytes_per_hit"] == 512 * 1024 and rep["retrieve_bytes_per_hit_token"] == 1024
 
 
+# The model kinds' runs are whole benchmarks more (minutes): with KVWARDEN_BENCH=1 or -m bench.
+# make test checks each kind's bytes a hit moves with real engines (tests/e2e/test_vllm_models.py).
+@pytest.mark.bench
 def test_bench_vllm_tiny_mla_moves_the_latent_alone(tmp_path: Path) -> None:
     require_vllm()
     rep, out = _bench(tmp_path, "--model-kind", "mla")
@@ -57,3 +62,16 @@ def test_bench_vllm_tiny_mla_moves_the_latent_alone(tmp_path: Path) -> None:
     assert rep["repeat_same_as_hit"] is True
     # 4 layers x one latent of 576 x 2 bytes a token
     assert rep["retrieve_bytes_per_hit_token"] == 4 * 576 * 2 and "mla model" in out
+
+
+@pytest.mark.bench
+def test_bench_vllm_tiny_gemma3_moves_each_windows_last_chunk_alone(tmp_path: Path) -> None:
+    require_vllm()
+    rep, out = _bench(tmp_path, "--model-kind", "gemma3")
+    cached = rep["cached_tokens"]
+    # 600 tokens: two chunks of 256; vLLM's own 128-token blocks (one token left at least)
+    assert cached["hit"] == cached["repeat"] == cached["vllm_hit"] == 512
+    assert rep["same_output"] is True and rep["repeat_same_as_hit"] is True
+    # the full layer's 512 tokens and each of the three windows' last chunk (256 tokens), at
+    # 2 KV heads x 64 x K and V x 2 bytes a token and layer
+    assert rep["retrieve_bytes_per_hit"] == (512 + 3 * 256) * 512 and "gemma3 model" in out
