@@ -8,9 +8,9 @@ cost more than building them; `tests/app` validates their output against these m
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CheckStatus = Literal["pass", "warn", "fail"]
 TransferModeName = Literal["server_driven", "engine_driven"]  # dataplane.wire.kinds.TransferMode
@@ -228,3 +228,37 @@ class ReapResult(BaseModel):
     released: list[str] = Field(
         description="modules that released the instance (dry run: that would release it)"
     )
+
+
+class CacheClear(BaseModel):
+    """Body of `POST /v1/cache/clear`: the model whose chunks go, as its workers register it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256, description="the served model name its workers register")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ({"namespace", "salt", "adapter"} & data.keys()):
+            raise ValueError(
+                "clearing one namespace or salt is not supported: chunks are filed by their "
+                "model's scope, and a clear removes the model's chunks under every salt and "
+                "namespace; send the model alone"
+            )
+        return data
+
+
+class CacheCleared(BaseModel):
+    """Outcome of `POST /v1/cache/clear` (200: complete; 503: a tier could not be cleared, or a
+    chunk stayed held by a reader: what was removed is still reported)."""
+
+    model: str
+    scopes: int = Field(description="the model's scopes cleared (one per layout and rank)")
+    removed: int = Field(description="chunks removed, in all tiers")
+    l1: int = Field(description="chunks dropped from L1")
+    fs: int = Field(description="chunk files removed from the file tier")
+    remote: int = Field(description="chunks removed from the remote tier")
+    pinned: int = Field(description="L1 chunks a reader still held at the deadline (they stay)")
+    failed: list[str] = Field(description="tiers that could not be cleared (down, an error)")
+    complete: bool = Field(description="nothing of the model is left in any tier")

@@ -90,6 +90,7 @@ class DataPlaneMetrics:
         )
         self._connection_metrics(r)
         self._wait_metrics(r)
+        self._clear_metrics(r)
         for limit in LIMITS:
             self.limits_exceeded.labels(limit=limit)
         for reason in REAP_REASONS:
@@ -100,6 +101,27 @@ class DataPlaneMetrics:
             self.duration.labels(type=t.value)
             for outcome in ("ok", "error"):
                 self.requests.labels(type=t.value, outcome=outcome)
+
+    def _clear_metrics(self, r: CollectorRegistry) -> None:
+        """Clears of a model's chunks (`dataplane.modules.clear`)."""
+        self.clears = Counter(
+            "kvwarden_cache_clears",
+            "Clears of a model's chunks (an engine's CLEAR_SCOPE, the admin POST /v1/cache/clear), "
+            "by origin and outcome (complete, incomplete: a tier failed or a chunk stayed pinned).",
+            ["origin", "outcome"],
+            registry=r,
+        )
+        self.cleared_chunks = Counter(
+            "kvwarden_cleared_chunks",
+            "Chunks clears removed, by tier (l1, fs, remote).",
+            ["tier"],
+            registry=r,
+        )
+        for origin in ("engine", "admin"):
+            for outcome in ("complete", "incomplete"):
+                self.clears.labels(origin=origin, outcome=outcome)
+        for tier in ("l1", "fs", "remote"):
+            self.cleared_chunks.labels(tier=tier)
 
     def _wait_metrics(self, r: CollectorRegistry) -> None:
         """Lookups that found chunks being stored, and the waits schedulers report (LOOKUP_WAITED)."""

@@ -141,6 +141,14 @@ class EngineProcess:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
 
+    def command(self, cmd: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+        """Another line of `kvbench.vllm_engine` (``{"reset": true}``, ``{"perturb": seed}``),
+        and its answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
     def result(self, timeout: float = 300.0) -> dict[str, Any]:
         """The answer to the oldest request ``submit`` sent."""
         return self._answer(timeout)

@@ -7,6 +7,10 @@ Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for e
 "cached": n, "s": s}`` (``logprobs``: each output token's; ``s``: the request's time in the
 engine). A line may also carry ``"cache_salt": str`` (put in the prompt, as vLLM takes it) and
 ``"lora": {"name": str, "id": int, "path": str}`` (the request's ``LoRARequest``).
+``{"reset": true}`` resets the engine's prefix cache and the connector's
+(``reset_prefix_cache(reset_connector=True)``) and answers ``{"reset": bool}``;
+``{"perturb": seed}`` changes every weight in place, as a trainer's weight update does (each
+multiplied by 1 + N(0, 0.5)), and answers ``{"perturbed": seed}``.
 ``{"quit": true}`` (or end of input) shuts the engine down. Run with the Python of the vLLM
 environment (``.venv-vllm``); greedy sampling, so outputs are comparable token for token.
 
@@ -95,9 +99,22 @@ def request(cmd: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     return prompt, LoRARequest(str(lora["name"]), int(lora["id"]), str(lora["path"]))
 
 
+def perturb(worker: Any, seed: int) -> None:
+    """A weight update, in the worker: every weight multiplied by 1 + N(0, 0.5), drawn from
+    ``seed`` (what the KV computed before it no longer matches)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in worker.model_runner.model.parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.5
+            p.mul_((1.0 + noise).to(p.dtype))
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # ({"perturb"}: a function to the workers)
     model = sys.argv[1]
     url = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
     extra = json.loads(os.environ.get("KVWARDEN_ENGINE_CONNECTOR_EXTRA", "{}"))
@@ -110,6 +127,16 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
+        if "reset" in cmd:
+            print(
+                "@kvw " + json.dumps({"reset": bool(llm.reset_prefix_cache(reset_connector=True))}),
+                flush=True,
+            )
+            continue
+        if "perturb" in cmd:
+            llm.collective_rpc(perturb, args=(int(cmd["perturb"]),))
+            print("@kvw " + json.dumps({"perturbed": int(cmd["perturb"])}), flush=True)
+            continue
         params = SamplingParams(
             max_tokens=int(cmd.get("max_tokens", 8)), temperature=0, detokenize=False, logprobs=0
         )

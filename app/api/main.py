@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api.routes import health, instances, lookup, metrics, status
+from app.api.routes import cache, health, instances, lookup, metrics, status
 
 api_router = APIRouter()
 api_router.include_router(health.router)
@@ -13,3 +13,4 @@ api_router.include_router(instances.router)
 api_router.include_router(instances.admin_router)
 api_router.include_router(metrics.router)
 api_router.include_router(lookup.router)
+api_router.include_router(cache.admin_router)

@@ -137,7 +137,7 @@ def _breakdowns(
     dropped = CounterMetricFamily(
         "kvwarden_fs_dropped_writes",
         "Writes to the file tier dropped, by reason (full: the queue; bypassed; stopped; no_space: "
-        "the disk is full).",
+        "the disk is full; cleared: their model's chunks were cleared).",
         labels=["reason"],
     )
     for reason, n in drops.items():

@@ -180,7 +180,7 @@ def _remote_counters(r: RemoteState) -> tuple[tuple[str, str, float], ...]:
         ("kvwarden_remote_written_bytes", "Bytes written to the remote tier.", r.bytes_written),
         (
             "kvwarden_remote_dropped_writes",
-            "Writes dropped (queue full, bypassed, shutdown, out of space).",
+            "Writes dropped (queue full, bypassed, shutdown, out of space, their model's chunks cleared).",
             r.dropped_writes,
         ),
         (

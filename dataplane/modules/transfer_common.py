@@ -112,9 +112,11 @@ class TransferModule(Generic[E]):
                 except BaseException:
                     self.l1.abort(buf)
                     raise
-                stored += self.l1.commit(keys[i], buf, pin=True, scope=scope)
+                stored += self.l1.commit(keys[i], buf, scope=scope)
                 self.l1.inflight.landed(mark, [keys[i]])
-                pinned.append(keys[i])
+                # pinned as it landed (whichever copy won): none, when a clear of the scope
+                # refused it (`L1Store.commit`), so the release below lets go only of our pins
+                pinned += self.l1.pin_present([keys[i]])[1]
         finally:
             self.l1.inflight.end(mark)
             self.l1.release(pinned)

@@ -22,6 +22,7 @@ from dataplane.health.base import CheckResult, Status
 from dataplane.health.monitor import MonitorState
 from dataplane.liveness.entry import ContextEntry, LivenessRow
 from dataplane.modules.base import ServerInfo
+from dataplane.modules.clear import ModelCleared
 from dataplane.server.config import Settings
 from dataplane.server.router_lookup import TierHits
 from dataplane.storage.fs.stats import FsStats
@@ -39,6 +40,7 @@ __all__ = [
     "L1Stats",
     "LivenessRow",
     "LivenessStatus",
+    "ModelCleared",
     "MonitorState",
     "RemoteState",
     "ServerInfo",
@@ -169,6 +171,12 @@ class DataPlaneView(Protocol):
 
     def force_reap(self, instance_id: int) -> list[str]:
         """The admin reap (the cleanup UNREGISTER runs); names of the modules that held it."""
+        ...
+
+    def clear_model(self, model: str, who: str) -> ModelCleared:
+        """The admin clear: every chunk of ``model``'s scopes (those its instances registered
+        since start) leaves every tier (`dataplane.modules.clear`); blocking (the disk,
+        Redis): never on the loop thread. ``who`` names the caller in the log."""
         ...
 
     def render_metrics(self) -> bytes:

@@ -99,10 +99,10 @@ def _counts(l1: TieredStore, scope: bytes, keys: list[bytes]) -> tuple[int, int,
     cpu = l1.peek_prefix(keys)
     fs, remote = l1.fs, l1.remote
     disk = fs.held(scope, keys) if fs is not None else 0
-    external = remote.count_prefix(keys) if remote is not None and not remote.bypassed else 0
+    external = remote.count_prefix(keys, scope=scope) if remote is not None and not remote.bypassed else 0
     total = cpu
     if fs is not None and total < len(keys):
         total = disk if disk >= total else total + fs.held(scope, keys[total:])
     if remote is not None and not remote.bypassed and total < len(keys):
-        total = external if external >= total else total + remote.count_prefix(keys[total:])
+        total = external if external >= total else total + remote.count_prefix(keys[total:], scope=scope)
     return cpu, disk, external, total

@@ -33,6 +33,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import ServerInfo
 from dataplane.modules.blend import BlendModule
 from dataplane.modules.blend_one_copy import BlendDirectModule
+from dataplane.modules.clear import ClearModule, ModelCleared
 from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.lookup import LookupModule
 from dataplane.modules.management import ManagementModule
@@ -73,6 +74,7 @@ class DataPlane:
     clock: Callable[[], float] = time.monotonic
     fs: FileTier | None = None
     events: KVEventPublisher | None = None
+    clear: ClearModule | None = None
 
     def start(self) -> None:
         self.l1.arena.start()  # faults L1 in while the server already answers
@@ -166,6 +168,10 @@ class DataPlane:
 
     def force_reap(self, instance_id: int) -> list[str]:
         return self.management.force_reap(instance_id)
+
+    def clear_model(self, model: str, who: str) -> ModelCleared:
+        assert self.clear is not None
+        return self.clear.clear_model(model, who)
 
     def monitor_state(self) -> MonitorState:
         return self.monitor.summary_state()
@@ -267,15 +273,12 @@ def build_dataplane(
     server.add_connection_listener(quota.on_connection)
     server.add_connection_listener(l1.inflight.on_connection)  # a worker gone: its stores are not coming
     lookup = LookupModule(l1, cs, metrics, [transfer.registry, engine.registry])
-    for module in (
-        management,
-        transfer,
-        engine,
+    clear = ClearModule(l1, metrics, [transfer.registry, engine.registry])
+    direct, blend_direct = (
         DirectTransferModule(engine, l1, metrics),
-        blend,
         BlendDirectModule(blend, engine, l1, metrics),
-        lookup,
-    ):
+    )
+    for module in (management, transfer, engine, direct, blend, blend_direct, lookup, clear):
         server.add_module(module)
     events = build_events(settings, l1, remote, fs)
     monitor = _monitor(settings, l1, remote, fs, _self_checks(server, management), clock, events)
@@ -283,7 +286,7 @@ def build_dataplane(
         monitor.mark_init_failed(str(init_failure or fs_failure))
     l1.gate = monitor.is_healthy
     parts = (server, l1, management, transfer, engine, metrics, splitter, monitor, remote, clock, fs, events)
-    return DataPlane(settings, *parts)
+    return DataPlane(settings, *parts, clear)
 
 
 def _l1(settings: Settings, remote: RemoteBackend | None, fs: FileTier | None) -> TieredStore:

@@ -17,6 +17,8 @@ chunks' scope (the file tier keeps a directory per scope), and it adds:
   (write-behind, never waited for), its L1 buffer pinned until each write is done. With the hot
   cache off (``local_cpu=false``) L1 only stages: a chunk leaves L1 once written and no reader
   holds it.
+- **CLEAR** (`clear_scope`): every chunk of a scope leaves every tier, and none read or written
+  before the clear enters one after it (a reset after the model's weights changed).
 - **The health gate** (``gate``, the health monitor's ``is_healthy``): while it says no,
   STORE is skipped (`writable`), RETRIEVE is an all-miss and LOOKUP is 0, each with a warning
   at most every `WARN_EVERY_S` (the count of what was skipped meanwhile in it).
@@ -41,8 +43,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dataplane.storage.fs import FileTier
-from dataplane.storage.l1 import L1Store
+from dataplane.storage.l1 import L1Store, ScopeCleared
 from dataplane.storage.l1.arena import Arena
+from dataplane.storage.l1.store import CLEAR_WAIT_S
 from dataplane.storage.l1.tenants import NO_TENANT
 from dataplane.storage.remote import RemoteBackend
 
@@ -110,9 +113,9 @@ class TieredStore(L1Store):
                 self._read_ahead(scope, keys[n : n + on_disk], tenant, self._chunk_bytes(keys[:n]))
             n += on_disk
         if self.remote is not None and n < len(keys):
-            more = self.remote.count_prefix(keys[n:])
+            more = self.remote.count_prefix(keys[n:], scope=scope)
             if more:
-                self._remote_ahead(keys[n : n + more], tenant, self._chunk_bytes(keys[:n]))
+                self._remote_ahead(scope, keys[n : n + more], tenant, self._chunk_bytes(keys[:n]))
             n += more
         return n
 
@@ -164,7 +167,7 @@ class TieredStore(L1Store):
             if staged:  # the last chunk, not all in memory: through L1, on to the worker as it lands
                 r = self._through(scope, keys[i], known, tenant, where)
             if r is None and self.remote is not None:  # not on disk after all (or damaged)
-                r = self._promote(keys[i], known, tenant)
+                r = self._promote(scope, keys[i], known, tenant)
             if r is False:  # not in memory whole (or no views): read the staged way, below
                 break
             if r is None:  # the prefix ends here
@@ -200,10 +203,11 @@ class TieredStore(L1Store):
         None (a miss)."""
         assert self.fs is not None
         held, alloc, give_back = self._staging(tenant)
+        since = self.epoch()
         got = self.fs.get_through(scope, key, nbytes, alloc, give_back, where)
         if got is None:
             return None
-        super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
+        super().commit(key, held.pop(), scope=scope, since=since)  # (a copy that won a race stays)
         if got[1]:
             return True
         pinned = self._pin_prefix([key], hits=False)  # (the file tier counts it)
@@ -262,14 +266,14 @@ class TieredStore(L1Store):
             if got:
                 return got[0]
         if self.remote is not None:
-            return self._promote(key, nbytes, tenant)
+            return self._promote(scope, key, nbytes, tenant)
         return None
 
     def _remote_wait_s(self) -> float:
         assert self.remote is not None
         return self.remote.timeout_s
 
-    def _remote_ahead(self, keys: list[bytes], tenant: bytes, nbytes: int | None) -> None:
+    def _remote_ahead(self, scope: bytes, keys: list[bytes], tenant: bytes, nbytes: int | None) -> None:
         """Start reading ``keys`` (found in the remote tier by a LOOKUP) into L1 on the remote
         tier's reader thread, so the RETRIEVE that follows finds them there, or waits for them
         (`_lower`) instead of asking Redis again. A key another read is bringing is skipped."""
@@ -279,19 +283,27 @@ class TieredStore(L1Store):
             mine = {k: threading.Event() for k in keys if k not in self._ahead}
             self._ahead.update(mine)
         shape = None if nbytes is None else (nbytes,)
+        since = self.epoch()
         for k, ev in mine.items():
             held, alloc, give_back = self._staging(tenant)
-            landed = functools.partial(self._landed, k, ev, held)
-            if not remote.get_later(k, _DTYPE, shape, landed, alloc, give_back):
+            landed = functools.partial(self._landed, scope, since, k, ev, held)
+            if not remote.get_later(k, _DTYPE, shape, landed, alloc, give_back, scope=scope):
                 self._ahead_done(k, ev)
 
     def _landed(
-        self, key: bytes, ev: threading.Event, held: list[torch.Tensor], payload: memoryview | None
+        self,
+        scope: bytes,
+        since: int,
+        key: bytes,
+        ev: threading.Event,
+        held: list[torch.Tensor],
+        payload: memoryview | None,
     ) -> None:
         """A read-ahead from the remote tier is over: its chunk (if any), read into the L1
-        buffer ``held`` has, is committed (a copy already there stays; ours goes back)."""
+        buffer ``held`` has, is committed (a copy already there stays; ours goes back; one of
+        a scope cleared since the read began is dropped)."""
         try:
-            if payload is not None and held and super().commit(key, held.pop()):
+            if payload is not None and held and super().commit(key, held.pop(), scope=scope, since=since):
                 self.promoted += 1
                 self.remote_read_ahead += 1
         finally:
@@ -314,11 +326,12 @@ class TieredStore(L1Store):
         chunk now."""
         assert self.fs is not None
         held, alloc, give_back = self._staging(tenant)
+        since = self.epoch()
         got = self.fs.get(scope, key, nbytes, alloc, give_back, wait=wait, hit=hit)
         if got is None:
             return False
-        super().commit(key, held.pop())  # (a copy that won a race stays; ours goes back)
-        return True
+        # (a copy that won a race stays; ours goes back; so does one read before a clear)
+        return super().commit(key, held.pop(), scope=scope, since=since) or bool(super().peek_prefix([key]))
 
     def _staging(
         self, tenant: bytes
@@ -383,16 +396,19 @@ class TieredStore(L1Store):
         super().release(keys[-1:])
         return n
 
-    def _promote(self, key: bytes, nbytes: int | None, tenant: bytes) -> torch.Tensor | None:
+    def _promote(self, scope: bytes, key: bytes, nbytes: int | None, tenant: bytes) -> torch.Tensor | None:
         """The chunk of ``key`` from the remote tier, read into L1 and pinned; None: not there
         (or damaged, or of another size, or L1 has no room)."""
         assert self.remote is not None
         held, alloc, give_back = self._staging(tenant)
+        since = self.epoch()
         try:
-            payload = self.remote.get(key, _DTYPE, None if nbytes is None else (nbytes,), alloc, give_back)
+            shape = None if nbytes is None else (nbytes,)
+            payload = self.remote.get(key, _DTYPE, shape, alloc, give_back, scope=scope)
             if payload is None or not held:
                 return None
-            super().commit(key, held.pop())  # not commit(): it came from the remote tier
+            # not commit(): it came from the remote tier
+            super().commit(key, held.pop(), scope=scope, since=since)
         finally:
             while held:
                 self.abort(held.pop())
@@ -402,8 +418,10 @@ class TieredStore(L1Store):
         return got[0] if got else None
 
     # ---------------------------------------------------------------- writes
-    def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"") -> bool:
-        written = super().commit(key, buf, pin)
+    def commit(
+        self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"", since: int | None = None
+    ) -> bool:
+        written = super().commit(key, buf, pin, scope, since)
         if not written:
             return written
         view = memoryview(buf.numpy().data)
@@ -416,8 +434,33 @@ class TieredStore(L1Store):
                 self.fs.put(scope, key, view, done)
             else:
                 assert self.remote is not None
-                self.remote.put(key, _DTYPE, (buf.numel(),), view, done)
+                self.remote.put(key, _DTYPE, (buf.numel(),), view, done, scope=scope)
         return written
+
+    # ---------------------------------------------------------------- clears
+    def clear_scope(self, scope: bytes, wait_s: float = CLEAR_WAIT_S) -> ScopeCleared:
+        """Remove every chunk of ``scope`` from every tier: L1 stops taking the scope's chunks
+        (`begin_clear`), the file and remote tiers drop its queued writes, wait for the one
+        under way and remove what they hold, then L1 drops its own (waiting at most ``wait_s``
+        for readers), and no chunk read from a lower tier before it was cleared enters L1
+        after. Runs on the caller's thread (a NORMAL worker: never the loop), which waits for
+        the disk and Redis; a tier that cannot be cleared (down, an error) is named in
+        ``failed``: its chunks may still be there, and the clear is not complete."""
+        self.begin_clear(scope)
+        failed: list[str] = []
+        fs = remote = None
+        try:
+            if self.fs is not None:
+                fs = self.fs.clear_scope(scope)
+                if fs is None:
+                    failed.append(self.fs.name)
+            if self.remote is not None:
+                remote = self.remote.clear_scope(scope)
+                if remote is None:
+                    failed.append(self.remote.name)
+        finally:
+            dropped, left = self.end_clear(scope, wait_s)
+        return ScopeCleared(dropped, fs, remote, left, tuple(failed))
 
     def _written(self, key: bytes) -> None:
         """A lower tier's write of ``key`` is done (written, failed or dropped)."""

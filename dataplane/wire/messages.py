@@ -56,6 +56,7 @@ from dataplane.wire.replies import (
     BlendAcquired,
     BlendRegistered,
     BlendRetrieved,
+    Cleared,
     Committed,
     Hits,
     Noted,
@@ -213,9 +214,9 @@ class Lookup(Message[Hits]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ScopeRequest(Record):
-    """What LOOKUP_SCOPE and PREFETCH_SCOPE carry: a scope named by what a worker's
-    ENGINE_REGISTER would carry, for every rank of ``world_size``, and a prompt."""
+class ScopeName(Record):
+    """A scope named by what a worker's ENGINE_REGISTER would carry, for every rank of
+    ``world_size`` (what CLEAR_SCOPE carries; LOOKUP_SCOPE and PREFETCH_SCOPE add a prompt)."""
 
     model_name: Annotated[str, name, "as its workers register"]
     world_size: Annotated[int, small_int(1, MAX_SCOPE_RANKS), "ranks 0 .. world_size-1 are checked"]
@@ -225,6 +226,12 @@ class ScopeRequest(Record):
     head_dim: Annotated[int, small_int(1, 1 << 16)]
     kv_format: Annotated[KVFormat, member_of(KVFormat), "as for ENGINE_REGISTER"]
     block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE), "as for ENGINE_REGISTER"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScopeRequest(ScopeName):
+    """What LOOKUP_SCOPE and PREFETCH_SCOPE carry: a scope (`ScopeName`) and a prompt."""
+
     token_ids: Annotated[np.ndarray, _IDS, "the prompt"]
     key: Annotated[KeyContext | None, opt_key_context, "as for STORE"] = None
     window: Annotated[
@@ -250,6 +257,14 @@ class PrefetchScope(ScopeRequest, Message[Noted]):
     no lookup."""
 
     TYPE = MsgType.PREFETCH_SCOPE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClearScope(ScopeName, Message[Cleared]):
+    """Remove every chunk of the scope, every rank's, from every tier (the engine's reset of
+    its cache: its weights changed, so what it stored is stale); answered once done."""
+
+    TYPE = MsgType.CLEAR_SCOPE
 
 
 WAIT_OUTCOMES = ("hit", "partial", "gave_up")

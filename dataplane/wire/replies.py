@@ -162,6 +162,16 @@ class Reserved(Reply):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Cleared(Reply):
+    l1: Annotated[int, u63, "chunks dropped from L1"]
+    fs: Annotated[int, u63, "chunk files removed from the file tier"]
+    remote: Annotated[int, u63, "chunks removed from the remote tier"]
+    pinned: Annotated[int, u63, "L1 chunks a reader still held at the deadline: they stay"]
+    failed: Annotated[tuple[str, ...], list_of(name, 4), "tiers that could not be cleared (down, an error)"]
+    complete: Annotated[bool, boolean, "nothing of the scope is left: no tier failed, nothing pinned"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Noted(Reply):
     counted: Annotated[bool, boolean, "taken: a report counted in /metrics, a prefetch started"]
 

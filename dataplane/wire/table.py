@@ -67,6 +67,7 @@ TABLE: tuple[Spec, ...] = (
     Spec(m.LookupScope, r.ScopeHits, NORMAL),
     Spec(m.LookupWaited, r.Noted, LOOP),
     Spec(m.PrefetchScope, r.Noted, NORMAL),
+    Spec(m.ClearScope, r.Cleared, NORMAL, limits="answered once every tier is cleared (the disk, Redis)"),
     Spec(m.EngineRegister, r.PoolRegistered, NORMAL, limits=f"a 4 GiB pool; --max-pool-gb; {_INSTANCES}"),
     Spec(m.EngineStore, r.StoreCounts, TRANSFER, limits=_POOL),
     Spec(m.EngineRetrieve, r.PoolRetrieved, TRANSFER, limits=_POOL),

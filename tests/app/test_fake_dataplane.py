@@ -25,6 +25,7 @@ from dataplane.server.facade import (
     L1Stats,
     LivenessRow,
     LivenessStatus,
+    ModelCleared,
     MonitorState,
     RemoteState,
     ServerInfo,
@@ -199,6 +200,9 @@ class FakeDataPlane:
         self.force_reap_calls.append(instance_id)
         e = self.entries.pop(instance_id, None)
         return [] if e is None else [e.transfer_mode]
+
+    def clear_model(self, model: str, who: str) -> ModelCleared:
+        return ModelCleared(0, 0, 0, 0, 0, ())
 
     def render_metrics(self) -> bytes:
         return self.metrics_text

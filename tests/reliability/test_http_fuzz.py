@@ -164,6 +164,7 @@ def test_schemathesis_over_the_openapi_document(
         "GET /metrics",
         "GET /status",
         "POST /v1/lookup",
+        "POST /v1/cache/clear",
     }
     with httpx.Client(base_url=base_url, timeout=30.0) as client:
         before = _tracked(client)

@@ -32,6 +32,7 @@ from dataplane.wire.messages import (
     BlendReserve,
     BlendRetrieve,
     BlendStore,
+    ClearScope,
     CudaLayer,
     EngineAcquire,
     EngineCommit,
@@ -508,6 +509,7 @@ def _valid_messages(geo: Geometry) -> list[Message]:
         LookupScope("fuzz", 1, "bfloat16", 2, 2, 8, KVFormat.TOKEN_MAJOR, BLOCK, tokens),
         LookupWaited(0.01, "hit"),
         PrefetchScope("fuzz", 1, "bfloat16", 2, 2, 8, KVFormat.TOKEN_MAJOR, BLOCK, tokens),
+        ClearScope("fuzz-other", 1, "bfloat16", 2, 2, 8, KVFormat.TOKEN_MAJOR, BLOCK),  # (not fuzz's)
         Store(REG_ID, SECRET, tokens, blocks),
         Retrieve(REG_ID, SECRET, tokens, blocks),
         dataclasses.replace(engine_register_message(ENG_ID), model_name="fuzz"),

@@ -174,6 +174,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._lookup: ScopeLookup | None = None
         self._planner: Planner | None = None
+        self._own: OwnSaves | None = None  # the scheduler's saves on their way (`Planner`'s)
         self._adapter: WorkerAdapter | None = None  # the first KV cache group's instance
         self._more: list[WorkerAdapter] = []  # the other groups' instances, in order
         self._registrars: list[Registrar] = []
@@ -197,7 +198,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._lookup = lookup
         waits = Waits(cfg["kvwarden.lookup_wait_s"], lookup.report_wait)
-        own = OwnSaves(self._scope.world_size)
+        own = self._own = OwnSaves(self._scope.world_size)
         self._planner = Planner(lookup.find, self._block_size, waits, own)
         self._planner.windows = self._windows
         self._planner.stores, self._planner.loads = self._stores, self._loads
@@ -450,6 +451,25 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return () if self._relay is None else self._relay.take()
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset of the external cache (``reset_prefix_cache(reset_connector=True)``,
+        ``POST /reset_prefix_cache?reset_external=true``; after a weight update): every chunk
+        of this engine's scopes leaves every tier of the server (CLEAR_SCOPE), and no save
+        still on its way is copied from or waited for. True only when the server removed all
+        of it and no save of this engine is still under way (its chunks could land after the
+        clear: vLLM's own reset fails then too, while their blocks are held, and is retried)."""
+        if self._lookup is None or self._own is None:
+            return True  # declined: this engine's KV was never cached
+        cleared = self._lookup.clear()
+        self._own.forget()
+        if self._held:
+            logger.warning(
+                "kvwarden: cache reset with %d request(s) still saving: their chunks may land after "
+                "it; reset again once they are done",
+                len(self._held),
+            )
+        return cleared and not self._held
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._planner is None:

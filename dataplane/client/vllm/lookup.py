@@ -1,7 +1,8 @@
 """What the scheduler side of kvwarden's vLLM connector asks the server, without vLLM: the scope
 of each KV cache group of the engine (`Scope`, what its workers' ENGINE_REGISTER carries) and
 ``ScopeLookup``, LOOKUP_SCOPE and PREFETCH_SCOPE for the scheduler, which registers no memory:
-how much of a prompt every group of the engine can serve, and how much more is being stored.
+how much of a prompt every group of the engine can serve, and how much more is being stored;
+and CLEAR_SCOPE, the engine's reset of its cache.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataplane.client.vllm.wait import LookupFound
 from dataplane.wire.errors import KVWardenError, RequestError
 from dataplane.wire.messages import (
     MAX_WAIT_S,
+    ClearScope,
     KeyContext,
     KVFormat,
     LookupScope,
@@ -30,6 +32,8 @@ from dataplane.wire.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+CLEAR_TIMEOUT_S = 60.0  # longest a reset waits for the server to clear one scope (disk, Redis)
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,28 @@ class ScopeLookup:
             s.kv_format,
             s.block_size,
         )
+
+    def clear(self, timeout_s: float = CLEAR_TIMEOUT_S) -> bool:
+        """CLEAR_SCOPE for each group's scope: every chunk of this engine's scopes leaves every
+        tier of the server (a reset: the weights changed). True only when the server answers
+        that nothing is left of any; asked even while resting after a failure (a reset must
+        not pass unasked), waiting at most ``timeout_s`` each (the disk's and Redis's time)."""
+        ok = True
+        for s in self.scopes:
+            try:
+                r = self._chan.request(ClearScope(*self._scope_fields(s)), timeout_s)
+            except KVWardenError as exc:
+                logger.warning("kvwarden: the reset of %s's cache failed: %s", s.model_name, exc)
+                return False
+            if not r.complete:
+                what = f"failed: {', '.join(r.failed)}" if r.failed else f"{r.pinned} chunks held by a reader"
+                logger.warning("kvwarden: the reset of %s's cache is incomplete (%s)", s.model_name, what)
+            ok = ok and r.complete
+            logger.info(
+                "kvwarden: reset of %s's cache: %d chunks removed (L1 %d, files %d, remote %d)",
+                s.model_name, r.l1 + r.fs + r.remote, r.l1, r.fs, r.remote,
+            )  # fmt: skip
+        return ok
 
     def hit_tokens(self, token_ids: np.ndarray, key: KeyContext | None = None) -> int:
         return self.find(token_ids, key).hit

@@ -125,6 +125,11 @@ class OwnSaves:
                 best = max(best, _common(own.tokens, tokens))
         return best
 
+    def forget(self) -> None:
+        """The engine's cache was reset (its weights changed): no save still on its way is a
+        source to copy from or to wait for any more."""
+        self._saves.clear()
+
     def _live(self) -> list[tuple[int, _Own]]:
         stale = self._clock() - OWN_SAVE_MAX_S
         for seq in [s for s, own in self._saves.items() if own.planned_at < stale]:

@@ -212,10 +212,11 @@ class Saver(_JobThread[Save, int]):
     def _store(self, job: Save) -> None:
         if not self.store:
             return  # another rank stores these bytes
-        n_full = len(job.tokens)  # (an upper bound of the chunks: a part from past it stores nothing)
         for adapter, part in zip([self.adapter, *self.more], job.parts(), strict=True):
-            if adapter.registration is None or part.first >= n_full:
+            if adapter.registration is None:
                 continue  # not registered (yet): nothing to store into
+            if adapter.chunk_size and part.first >= len(job.tokens) // adapter.chunk_size:
+                continue  # a part from past the full chunks stores nothing (no round trip for it)
             try:
                 names = job.names if adapter is self.adapter else None  # (the events name the first group's)
                 r = adapter.store_detail(job.tokens, part.blocks, job.key, names, part.first)

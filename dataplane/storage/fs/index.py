@@ -81,6 +81,16 @@ class FileIndex:
                 if self._order is not None:
                     self._order.removed(key)
 
+    def forget_scope(self, scope: bytes) -> list[bytes]:
+        """Forget every key of ``scope``: those keys."""
+        with self._lock:
+            keys = [k for k, f in self._files.items() if f.scope == scope]
+            for k in keys:
+                self._used -= self._files.pop(k).size
+                if self._order is not None:
+                    self._order.removed(k)
+        return keys
+
     def victims(self, room: int, capacity: int) -> list[tuple[bytes, FileEntry]]:
         """Take entries out, in the policy's order, until ``room`` more bytes fit in ``capacity``."""
         out: list[tuple[bytes, FileEntry]] = []

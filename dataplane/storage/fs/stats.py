@@ -39,7 +39,7 @@ class FsStats:
     get_failures: dict[str, int]  # by kind (chunk_file.FAILURE_KINDS)
     put_failures: dict[str, int]
     bad_files: dict[str, int]  # by kind (codec.VALUE_ERROR_KINDS)
-    drops: dict[str, int]  # writes dropped, by reason (lower.DROP_REASONS)
+    drops: dict[str, int]  # writes dropped, by reason (lower.DROP_REASONS, and cleared)
     queue_depth: int
     queue_bytes: int
     stalled_seconds: float  # how long the oldest disk call in progress has run
@@ -64,7 +64,7 @@ class FsCounters:
         self.get_failures = dict.fromkeys(FAILURE_KINDS, 0)
         self.put_failures = dict.fromkeys(FAILURE_KINDS, 0)
         self.bad_files: dict[str, int] = {}
-        self.drops = dict.fromkeys(DROP_REASONS, 0)
+        self.drops = dict.fromkeys((*DROP_REASONS, "cleared"), 0)
         self.durations = {op: [0] * (len(DURATION_BUCKETS) + 1) for op in OPS}
         self.duration_sums = dict.fromkeys(OPS, 0.0)
         self.ping_latency_s = 0.0
@@ -91,6 +91,8 @@ class FsCounters:
                 self.bad_files[bad] = self.bad_files.get(bad, 0) + 1
 
     def dropped(self, reason: str) -> None:
+        """A write dropped: ``reason`` one of `DROP_REASONS`, or ``cleared`` (its scope
+        cleared, `FileTier.clear_scope`)."""
         with self._lock:
             self.drops[reason] += 1
 

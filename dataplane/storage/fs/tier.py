@@ -21,6 +21,9 @@ between L1 and the remote tier; they survive restarts (`layout` has the layout).
   tier's own eviction removes files, or when a health round's probe file is written and the disk
   has room for the write that failed, or when a write let through as a try (at most one a
   second, when ``statvfs`` shows room for it) lands.
+- **Clearing a scope** (`clear_scope`, on the caller's thread): its queued writes are dropped
+  (counted ``cleared``), the write in progress is waited for, then its chunk files are removed
+  and forgotten; none of this server's writes of that scope lands after it returns.
 - **Health**: `ping` / `probe` round-trip a probe file; failed disk calls (never for want of
   space) trip the check as failed remote reads do; ``bypassed`` (local_cpu fallback) makes every
   call a miss or a drop.
@@ -43,7 +46,7 @@ from dataplane.storage.fs import chunk_file, resident
 from dataplane.storage.fs.chunk_file import failure_kind
 from dataplane.storage.fs.disk import DiskPool, DiskTimeout
 from dataplane.storage.fs.index import FileIndex
-from dataplane.storage.fs.layout import ScanCounts, chunk_path, scan
+from dataplane.storage.fs.layout import KEY_HEX, SUFFIX, ScanCounts, chunk_path, scan, scope_dir
 from dataplane.storage.fs.reads import FileReads
 from dataplane.storage.fs.stats import FsCounters, FsStats
 from dataplane.storage.lower import OK, OTHER_ERROR, TIMEOUT, SpaceState, WriteSpace
@@ -91,6 +94,12 @@ class FileTier(FileReads):
         self.space = WriteSpace(f"fs tier {self.root}", clock)  # writes stop while the disk is full
         self._clock = clock
         self._lock = threading.Lock()  # leaf: guards _queue, _queued_bytes, _writing_since, _rebuilt_at
+        # held by the writer thread across all it does to the files and the index (taking a write
+        # off the queue and writing it, evicting, rescanning) and by `clear_scope` across its
+        # removals: a clear waits for the write in progress, and no write or scan of the writer
+        # interleaves with it (so the index never names a file a clear removed). Taken before any
+        # other lock (the index's, _lock, the counters'), never under one
+        self._write_gate = threading.Lock()
         self._queue: collections.deque[_FileWrite] = collections.deque()
         self._queued_bytes = 0
         self._writing_since = 0.0  # when the write in progress started (0: none)
@@ -165,10 +174,21 @@ class FileTier(FileReads):
         while not self._stop.is_set():
             self._wake.wait(max(0.0, next_scan - self._clock()))
             self._wake.clear()
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self._write_next():
+                pass
+            if self._clock() >= next_scan and not self._stop.is_set():
+                self._rescan()
+                next_scan = self._clock() + RESCAN_S
+
+    def _write_next(self) -> bool:
+        """Take the next queued write and write it (the gate held from its take to its end: a
+        clear purging the queue either finds it queued or waits for it); False: none queued."""
+        w: _FileWrite | None = None
+        try:
+            with self._write_gate:
                 with self._lock:
                     if not self._queue:
-                        break
+                        return False
                     w = self._queue.popleft()
                     self._queued_bytes -= w.payload.nbytes
                     self._writing_since = self._clock()
@@ -177,10 +197,10 @@ class FileTier(FileReads):
                 finally:
                     with self._lock:
                         self._writing_since = 0.0
-                    _done(w)
-            if self._clock() >= next_scan and not self._stop.is_set():
-                self._rescan()
-                next_scan = self._clock() + RESCAN_S
+        finally:
+            if w is not None:
+                _done(w)
+        return True
 
     def _write(self, w: _FileWrite) -> None:
         if self.bypassed or w.key in self.index:  # (bypassed meanwhile; or on disk already)
@@ -232,18 +252,66 @@ class FileTier(FileReads):
     def _rescan(self) -> None:
         """Match the index to the directory (`FileIndex.merge`), then keep the cap."""
         counts = ScanCounts()
-        found = list(scan(self.root, counts, self._stop.is_set))
-        if self._stop.is_set():
-            return
-        self.index.merge(found)
-        self.counters.add(swept=counts.swept, scan_errors=counts.errors)
-        self._evict(0)
+        with self._write_gate:  # (a clear meanwhile would leave files it removed in the index)
+            found = list(scan(self.root, counts, self._stop.is_set))
+            if self._stop.is_set():
+                return
+            self.index.merge(found)
+            self.counters.add(swept=counts.swept, scan_errors=counts.errors)
+            self._evict(0)
         with self._lock:
             first = self._rebuilt_at is None
         if first:
             n, used = self.index.sizes()
             what = (n, used, self.root, counts.swept)
             logger.info("fs tier: %d chunk files, %d bytes, under %s (%d stale temporary files swept)", *what)
+
+    # ----------------------------------------------------------------- clear
+    def clear_scope(self, scope: bytes) -> int | None:
+        """Remove every chunk file of ``scope`` under this tier's directory, and make sure none
+        of this server's writes of it lands afterwards: those queued are dropped (``done``
+        called, counted ``cleared``), the one in progress is waited for. The files removed (one
+        already gone, another server's doing, is not counted; temporary files, other servers'
+        writes in progress, stay); None (one warning) when the tier is bypassed or a disk call
+        fails. Runs on the caller's thread, as long as the disk takes: never the loop's."""
+        if not scope:
+            raise ValueError("clear_scope: an empty scope")
+        if self.bypassed:
+            logger.warning("fs tier: scope %s not cleared: the tier is bypassed", scope.hex())
+            return None
+        with self._lock:
+            kept = collections.deque(w for w in self._queue if w.scope != scope)
+            dropped = [w for w in self._queue if w.scope == scope]
+            self._queue = kept
+            self._queued_bytes -= sum(w.payload.nbytes for w in dropped)
+        for w in dropped:
+            self._dropped("cleared")
+            _done(w)
+        with self._write_gate:  # (waits for the write in progress, or the scan)
+            try:
+                removed = self._remove_scope_files(scope)
+            except OSError as exc:
+                where = exc.filename or scope_dir(self.root, scope)
+                logger.warning("fs tier: scope %s not cleared: %s on %s", scope.hex(), _errname(exc), where)
+                return None
+            self.index.forget_scope(scope)  # (known here, but gone from the disk already)
+        return removed
+
+    def _remove_scope_files(self, scope: bytes) -> int:
+        """Remove ``scope``'s chunk files (the gate held), each forgotten and told removed: how
+        many this call removed. A directory or file already gone is skipped; any other OSError
+        is raised."""
+        top = scope_dir(self.root, scope)
+        removed = 0
+        for a in _subdirs(top):
+            for b in _subdirs(os.path.join(top, a)):
+                leaf = os.path.join(top, a, b)
+                for name, key in _chunk_files(leaf):
+                    if chunk_file.remove(os.path.join(leaf, name)):
+                        removed += 1
+                        self.events.removed(key, MEDIUM_DISK)
+                    self.index.forget(key)
+        return removed
 
     # ---------------------------------------------------------------- health
     def probe(self) -> bool:
@@ -341,6 +409,34 @@ class FileTier(FileReads):
 
 def _errname(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno or 0, "OSError") + (f" ({exc.strerror})" if exc.strerror else "")
+
+
+def _subdirs(path: str) -> list[str]:
+    """The directories in ``path`` ([] when it is gone)."""
+    try:
+        with os.scandir(path) as it:
+            return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _chunk_files(path: str) -> list[tuple[str, bytes]]:
+    """(name, key) of each chunk file in ``path`` ([] when it is gone); temporary files (a
+    writer's in progress: ``.<key>.kv.<...>.tmp``) and other names are left out."""
+    try:
+        with os.scandir(path) as it:
+            entries = [e for e in it if not e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        if len(e.name) != KEY_HEX + len(SUFFIX) or not e.name.endswith(SUFFIX):
+            continue
+        try:
+            out.append((e.name, bytes.fromhex(e.name[:KEY_HEX])))
+        except ValueError:
+            continue
+    return out
 
 
 def _done(w: _FileWrite) -> None:

@@ -30,7 +30,7 @@ from dataplane.events.vllm_format import MEDIUM_CPU
 from dataplane.storage.evict import POLICIES, LFUDAOrder, LRUOrder
 from dataplane.storage.l1.arena import Arena, Extents
 from dataplane.storage.l1.inflight import InFlight
-from dataplane.storage.l1.stats import L1Stats
+from dataplane.storage.l1.stats import L1Stats, ScopeCleared
 from dataplane.storage.l1.tenants import NO_TENANT, TenantBook
 
 _WAIT_FOR_ARENA_S = 10.0  # longest a reserve waits for the arena to grow
@@ -39,6 +39,7 @@ _HEADROOM = 256 << 20  # the arena's fault-in steps aside for copies while this 
 # whole of it at once cost a fresh server's first requests a quarter more time to first token
 # (a 4 GiB L1 on 2 cores, vLLM's OpenAI server, bench serve)
 GROW_AHEAD = 512 << 20
+CLEAR_WAIT_S = 10.0  # longest a clear waits for the readers of its chunks
 QUARANTINE_S = 60.0  # how long a buffer a worker may still write into is kept out of use
 
 
@@ -48,6 +49,7 @@ class _Entry:
     offset: int  # in the arena
     readers: int = 0
     tenant: bytes = NO_TENANT
+    scope: bytes = b""  # the key's scope (`clear_scope` removes a scope's chunks)
 
 
 class L1Store:
@@ -88,6 +90,14 @@ class L1Store:
         self._quarantined: list[tuple[float, torch.Tensor]] = []  # (until when, buffer)
         self._tenants = TenantBook(tenant_share_bytes)
         self._reserved_for: dict[int, bytes] = {}  # offset of a reserved buffer -> its tenant
+        # clears (`clear_scope`): a chunk whose bytes were produced before its scope's clear
+        # began, or that commits while one runs, is refused (`commit`); _cleared notifies the
+        # waits for the readers of a scope being cleared
+        self._epoch = 0  # clears begun so far
+        self._reserved_at: dict[int, int] = {}  # offset of a reserved buffer -> the epoch then
+        self._clear_began: dict[bytes, int] = {}  # scope -> the epoch its last clear began at
+        self._clearing: dict[bytes, int] = {}  # scope -> clears of it running now
+        self._cleared = threading.Condition(self._lock)
         self.arena.yield_to = self._copying_with_room
         self.arena.needed = self._growth_needed
         self.grow_ahead = grow_ahead  # bytes of the arena kept ready beyond what L1 holds
@@ -173,6 +183,8 @@ class L1Store:
                     e.readers -= 1
                     if e.readers == 0:
                         self._pinned -= e.buf.numel()
+                        if self._clearing:
+                            self._cleared.notify_all()
 
     def pin_present(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
         """Pin every present key (a writer protects a prompt's own chunks from its later
@@ -213,6 +225,7 @@ class L1Store:
                     self._used += nbytes
                     self._writing += 1
                     self._reserved_for[off] = tenant
+                    self._reserved_at[off] = self._epoch
                     self._tenants.add_bytes(tenant, nbytes)
             if off is not None:
                 self.arena.nudge()  # it may need to grow (outside the lock: the arena has its own)
@@ -230,18 +243,27 @@ class L1Store:
                     self._rejected += 1
                 return None  # (when growth just ended short, the next turn may evict instead)
 
-    def commit(self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"") -> bool:
-        """Publish a reserved buffer; False (buffer returned) when the key was already present.
-        With ``pin`` the chunk stays pinned (whichever copy won) until ``release``; ``scope``:
-        the key's scope (where a lower tier of `TieredStore` files it)."""
+    def commit(
+        self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"", since: int | None = None
+    ) -> bool:
+        """Publish a reserved buffer; False (buffer returned) when the key was already present,
+        or when its scope was cleared since its bytes were produced (``since``: the `epoch`
+        when they began to be read; else when the buffer was reserved) or is being cleared now:
+        then nothing is pinned. With ``pin`` the chunk stays pinned (whichever copy won) until
+        ``release``; ``scope``: the key's scope (where a lower tier of `TieredStore` files it)."""
         with self._lock:
             self._writing -= 1
             off = self.arena.offset_of(buf)
             tenant = self._reserved_for.pop(off, NO_TENANT)
+            at = self._reserved_at.pop(off, self._epoch)
+            if scope in self._clearing or self._clear_began.get(scope, 0) > (at if since is None else since):
+                self._give_back(buf)  # stale: KV of before the clear
+                self._tenants.add_bytes(tenant, -buf.numel())
+                return False
             e = self._entries.get(key)
             written = e is None
             if e is None:
-                e = self._entries[key] = _Entry(buf, off, tenant=tenant)
+                e = self._entries[key] = _Entry(buf, off, tenant=tenant, scope=scope)
                 self._tenants.committed(tenant, key)
                 self._order.added(key)
                 self.events.stored(key, MEDIUM_CPU)
@@ -288,6 +310,58 @@ class L1Store:
             for k in victims:
                 self._drop(k, self._entries.pop(k))
             return len(victims)
+
+    def epoch(self) -> int:
+        """Clears begun so far: a lower tier's read notes it before it starts, and its commit
+        passes it (``since``), so bytes read from before a clear never enter L1 after it."""
+        with self._lock:
+            return self._epoch
+
+    def begin_clear(self, scope: bytes) -> None:
+        """A clear of ``scope`` starts: from now until `end_clear`, no chunk of it commits, and
+        none whose bytes were produced before now ever will. (`TieredStore` clears its lower
+        tiers in between, so nothing read from them before they were cleared enters L1.)"""
+        if not scope:
+            raise ValueError("a clear names a scope")
+        with self._lock:
+            self._epoch += 1
+            self._clear_began[scope] = self._epoch
+            self._clearing[scope] = self._clearing.get(scope, 0) + 1
+
+    def end_clear(self, scope: bytes, wait_s: float) -> tuple[int, int]:
+        """Drop every chunk of ``scope`` (KV events announce each), waiting at most ``wait_s``
+        for the readers of those that are pinned (a copy out under way, a write-behind); ends
+        what `begin_clear` began. (chunks dropped, chunks still pinned at the deadline: those
+        stay, the clear incomplete.)"""
+        deadline = time.monotonic() + wait_s  # (a real wait: not the injected clock)
+        dropped = 0
+        with self._lock:
+            try:
+                while True:
+                    held = [(k, e) for k, e in self._entries.items() if e.scope == scope]
+                    for k, e in held:
+                        if e.readers == 0:
+                            del self._entries[k]
+                            self._drop(k, e)
+                            dropped += 1
+                    left = sum(1 for _, e in held if e.readers)
+                    now = time.monotonic()
+                    if not left or now >= deadline:
+                        return dropped, left
+                    self._cleared.wait(deadline - now)  # (a release notifies)
+            finally:
+                n = self._clearing.get(scope, 0) - 1
+                if n > 0:
+                    self._clearing[scope] = n
+                else:
+                    self._clearing.pop(scope, None)
+
+    def clear_scope(self, scope: bytes, wait_s: float = CLEAR_WAIT_S) -> ScopeCleared:
+        """Remove every chunk of ``scope`` (`begin_clear`, then `end_clear`): what a reset of
+        the model's cache asks (weights changed: its KV is stale)."""
+        self.begin_clear(scope)
+        dropped, left = self.end_clear(scope, wait_s)
+        return ScopeCleared(dropped, pinned=left)
 
     def set_hot_cache(self, on: bool) -> None:
         with self._lock:
@@ -366,6 +440,7 @@ class L1Store:
         self._free.free(self.arena.offset_of(buf), buf.numel())
 
     def _unreserve(self, buf: torch.Tensor) -> None:
+        self._reserved_at.pop(self.arena.offset_of(buf), None)
         tenant = self._reserved_for.pop(self.arena.offset_of(buf), NO_TENANT)
         self._tenants.add_bytes(tenant, -buf.numel())
 

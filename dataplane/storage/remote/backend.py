@@ -1,9 +1,10 @@
 """The remote tier: chunks in a Redis (or Valkey) that many kvwarden servers share.
 
-A chunk is stored under ``<prefix><key hex>`` in the format of `codec` (a header that binds
-key, layout and a hash of the whole value, then the bytes). Chunk keys already bind the model,
-world size, rank and layout (`dataplane.storage.keys`), so servers on different hosts serving the
-same model find each other's chunks.
+A chunk is stored under ``<prefix><key hex>``, or ``<prefix><scope hex>:<key hex>`` in a scope
+(the ``scope`` of `put`, `get`, `get_later`, `count_prefix`), in the format of `codec` (a header
+that binds key, layout and a hash of the whole value, then the bytes). Chunk keys already bind
+the model, world size, rank and layout (`dataplane.storage.keys`), so servers on different hosts
+serving the same model find each other's chunks.
 
 - **Reads** (`get`, `count_prefix`) run on the caller's thread, each bounded by
   ``timeout_s`` (the socket timeout of every send and receive; no retries). A value that fails a
@@ -17,6 +18,9 @@ same model find each other's chunks.
   full or the backend is bypassed, the write is dropped and counted. Each write is one
   MULTI/EXEC of SET header + APPEND payload: atomic, one round trip, and the payload is sent from
   the caller's buffer without being copied into one value first.
+- **Clearing a scope** (`clear_scope`) drops this server's queued writes of it, waits for the
+  write on the wire, then SCANs for the scope's names and UNLINKs them (each removal reported
+  to ``events``): none of this server's writes of the scope made before it lands after it.
 - **Failures** are counted by kind (timeout, connection, auth, no_space, error; never a plain
   miss); ``failed_gets`` since the health monitor last took them is what trips its threshold.
 - **Out of space** (Redis answering OOM: ``maxmemory`` with ``noeviction``) is not an outage
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-import os
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,22 +48,16 @@ import redis
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_EXTERNAL
 from dataplane.storage.codec import RemoteValueError, check_layout, decode, encode_header
-from dataplane.storage.lower import (
-    DURATION_BUCKETS,
-    OK,
-    OTHER_ERROR,
-    TIMEOUT,
-    SpaceState,
-    WriteSpace,
-)
+from dataplane.storage.lower import DURATION_BUCKETS, OK, SpaceState, WriteSpace
+from dataplane.storage.remote.clear import unlink_scope
 from dataplane.storage.remote.direct import NO_ROOM, DirectGets
+from dataplane.storage.remote.health import RemoteAuthError as RemoteAuthError
+from dataplane.storage.remote.health import ping_code, probe
 from dataplane.storage.remote.read_ahead import Alloc, GiveBack, LaterRead, ReadAhead, Then
-from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, ping_all, redact, room
+from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, redact, room
 from dataplane.storage.remote.stats import RemoteStats
 
-
-class RemoteAuthError(RuntimeError):
-    """Redis refused the credentials: retrying cannot help."""
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +68,7 @@ class _RedisWrite:
     payload: memoryview
     done: Callable[[], None] | None
     trial: bool = False  # let through while out of space, to try whether Redis has room again
+    scope: bytes = b""  # named in it (`RemoteBackend.redis_key`)
 
 
 class RemoteBackend:
@@ -102,6 +101,10 @@ class RemoteBackend:
         self.on_burst: Callable[[], None] | None = None  # called when failed reads reach burst_at
         self.burst_at = 0
         self._lock = threading.Lock()  # leaf: guards _stats, _queue, _queued_bytes, _inflight, _failed_gets
+        # held by the writer from taking a write off the queue to its end, so that clear_scope,
+        # taking it once it has purged the queue, waits out the write on the wire. Guards no
+        # data; taken before _lock (never while holding _lock or any other lock)
+        self._write_gate = threading.Lock()
         self._stats = RemoteStats()
         self._queue: collections.deque[_RedisWrite] = collections.deque()
         self._queued_bytes = 0
@@ -147,8 +150,9 @@ class RemoteBackend:
         return self._thread is not None and self._thread.is_alive()
 
     # ----------------------------------------------------------------- reads
-    def redis_key(self, key: bytes) -> str:
-        return self.prefix + key.hex()
+    def redis_key(self, key: bytes, scope: bytes = b"") -> str:
+        """``<prefix><key hex>``; in a scope, ``<prefix><scope hex>:<key hex>``."""
+        return self.prefix + (scope.hex() + ":" if scope else "") + key.hex()
 
     def get(
         self,
@@ -157,19 +161,20 @@ class RemoteBackend:
         shape: Sequence[int] | None,
         alloc: Alloc | None = None,
         give_back: GiveBack | None = None,
+        scope: bytes = b"",
     ) -> memoryview | None:
-        """The payload stored under ``key`` (checked: right key, layout and hash), or None: a
-        miss, a bad value (counted by kind) or a failure (counted; bounded by timeout_s).
-        ``alloc``: where the payload goes, asked once its size is known (None: no room, the
-        read is a miss); the view returned is then the one it gave, and a buffer it gave for a
-        value that failed a check goes to ``give_back``."""
+        """The payload stored under ``key`` in ``scope`` (checked: right key, layout and hash),
+        or None: a miss, a bad value (counted by kind) or a failure (counted; bounded by
+        timeout_s). ``alloc``: where the payload goes, asked once its size is known (None: no
+        room, the read is a miss); the view returned is then the one it gave, and a buffer it
+        gave for a value that failed a check goes to ``give_back``."""
         if self.bypassed:
             return None
         t0 = time.perf_counter()
         try:
             if self._direct is not None:
-                return self._get_direct(key, dtype, shape, alloc, give_back)
-            value = self._client().get(self.redis_key(key))
+                return self._get_direct(key, dtype, shape, alloc, give_back, scope)
+            value = self._client().get(self.redis_key(key, scope))
         except redis.RedisError as exc:
             self._count_get_failure(failure_kind(exc))
             return None
@@ -201,11 +206,12 @@ class RemoteBackend:
         shape: Sequence[int] | None,
         alloc: Alloc | None,
         give_back: GiveBack | None,
+        scope: bytes,
     ) -> memoryview | None:
         """`get` through the direct reader (`DirectGets.read`)."""
         assert self._direct is not None
         try:
-            got = self._direct.read(key, self.redis_key(key), dtype, shape, alloc, give_back)
+            got = self._direct.read(key, self.redis_key(key, scope), dtype, shape, alloc, give_back)
         except RemoteValueError as exc:
             self._count_bad(exc, read=True)
             return None
@@ -236,26 +242,27 @@ class RemoteBackend:
         then: Then,
         alloc: Alloc | None = None,
         give_back: GiveBack | None = None,
+        scope: bytes = b"",
     ) -> bool:
-        """Queue `get` of ``key`` (into ``alloc``'s buffer, as `get`) for the reader thread
-        (`read_ahead`), which calls ``then`` with its answer. False (``then`` never called):
-        stopped, bypassed, or `READ_AHEAD_MAX` reads waiting."""
+        """Queue `get` of ``key`` in ``scope`` (into ``alloc``'s buffer, as `get`) for the
+        reader thread (`read_ahead`), which calls ``then`` with its answer. False (``then``
+        never called): stopped, bypassed, or `READ_AHEAD_MAX` reads waiting."""
         if self.bypassed or self._stop.is_set():
             return False
         return self._ahead.add(
-            LaterRead(key, dtype, None if shape is None else tuple(shape), then, alloc, give_back)
+            LaterRead(key, dtype, None if shape is None else tuple(shape), then, alloc, give_back, scope)
         )
 
-    def count_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are held (one pipelined round trip; 0 on a
-        failure, counted)."""
+    def count_prefix(self, keys: Sequence[bytes], scope: bytes = b"") -> int:
+        """How many of ``keys`` (in ``scope``), from the first, are held (one pipelined round
+        trip; 0 on a failure, counted)."""
         if self.bypassed or not keys:
             return 0
         t0 = time.perf_counter()
         try:
             pipe = self._client().pipeline(transaction=False)
             for k in keys:
-                pipe.exists(self.redis_key(k))
+                pipe.exists(self.redis_key(k, scope))
             found = pipe.execute()
         except redis.RedisError as exc:
             self._count_get_failure(failure_kind(exc))
@@ -273,16 +280,7 @@ class RemoteBackend:
         """(latency in seconds, error code: 0 ok, -1 timeout, -2 any other error). While writes
         are stopped for want of space, a PING answered also asks whether there is room again."""
         t0 = time.perf_counter()
-        code = OK
-        try:
-            ping_all(self._health())
-            if self.space.out:
-                self._retry_space()
-        except redis.RedisError as exc:
-            kind = failure_kind(exc)
-            if kind == "auth":
-                raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
-            code = TIMEOUT if kind == "timeout" else OTHER_ERROR
+        code = ping_code(self._health, self.url, self.prefix, self.space)
         latency = time.perf_counter() - t0
         with self._lock:
             self._stats.ping_latency_s, self._stats.ping_code = latency, code
@@ -296,36 +294,7 @@ class RemoteBackend:
         """Put random bytes under a probe key, read them back: True when they round-trip equal
         (bounded by the health timeout; the key expires after a minute). A Redis that answers
         OOM answers: True, and writes stop (`space`)."""
-        key, data = f"{self.prefix}probe:{os.urandom(8).hex()}", os.urandom(64)
-        try:
-            self._health().set(key, data, px=60_000)
-            back = self._health().get(key)
-            self._health().delete(key)
-        except redis.RedisError as exc:
-            kind = failure_kind(exc)
-            if kind == "auth":
-                raise RemoteAuthError(f"{self.url}: the server refused the credentials") from None
-            if kind == "no_space":
-                self.space.ran_out("OOM on the probe key")
-                return True
-            return False
-        return back == data
-
-    def _retry_space(self) -> None:
-        """Writes resume once Redis has room for the write that failed (``INFO memory``; where
-        it does not say, as on a server that refuses INFO, the probe alone decides) and takes a
-        probe key. Whatever fails here leaves writes stopped, and never the PING."""
-        client = self._health()
-        left = room(client)
-        if left is not None and left < max(self.space.need(), 1):
-            return
-        key = f"{self.prefix}probe:{os.urandom(8).hex()}"
-        try:
-            client.set(key, b"room", px=60_000)
-            client.delete(key)
-        except redis.RedisError:
-            return
-        self.space.freed("Redis has room again" if left is None else f"Redis has {left} bytes of room")
+        return probe(self._health, self.url, self.prefix, self.space)
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether Redis shows room below ``maxmemory`` for ``nbytes`` (unknown: worth a try)."""
@@ -352,15 +321,16 @@ class RemoteBackend:
         shape: Sequence[int],
         payload: memoryview,
         done: Callable[[], None] | None = None,
+        scope: bytes = b"",
     ) -> bool:
-        """Queue a write (never waits on Redis). ``payload`` must stay unchanged until ``done``
-        is called (by the writer once sent or failed, or here when the write is dropped).
-        False: dropped (queue full, bypassed, stopped), counted."""
+        """Queue a write of ``key`` in ``scope`` (never waits on Redis). ``payload`` must stay
+        unchanged until ``done`` is called (by the writer once sent or failed, or here when the
+        write is dropped). False: dropped (queue full, bypassed, stopped), counted."""
         if not payload.contiguous:
             raise ValueError("payload must be a contiguous buffer")
         check_layout(dtype, shape, payload.nbytes)
         # the header (a hash of the whole payload, ~2 ms for 32 MiB) is made by the writer
-        w = _RedisWrite(key, dtype, tuple(shape), payload, done)
+        w = _RedisWrite(key, dtype, tuple(shape), payload, done, scope=scope)
         reason = None
         admission = self.space.admit()  # (before the lock, which is a leaf)
         w.trial = admission == "try"
@@ -387,19 +357,27 @@ class RemoteBackend:
         while not self._stop.is_set():
             self._wake.wait()
             self._wake.clear()
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self._write_next():
+                pass
+
+    def _write_next(self) -> bool:
+        """Send the first queued write (False: none), under the write gate; ``done`` after it."""
+        w = None
+        try:
+            with self._write_gate:
                 with self._lock:
                     if not self._queue:
-                        break
+                        return False
                     w = self._queue.popleft()
                     self._queued_bytes -= w.payload.nbytes
                     self._inflight += 1
-                try:
-                    self._write(w)
-                finally:
-                    _release(w)
-                    with self._lock:
-                        self._inflight -= 1
+                self._write(w)
+        finally:
+            if w is not None:
+                _release(w)
+                with self._lock:
+                    self._inflight -= 1
+        return True
 
     def _write(self, w: _RedisWrite) -> None:
         if self.space.out and not (w.trial and self._room_for(w.payload.nbytes)):  # (queued before)
@@ -409,7 +387,7 @@ class RemoteBackend:
         try:
             pipe = self._client().pipeline(transaction=True)
             header = encode_header(w.key, w.dtype, w.shape, w.payload)
-            name = self.redis_key(w.key)
+            name = self.redis_key(w.key, w.scope)
             pipe.set(name, header)
             pipe.append(name, w.payload)
             pipe.execute()
@@ -429,6 +407,47 @@ class RemoteBackend:
             self._stats.bytes_written += len(header) + w.payload.nbytes
         self.events.stored(w.key, MEDIUM_EXTERNAL)
 
+    # ----------------------------------------------------------------- clear
+    def clear_scope(self, scope: bytes) -> int | None:
+        """Remove every chunk of ``scope`` this Redis holds: how many UNLINK removed (each one
+        reported to ``events``). None when that is not known to be all of them: a Redis failure
+        (one warning naming its kind), or the tier bypassed (known down).
+
+        First this server's queued writes of ``scope`` are dropped (counted ``cleared``) and the
+        write on the wire is waited for, so none put before the call lands after it (a put of
+        ``scope`` made while it runs may land or not)."""
+        if not scope:
+            raise ValueError("clear_scope needs a scope (the unscoped chunks are no scope's)")
+        self._purge(scope)
+        with self._write_gate:  # the write on the wire (it may be of this scope) has ended
+            pass
+        if self.bypassed:
+            logger.warning("remote tier %s: scope %s not cleared: bypassed", self.url, scope.hex())
+            return None
+        removed = 0
+        try:
+            for n, keys in unlink_scope(self._client(), self.prefix, scope):
+                removed += n
+                with self._lock:
+                    self._stats.cleared += n
+                for key in keys:
+                    self.events.removed(key, MEDIUM_EXTERNAL)
+        except redis.RedisError as exc:
+            why = failure_kind(exc)
+            logger.warning("remote tier %s: clearing scope %s failed (%s)", self.url, scope.hex(), why)
+            return None
+        return removed
+
+    def _purge(self, scope: bytes) -> None:
+        """Drop the queued writes of ``scope`` (the others stay queued, in order)."""
+        with self._lock:
+            gone = [w for w in self._queue if w.scope == scope]
+            self._queue = collections.deque(w for w in self._queue if w.scope != scope)
+            self._queued_bytes -= sum(w.payload.nbytes for w in gone)
+        for w in gone:
+            self._count_drop("cleared")
+            _release(w)
+
     def flush(self, timeout_s: float) -> bool:
         """Wait (polling, up to ``timeout_s``) until the queue is empty: tests and shutdown."""
         deadline = time.monotonic() + timeout_s
@@ -443,28 +462,7 @@ class RemoteBackend:
     # ---------------------------------------------------------------- helpers
     def stats(self) -> RemoteStats:
         with self._lock:
-            s = self._stats
-            return RemoteStats(
-                s.gets,
-                s.hits,
-                s.misses,
-                s.bytes_read,
-                s.puts,
-                s.bytes_written,
-                dict(s.get_failures),
-                dict(s.put_failures),
-                dict(s.bad_values),
-                dict(s.drops),
-                len(self._queue),
-                self._queued_bytes,
-                s.ping_latency_s,
-                s.ping_code,
-                s.ping_successes,
-                s.ping_errors,
-                {op: list(c) for op, c in s.durations.items()},
-                dict(s.duration_sums),
-                self.space.state(),
-            )
+            return self._stats.copy(len(self._queue), self._queued_bytes, self.space.state())
 
     def _take_all(self) -> list[_RedisWrite]:
         with self._lock:

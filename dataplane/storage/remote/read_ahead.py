@@ -19,8 +19,8 @@ READ_AHEAD_MAX = 256  # reads queued for the reader thread; more are refused (re
 Then = Callable[[memoryview | None], None]  # what a queued read hands its answer to
 Alloc = Callable[[int], memoryview | None]
 GiveBack = Callable[[memoryview], None]
-# the read: (key, dtype, shape, alloc, give_back) -> the payload (`RemoteBackend.get`)
-Get = Callable[[bytes, str, Sequence[int] | None, Alloc | None, GiveBack | None], memoryview | None]
+# the read: (key, dtype, shape, alloc, give_back, scope) -> the payload (`RemoteBackend.get`)
+Get = Callable[[bytes, str, Sequence[int] | None, Alloc | None, GiveBack | None, bytes], memoryview | None]
 
 
 class LaterRead(NamedTuple):
@@ -30,6 +30,7 @@ class LaterRead(NamedTuple):
     then: Then
     alloc: Alloc | None
     give_back: GiveBack | None
+    scope: bytes = b""  # the scope the chunk is named in (`RemoteBackend.redis_key`)
 
 
 class ReadAhead:
@@ -74,7 +75,7 @@ class ReadAhead:
                     return  # (join answers what is left)
                 r = self._reads.popleft()
             try:
-                payload = self._get(r.key, r.dtype, r.shape, r.alloc, r.give_back)
+                payload = self._get(r.key, r.dtype, r.shape, r.alloc, r.give_back, r.scope)
             except Exception:  # the reader never dies of one read (get counts Redis's failures)
                 payload = None
             r.then(payload)

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dataplane.storage.lower import DROP_REASONS, DURATION_BUCKETS, OK, OPS, SpaceState
 
 FAILURE_KINDS = ("timeout", "connection", "auth", "no_space", "error")
+# why a write was dropped: the lower tiers' reasons, and "cleared" (its scope was cleared while
+# it waited in the queue: `RemoteBackend.clear_scope`)
+REMOTE_DROP_REASONS = (*DROP_REASONS, "cleared")
 
 
 @dataclass
@@ -23,7 +26,7 @@ class RemoteStats:
     get_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
     put_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
     bad_values: dict[str, int] = field(default_factory=dict)  # codec kinds
-    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMOTE_DROP_REASONS, 0))
     queue_depth: int = 0
     queue_bytes: int = 0
     ping_latency_s: float = 0.0
@@ -36,3 +39,19 @@ class RemoteStats:
     )
     duration_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
     space: SpaceState = field(default_factory=lambda: SpaceState(False, "", 0.0, 0, 0))
+    cleared: int = 0  # chunks removed from Redis by `RemoteBackend.clear_scope`
+
+    def copy(self, queue_depth: int, queue_bytes: int, space: SpaceState) -> RemoteStats:
+        """A snapshot: these counters (nothing shared with them), with the queue and space now."""
+        return replace(
+            self,
+            get_failures=dict(self.get_failures),
+            put_failures=dict(self.put_failures),
+            bad_values=dict(self.bad_values),
+            drops=dict(self.drops),
+            queue_depth=queue_depth,
+            queue_bytes=queue_bytes,
+            durations={op: list(c) for op, c in self.durations.items()},
+            duration_sums=dict(self.duration_sums),
+            space=space,
+        )

@@ -20,6 +20,7 @@ OPERATIONS = {
     ("/instances", "get"): "instances-list_instances",
     ("/instances/{instance_id}", "get"): "instances-read_instance",
     ("/instances/{instance_id}/reap", "post"): "instances-reap_instance",
+    ("/v1/cache/clear", "post"): "cache-clear_cache",
     ("/metrics", "get"): "metrics-read_metrics",
     ("/v1/lookup", "post"): "routing-lookup",
 }

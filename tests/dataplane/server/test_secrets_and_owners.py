@@ -121,6 +121,7 @@ def test_every_instance_message_type_is_covered() -> None:
         MsgType.LOOKUP_SCOPE,
         MsgType.LOOKUP_WAITED,
         MsgType.PREFETCH_SCOPE,
+        MsgType.CLEAR_SCOPE,
     }
 
 

@@ -32,6 +32,7 @@ SAMPLES: dict[type[Reply], Reply] = {
     r.Hits: r.Hits(256, 512),
     r.ScopeHits: r.ScopeHits(256, 256, 0, 256),
     r.Noted: r.Noted(True),
+    r.Cleared: r.Cleared(4, 4, 0, 1, ("redis",), False),
     r.PoolRegistered: r.PoolRegistered(True, 256, "kvwarden-1-00", 4096, 4, r.ArenaInfo("a", 8192, 4096)),
     r.PoolRetrieved: r.PoolRetrieved(3),
     r.Reserved: r.Reserved(9, ((0, 0), (2, 4096)), 4096, 1, 0, 0, 3, 8192),

@@ -1,0 +1,165 @@
+"""Clearing a model's chunks: the admin route `POST /v1/cache/clear` and the engine's CLEAR_SCOPE
+(`ScopeLookup.clear`, what the vLLM connector's reset sends), against a real data plane with a
+file tier and a real redis-server beneath L1: every tier loses the model's chunks, and only its."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from dataplane.client.vllm.lookup import Scope, ScopeLookup
+from dataplane.server.runtime import DataPlane
+from dataplane.wire.kinds import KVFormat
+from tests.app.conftest import AUTH, CHUNK, LAYOUT, AppFactory, DataPlaneFactory, Worker, WorkerFactory
+from tests.app.test_fake_dataplane import metric_value
+from tests.redis_server import RedisServer
+
+TOKENS = np.arange(4 * CHUNK, dtype=np.int64) + 7  # four chunks
+BLOCKS = np.arange(4, dtype=np.int64)
+LAYERS, _, BLOCK, HEADS, DIM = LAYOUT
+
+
+def scope(model: str) -> Scope:
+    return Scope(model, 1, "bfloat16", LAYERS, HEADS, DIM, KVFormat.TOKEN_MAJOR, BLOCK)
+
+
+@pytest.fixture
+def tiered(make_dp: DataPlaneFactory, tmp_path: Path, redis_server: RedisServer) -> DataPlane:
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    return make_dp(fs_path=fs, fs_size_gb=0.0625, remote_url=redis_server.url)
+
+
+@pytest.fixture
+def tiered_worker(tiered: DataPlane) -> WorkerFactory:
+    made: list[Worker] = []
+    from dataplane.client import WorkerAdapter, allocate_kv_caches
+
+    def make(model: str = "m") -> Worker:
+        w = WorkerAdapter(tiered.server.bound_endpoint, model_name=model, request_timeout=10.0)
+        caches = allocate_kv_caches(*LAYOUT, dtype=torch.bfloat16)
+        for c in caches:
+            c.copy_(torch.randn_like(c, dtype=torch.float32).to(torch.bfloat16))
+        w.register_kv_caches(caches)
+        made.append(Worker(w, caches))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for w in made:
+        w.adapter.close()
+
+
+def stored_everywhere(dp: DataPlane, workers: list[Worker]) -> None:
+    for w in workers:
+        assert w.adapter.store(TOKENS, BLOCKS)
+    assert dp.fs is not None and dp.fs.flush(10)
+    assert dp.remote is not None and dp.remote.flush(10)
+
+
+def tiers(client: httpx.Client, model: str) -> dict[str, int]:
+    r = client.post("/v1/lookup", json={"requests": [{"model": model, "token_ids": TOKENS.tolist()}]})
+    assert r.status_code == 200, r.text
+    got = r.json()["results"][0]
+    return {k: got[k] for k in ("cpu_tokens", "disk_tokens", "external_tokens")}
+
+
+ALL = {"cpu_tokens": 64, "disk_tokens": 64, "external_tokens": 64}
+NONE = {"cpu_tokens": 0, "disk_tokens": 0, "external_tokens": 0}
+
+
+def test_the_admin_clear_removes_a_models_chunks_from_every_tier_and_only_its(
+    tiered: DataPlane,
+    tiered_worker: WorkerFactory,
+    serve_app: AppFactory,
+    redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = tiered_worker("m"), tiered_worker("other")
+    stored_everywhere(tiered, [a, b])
+    client = serve_app(tiered)
+    assert tiers(client, "m") == ALL and tiers(client, "other") == ALL
+    keys_before = len(redis_server.client().keys("kvwarden:*"))
+    with caplog.at_level(logging.WARNING):
+        r = client.post("/v1/cache/clear", json={"model": "m"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got == {
+        "model": "m",
+        "scopes": 1,
+        "removed": 12,
+        "l1": 4,
+        "fs": 4,
+        "remote": 4,
+        "pinned": 0,
+        "failed": [],
+        "complete": True,
+    }
+    assert tiers(client, "m") == NONE and tiers(client, "other") == ALL
+    assert a.adapter.lookup(TOKENS) == 0 and b.adapter.lookup(TOKENS) == 64
+    assert len(redis_server.client().keys("kvwarden:*")) == keys_before - 4
+    assert a.adapter.retrieve(TOKENS, BLOCKS) == 0  # nothing comes back from any tier
+    text = client.get("/metrics").text
+    assert metric_value(text, "kvwarden_cache_clears_total", origin="admin", outcome="complete") == 1
+    for tier in ("l1", "fs", "remote"):
+        assert metric_value(text, "kvwarden_cleared_chunks_total", tier=tier) == 4
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any("audit: admin clear_cache" in m and "outcome=200" in m and "removed 12" in m for m in lines)
+    assert any(m.startswith("clear: admin") and "'m'" in m for m in lines)
+    # the model stores again after the clear, and hits
+    assert a.adapter.store(TOKENS, BLOCKS) and a.adapter.lookup(TOKENS) == 64
+
+
+def test_the_admin_clear_refuses_what_it_cannot_do(tiered: DataPlane, serve_app: AppFactory) -> None:
+    client = serve_app(tiered)
+    assert client.post("/v1/cache/clear", json={"model": "m"}).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert client.post("/v1/cache/clear", json={"model": "m"}, headers=wrong).status_code == 401
+    r = client.post("/v1/cache/clear", json={"model": "m", "salt": "tenant-a"}, headers=AUTH)
+    assert r.status_code == 422 and "namespace or salt is not supported" in r.text
+    r = client.post("/v1/cache/clear", json={"model": "m", "extra": 1}, headers=AUTH)
+    assert r.status_code == 422 and "extra" in r.text
+    assert client.post("/v1/cache/clear", json={"model": ""}, headers=AUTH).status_code == 422
+    r = client.post("/v1/cache/clear", json={"model": "never-registered"}, headers=AUTH)
+    assert r.status_code == 404 and "registered since this server started" in r.json()["detail"]
+
+
+def test_an_engines_clear_scope_empties_every_tier_of_its_scope(
+    tiered: DataPlane, tiered_worker: WorkerFactory, serve_app: AppFactory
+) -> None:
+    a, b = tiered_worker("m"), tiered_worker("other")
+    stored_everywhere(tiered, [a, b])
+    client = serve_app(tiered)
+    lookup = ScopeLookup(tiered.server.bound_endpoint, scope("m"), timeout_s=5.0)
+    try:
+        assert lookup.find(TOKENS).hit == 64
+        assert lookup.clear() is True
+        assert lookup.find(TOKENS).hit == 0
+    finally:
+        lookup.close()
+    assert tiers(client, "m") == NONE and tiers(client, "other") == ALL
+    text = client.get("/metrics").text
+    assert metric_value(text, "kvwarden_cache_clears_total", origin="engine", outcome="complete") == 1
+
+
+def test_a_clear_with_redis_down_is_reported_incomplete(
+    tiered: DataPlane, tiered_worker: WorkerFactory, serve_app: AppFactory, redis_server: RedisServer
+) -> None:
+    a = tiered_worker("m")
+    stored_everywhere(tiered, [a])
+    client = serve_app(tiered)
+    redis_server.stop()  # the remote tier's chunks cannot be removed now: the clear must not pass
+    r = client.post("/v1/cache/clear", json={"model": "m"}, headers=AUTH)
+    assert r.status_code == 503, r.text
+    got = r.json()
+    assert got["complete"] is False and got["failed"] == ["redis"]
+    assert (got["l1"], got["fs"]) == (4, 4)  # what could go went
+    lookup = ScopeLookup(tiered.server.bound_endpoint, scope("m"), timeout_s=5.0)
+    try:
+        assert lookup.clear() is False  # the engine's reset fails likewise
+    finally:
+        lookup.close()
