@@ -1,5 +1,6 @@
 """The `kvwarden` command line: ``serve`` (the data plane and its sidecar in one process),
-``status`` and ``reap`` (small HTTP clients of a running sidecar), ``bench``.
+``status`` and ``reap`` (small HTTP clients of a running sidecar), ``proxy`` (a disaggregated
+prefill's two steps in front of two vLLM OpenAI servers), ``bench``.
 
 Usage errors print one line naming the problem and exit 2. Only ``serve`` and ``bench`` import
 torch and the data plane, so ``status`` and ``reap`` start fast.
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import dataplane
-from app.cli import remote
+from app.cli import proxy, remote
 from app.cli.remote import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNAUTHORISED, EXIT_USAGE
 from app.cli.serve import add_settings_flags, load_settings, serve
 
@@ -80,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     remote.add_reap_args(pr)
     pr.set_defaults(func=remote.reap)
+    pp = sub.add_parser(
+        "proxy",
+        help="a disaggregated prefill's two steps in front of two vLLM OpenAI servers",
+        description="Sends each completion to the prefill server (one token), then to the decode "
+        "server with the prefill's kv_transfer_params. Exit code 2 on bad usage.",
+    )
+    proxy.add_proxy_args(pp)
+    pp.set_defaults(func=proxy.proxy)
     pb = sub.add_parser("bench", help="benchmarks")
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["bench"]:  # it imports torch: only when asked, so `status` starts fast

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from dataplane.liveness.registry import LivenessRegistry
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext
-from dataplane.storage.keys import scope_digest
+from dataplane.modules.lookup import scopes_named
 from dataplane.storage.l1 import L1Store, ScopeCleared
-from dataplane.wire.messages import ClearScope, MsgType, ScopeName
+from dataplane.wire.messages import ClearScope, MsgType
 from dataplane.wire.replies import Cleared
 
 logger = logging.getLogger(__name__)
@@ -49,24 +49,6 @@ class ModelCleared:
     @property
     def complete(self) -> bool:
         return not self.failed and not self.pinned
-
-
-def scopes_named(p: ScopeName) -> list[bytes]:
-    """Every rank's scope digest of ``p`` (one for a format every rank holds alike)."""
-    return [
-        scope_digest(
-            p.model_name,
-            p.world_size,
-            rank,
-            p.dtype,
-            p.num_layers,
-            p.heads,
-            p.head_dim,
-            p.kv_format.value,
-            p.block_size,
-        )
-        for rank in range(1 if p.kv_format.replicated else p.world_size)
-    ]
 
 
 class ClearModule:

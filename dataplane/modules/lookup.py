@@ -18,8 +18,34 @@ from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import NotRegistered
-from dataplane.wire.messages import Lookup, LookupScope, LookupWaited, MsgType, PrefetchScope, ScopeRequest
+from dataplane.wire.messages import (
+    Lookup,
+    LookupScope,
+    LookupWaited,
+    MsgType,
+    PrefetchScope,
+    ScopeName,
+    ScopeRequest,
+)
 from dataplane.wire.replies import Hits, Noted, ScopeHits
+
+
+def scopes_named(p: ScopeName) -> list[bytes]:
+    """Every rank's scope digest of ``p`` (one for a format every rank holds alike)."""
+    return [
+        scope_digest(
+            p.model_name,
+            p.world_size,
+            rank,
+            p.dtype,
+            p.num_layers,
+            p.heads,
+            p.head_dim,
+            p.kv_format.value,
+            p.block_size,
+        )
+        for rank in range(1 if p.kv_format.replicated else p.world_size)
+    ]
 
 
 class ScopeSource(Protocol):
@@ -66,51 +92,46 @@ class LookupModule:
         return Hits(*self._answer(len(p.token_ids), held, reach))
 
     def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> ScopeHits:
-        held, reach, in_l1 = self._scope_reach(p)
+        held, reach, in_l1, to_disk = self._scope_reach(p)
         hit, pending = self._answer(len(p.token_ids), held, reach)
-        return ScopeHits(hit, self.chunk_size, pending, min(in_l1, held) * self.chunk_size)
+        cs = self.chunk_size
+        return ScopeHits(hit, cs, pending, in_l1 * cs, (to_disk - in_l1) * cs)
 
     def _prefetch_scope(self, rctx: RequestContext, p: PrefetchScope) -> Noted:
         self.metrics.prefetches.inc()
         self._scope_reach(p)  # (the read-ahead is what LOOKUP_SCOPE starts; the answer is not wanted)
         return Noted(True)
 
-    def _scope_reach(self, p: ScopeRequest) -> tuple[int, int, int]:
+    def _scope_reach(self, p: ScopeRequest) -> tuple[int, int, int, int]:
         """(chunks every rank's scope holds, those and the chunks being stored right after, the
-        chunks every rank's scope holds in L1 as asked: before the lower tiers' read-ahead)."""
-        held = reach = in_l1 = len(p.token_ids) // self.chunk_size
-        for rank in range(1 if p.kv_format.replicated else p.world_size):  # (one key for all ranks)
+        chunks every rank's scope holds in L1 as asked (before the lower tiers' read-ahead),
+        those and the chunks every rank's file tier continues them by), each within the first."""
+        held = reach = in_l1 = to_disk = len(p.token_ids) // self.chunk_size
+        for scope in scopes_named(p):
             if reach == 0:
                 break
-            scope = scope_digest(
-                p.model_name,
-                p.world_size,
-                rank,
-                p.dtype,
-                p.num_layers,
-                p.heads,
-                p.head_dim,
-                p.kv_format.value,
-                p.block_size,
-            )
             keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)
-            h, r, l1 = self._window(keys, scope, tenant_of(p.key), p.window)
-            held, reach, in_l1 = min(held, h), min(reach, r), min(in_l1, l1)
-        return held, reach, min(in_l1, held)
+            h, r, l1, d = self._window(keys, scope, tenant_of(p.key), p.window)
+            held, reach, in_l1, to_disk = min(held, h), min(reach, r), min(in_l1, l1), min(to_disk, d)
+        in_l1 = min(in_l1, held)
+        return held, reach, in_l1, max(in_l1, min(to_disk, held))
 
-    def _window(self, keys: list[bytes], scope: bytes, tenant: bytes, window: int) -> tuple[int, int, int]:
-        """(held, reach, in L1) of one rank's ``keys``: a prefix, or, with ``window`` > 0, all
-        of ``keys`` when their last ``window`` chunks are held (a sliding-window layer group
-        needs no more), else the prefix held."""
+    def _window(
+        self, keys: list[bytes], scope: bytes, tenant: bytes, window: int
+    ) -> tuple[int, int, int, int]:
+        """(held, reach, in L1, in L1 or on disk) of one rank's ``keys``: a prefix, or, with
+        ``window`` > 0, all of ``keys`` when their last ``window`` chunks are held (a
+        sliding-window layer group needs no more; where its lower tiers' chunks are is not
+        told), else the prefix held."""
         n, w = len(keys), min(window, len(keys))
         if w:
             tail = keys[n - w :]
             in_l1 = n if self.l1.peek_prefix(tail) == w else 0  # (asked before the read-ahead)
             if self.l1.prefix_hits(tail, scope, tenant) == w:
-                return n, n, in_l1
-        in_l1 = self.l1.peek_prefix(keys)
-        held, reach = self._reach(keys, scope, tenant)
-        return held, reach, in_l1
+                return n, n, in_l1, in_l1
+        l1, fs, remote = self.l1.prefix_split(keys, scope, tenant)
+        held = l1 + fs + remote
+        return held, held + self.l1.inflight.run(keys[held:]), l1, l1 + fs
 
     def _waited(self, rctx: RequestContext, p: LookupWaited) -> Noted:
         self.metrics.lookup_waits.labels(outcome=p.outcome).inc()

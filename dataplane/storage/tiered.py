@@ -104,9 +104,17 @@ class TieredStore(L1Store):
 
     # ----------------------------------------------------------------- reads
     def prefix_hits(self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT) -> int:
+        return sum(self.prefix_split(keys, scope, tenant))
+
+    def prefix_split(
+        self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT
+    ) -> tuple[int, int, int]:
+        """`prefix_hits` by tier: (L1's prefix, the chunks the file tier continues it by, then
+        the remote tier), the lower tiers' starting on their way into L1."""
         if not self._open("LOOKUP", "answered 0"):
-            return 0
-        n = super().prefix_hits(keys)
+            return 0, 0, 0
+        n = in_l1 = super().prefix_hits(keys)
+        on_disk = more = 0
         if self.fs is not None and n < len(keys):
             on_disk = self.fs.held(scope, keys[n:])
             if on_disk:
@@ -116,8 +124,7 @@ class TieredStore(L1Store):
             more = self.remote.count_prefix(keys[n:], scope=scope)
             if more:
                 self._remote_ahead(scope, keys[n : n + more], tenant, self._chunk_bytes(keys[:n]))
-            n += more
-        return n
+        return in_l1, on_disk, more
 
     def acquire_prefix(
         self, keys: list[bytes], tenant: bytes = NO_TENANT, scope: bytes = b""

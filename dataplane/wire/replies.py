@@ -117,6 +117,9 @@ class ScopeHits(Reply):
     l1_tokens: Annotated[
         int, _TOKENS, "of hit_tokens, the prefix every rank holds in L1 now (the rest is on disk or in Redis)"
     ]
+    fs_tokens: Annotated[
+        int, _TOKENS, "of hit_tokens, those after l1_tokens that every rank's file tier holds (then: Redis)"
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ file tier and a real redis-server beneath L1: every tier loses the model's chunk
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,8 @@ import torch
 
 from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.server.runtime import DataPlane
+from dataplane.storage.fs.layout import chunk_path
+from dataplane.storage.keys import chunk_keys
 from dataplane.wire.kinds import KVFormat
 from tests.app.conftest import AUTH, CHUNK, LAYOUT, AppFactory, DataPlaneFactory, Worker, WorkerFactory
 from tests.app.test_fake_dataplane import metric_value
@@ -163,3 +166,22 @@ def test_a_clear_with_redis_down_is_reported_incomplete(
         assert lookup.clear() is False  # the engine's reset fails likewise
     finally:
         lookup.close()
+
+
+def test_a_scope_lookup_tells_which_tier_holds_which_part_of_the_prefix(
+    tiered: DataPlane, tiered_worker: WorkerFactory
+) -> None:
+    a = tiered_worker("m")
+    stored_everywhere(tiered, [a])
+    scope_key = tiered.transfer.registry.scope_of(a.id)
+    assert scope_key is not None and tiered.fs is not None
+    keys = chunk_keys(scope_key, TOKENS, CHUNK)
+    assert tiered.l1.discard(keys[1:]) == 3  # L1 keeps the first chunk
+    tiered.fs.index.forget(keys[3])  # the file tier the first three
+    os.remove(chunk_path(str(tiered.fs.root), scope_key, keys[3]))
+    lookup = ScopeLookup(tiered.server.bound_endpoint, scope("m"), timeout_s=5.0)
+    try:
+        found = lookup.find(TOKENS)
+    finally:
+        lookup.close()
+    assert (found.hit, found.l1, found.fs) == (64, CHUNK, 2 * CHUNK)  # and Redis the last

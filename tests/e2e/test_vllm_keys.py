@@ -26,7 +26,8 @@ from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.request import Request
-from dataplane.client.vllm.connector import prompt_of, request_key
+from dataplane.client.vllm.connector import prompt_of
+from dataplane.client.vllm.request_keys import request_key
 from dataplane.client.vllm.state import UNCACHED
 from dataplane.storage.keys import chunk_keys
 

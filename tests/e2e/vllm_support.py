@@ -11,7 +11,10 @@ are token ids.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvbench.vllm import EngineProcess
-from tests.helpers import ROOT, ServerProcess
+from tests.helpers import ROOT, ServerProcess, subprocess_env
 
 VLLM_PYTHON = Path(os.environ.get("KVWARDEN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 CHUNK = 256  # the server's chunk size: two of vLLM's 128-token CPU blocks
@@ -151,3 +154,65 @@ def reaped(srv: ServerProcess) -> dict[str, float]:
         for line in text.splitlines()
         if line.startswith(head)
     }
+
+
+def model_with_tokenizer(reference: Reference, tmp: Path) -> Path:
+    """The test model, copied with a tokenizer (vLLM's OpenAI server loads one): one word a
+    token, ``w<id>`` (`kvbench.vllm_model.build_tokenizer`)."""
+    model = tmp / "model"
+    shutil.copytree(reference.models.model, model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    code = f"from kvbench.vllm_model import build_tokenizer; build_tokenizer({str(model)!r}, {vocab})"
+    subprocess.run([str(VLLM_PYTHON), "-c", code], cwd=ROOT, env=subprocess_env(), check=True, timeout=300)
+    return model
+
+
+def words_to_ids(text: str) -> list[int]:
+    """Token ids of a text of that tokenizer's words."""
+    return [int(w[1:]) for w in text.split()]
+
+
+class OpenAIServer:
+    """A vLLM OpenAI server (vLLM's CPU build, its prefix cache off, prompt token details on)
+    with kvwarden's connector in ``role`` against the kvwarden at ``endpoint``; stopped by
+    ``stop``."""
+
+    def __init__(
+        self, model: Path, endpoint: str, role: str, log: Path, extra: dict[str, Any] | None = None
+    ) -> None:
+        from kvbench.procs import free_port
+        from kvbench.serve.stack import _wait_vllm
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        connector = {
+            "kv_connector": "KVWardenConnector",
+            "kv_connector_module_path": "dataplane.client.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"kvwarden.url": endpoint, **(extra or {})},
+        }
+        cmd = [
+            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(connector),
+        ]  # fmt: skip
+        env = subprocess_env(**RESERVED_CPUS, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+            )
+        try:
+            _wait_vllm(self.proc, self.url, log, 600)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)

@@ -384,7 +384,8 @@ def test_server_killed_and_restarted_on_the_same_ports(
         # miss of an outage logs its reason (the wait here is only a guard, longer than that)
         last = a.ev("stored", 30, marks["a"])
         assert last["r"]["rejected"] == 0, last
-        assert "no reply within" not in a.log(), a.log()[-3000:]
+        # (a heartbeat PING of 0.25 s may time out while the server drains: not the STORE's wait)
+        assert "STORE: no reply within" not in a.log(), a.log()[-3000:]
         doomed.sigkill()  # dies while no server runs: its segment stays behind
         doomed_segs = doomed.info["segments"]
         assert len(doomed_segs) == 1 and (shm_dir / doomed_segs[0]).exists()

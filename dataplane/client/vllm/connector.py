@@ -20,7 +20,7 @@ stores go to a thread after it
 (``get_block_ids_with_load_errors``) so vLLM recomputes them.
 With no server, or a server that dies, requests recompute; the worker registers, or registers
 again, when the server is back. Chunks are keyed on what vLLM's own prefix cache keys its blocks
-on (``request_key``: the cache salt, the LoRA adapter with a digest of its files, multimodal
+on (`request_keys.request_key`: the cache salt, the LoRA adapter with a digest of its files, multimodal
 inputs, prompt embeddings), carried to the workers in the plan; a request with anything else
 in its block keys is neither loaded nor stored. A model with sliding-window layers or several KV
 cache groups (vLLM's hybrid manager on) registers one instance a group and loads only each
@@ -45,20 +45,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from dataplane.client.adapter import WorkerAdapter
-from dataplane.client.keys import (
-    UninterpretableKey,
-    adapter_namespace,
-    embeds_spans,
-    key_context,
-    mm_spans,
-)
 from dataplane.client.vllm.events import EventRelay, engine_names
-from dataplane.client.vllm.kinds import KNOWN_EXTRA_KEYS, cached_scopes, describe, groups_of, uncached
+from dataplane.client.vllm.handoff import expected, produced
+from dataplane.client.vllm.kinds import cached_scopes, describe, groups_of
 from dataplane.client.vllm.lookup import Scope, ScopeLookup
+from dataplane.client.vllm.metadata import KVWardenConnectorMetadata, KVWardenWorkerMetadata
+from dataplane.client.vllm.request_keys import request_key
 from dataplane.client.vllm.settings import connector_settings
-from dataplane.client.vllm.state import Plan, Planner, RequestKey, Uncached, prompt_of
+from dataplane.client.vllm.state import Plan, Planner, Uncached, prompt_of
+from dataplane.client.vllm.tally import Tally
+from dataplane.client.vllm.vllm_stats import KVWardenPromMetrics, KVWardenStats, by_source
 from dataplane.client.vllm.wait import OwnSaves, Waits
 from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load, register_groups
 from dataplane.memory.kvmemory import TORCH_DTYPES
@@ -79,53 +83,6 @@ logger = logging.getLogger(__name__)
 
 
 FLUSH_S = 0.05  # the longest a step with nothing to compute waits for this engine's saves
-
-
-def request_key(request: Request, block_size: int) -> RequestKey:
-    """The key context of a request, from what vLLM keys its blocks on: ``UNCACHED`` when any
-    of it cannot be named (logged once for each kind of reason)."""
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-
-    n = request.num_prompt_tokens
-    if n > 0:  # the kinds of extra key vLLM folds into the first block, as it computes them
-        extra, _ = generate_block_hash_extra_keys(request, 0, min(block_size, n), 0)
-        kinds = {
-            k[0] if isinstance(k, tuple) and k and isinstance(k[0], str) else repr(k) for k in extra or ()
-        }
-        if kinds - KNOWN_EXTRA_KEYS:
-            return uncached(f"unknown extra keys: block keys carry {sorted(kinds - KNOWN_EXTRA_KEYS)}")
-    try:
-        lora = request.lora_request
-        adapter = b""
-        if lora is not None:
-            path = lora.lora_path
-            if not path:
-                raise UninterpretableKey(f"adapter: {lora.lora_name!r} has no local path")
-            adapter = adapter_namespace(lora.lora_name, path)
-        spans = mm_spans(
-            (f.identifier, f.mm_position.offset, f.mm_position.length) for f in request.mm_features
-        )
-        if request.prompt_embeds is not None:
-            spans += embeds_spans(request.prompt_embeds, block_size)
-        return key_context(request.cache_salt, adapter, spans)
-    except UninterpretableKey as exc:
-        return uncached(str(exc))
-
-
-class KVWardenConnectorMetadata(KVConnectorMetadata):
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-
-
-class KVWardenWorkerMetadata(KVConnectorWorkerMetadata):
-    """A step's saves that are over (their sequence numbers, once per rank)."""
-
-    def __init__(self, saved: list[int]) -> None:
-        self.saved = saved
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KVWardenWorkerMetadata)
-        return KVWardenWorkerMetadata(self.saved + other.saved)
 
 
 class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
@@ -187,6 +144,8 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()  # windowed models: loads that came back short
         self._relay: EventRelay | None = None  # kvwarden's events into the engine's own stream
+        self._tally = Tally()  # this side's lookups, loads and stores: vLLM's connector stats
+        self._token_bytes = [s.token_bytes for s in self._scopes]  # (the loads' and stores' bytes)
         if role == KVConnectorRole.SCHEDULER and scopes:
             self._start_scheduler()
 
@@ -202,6 +161,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._planner = Planner(lookup.find, self._block_size, waits, own)
         self._planner.windows = self._windows
         self._planner.stores, self._planner.loads = self._stores, self._loads
+        self._planner.tally = self._tally
         if self._scope.kv_format is KVFormat.LATENT:
             # a prompt whose one token is left after a hit goes through vLLM's MLA decode
             # path, which on its CPU backend does not compute what a prefill does (the reason
@@ -255,9 +215,10 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._copier = BlockCopier(groups[0], 1 if kv_format == KVFormat.TOKEN_MAJOR else 0)
         # a format every rank holds alike (the latent) is stored by rank 0 for all of them
         self._saver = Saver(self._adapter, rank == 0 or not kv_format.replicated, self._more)
-        self._saver.start()
         self._loader = Loader(self._adapter, self._block_size, self._copier, self._more)
-        self._loader.start()
+        for t in (self._saver, self._loader):
+            t.tally, t.token_bytes = self._tally, self._token_bytes
+            t.start()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -267,7 +228,15 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             self._loader.submit(background)
         for job in meta.plan.loads:
             if not job.background:
-                self._load_errors |= load(self._adapter, job, self._block_size, self._copier, self._more)
+                self._load_errors |= load(
+                    self._adapter,
+                    job,
+                    self._block_size,
+                    self._copier,
+                    self._more,
+                    self._tally,
+                    self._token_bytes,
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole before the forward pass
@@ -283,7 +252,9 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.plan.saves and self._saver is not None:
             self._planned |= {s.req_id for s in meta.plan.saves}
             self._saver.submit(meta.plan.saves)
-            if self._windowed:  # a window's old blocks go back at the next step: save them now
+            # a window's old blocks go back at the next step: save them now; a producer's saves
+            # are over before its answer leaves, so the consumer it hands off to finds them
+            if self._windowed or not self._loads:
                 self._saver.drain(self._cfg["kvwarden.request_timeout_s"])
         if meta.plan.flush_saves and self._saver is not None:
             self._saver.drain(FLUSH_S)  # a step with nothing to compute: requests wait for these
@@ -355,7 +326,10 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         if rid not in p.names and not isinstance(key, Uncached):
             p.names[rid] = engine_names(request, self._block_size)
         prompt = prompt_of(request.prompt_token_ids, request.prompt_embeds)
-        n = p.matched(rid, prompt, num_computed_tokens, key)
+        handed = (
+            0 if isinstance(key, Uncached) else expected(getattr(request, "kv_transfer_params", None), key)
+        )
+        n = p.matched(rid, prompt, num_computed_tokens, key, handed)
         mode = self._cfg["kvwarden.async_load"]
         background = (
             bool(n)
@@ -452,6 +426,37 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> Iterable[KVCacheEvent]:
         return () if self._relay is None else self._relay.take()
 
+    # ----------------------------------------------------------------- stats
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's lookups (scheduler), loads and stores (worker) since vLLM last asked."""
+        data = self._tally.take()
+        return None if data is None else KVWardenStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVWardenStats(data=data) if data is not None else KVWardenStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVWardenPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """Where a hit's tokens come from, as the server told when asked (`Planner.hit_sources`):
+        the engine's own blocks (``device``), the server's L1 (``host``), its file tier
+        (``disk``), Redis (``external_unspecified``: vLLM has no remote source of its own)."""
+        if self._planner is None or num_external_tokens <= 0:
+            return {}
+        split = self._planner.hit_sources(
+            request.request_id, request.num_computed_tokens, num_external_tokens
+        )
+        return by_source(split)
+
     def reset_cache(self) -> bool | None:
         """vLLM's reset of the external cache (``reset_prefix_cache(reset_connector=True)``,
         ``POST /reset_prefix_cache?reset_external=true``; after a weight update): every chunk
@@ -474,11 +479,16 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._planner is None:
             return False, None  # declined
-        self._background.discard(request.request_id)
-        held = self._planner.finished(request.request_id)
+        rid = request.request_id
+        self._background.discard(rid)
+        params = None
+        if not self._loads and (stored := self._planner.stored(rid)):  # a producer hands off
+            key = self._planner.keys.get(rid)
+            params = produced(stored, None if isinstance(key, Uncached) else key, self._cfg["kvwarden.url"])
+        held = self._planner.finished(rid)
         if held:
-            self._held.add(request.request_id)
-        return held, None
+            self._held.add(rid)
+        return held, params
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -19,6 +19,7 @@ import zmq
 
 from dataplane.client.channel import Channel, R
 from dataplane.client.vllm.wait import LookupFound
+from dataplane.memory.kvmemory import TORCH_DTYPES
 from dataplane.wire.errors import KVWardenError, RequestError
 from dataplane.wire.messages import (
     MAX_WAIT_S,
@@ -55,6 +56,12 @@ class Scope:
     def window_chunks(self, chunk_size: int) -> int:
         """The last chunks before a hit's end that the group needs (0: all of them)."""
         return 0 if not self.window else max(1, -(-(self.window - 1) // chunk_size))
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes a token takes in this scope (a rank's share)."""
+        itemsize = TORCH_DTYPES[self.dtype].itemsize
+        return self.num_layers * self.heads * self.head_dim * self.kv_format.planes * itemsize
 
     def first_chunk(self, tokens: int, chunk_size: int) -> int:
         """The first chunk a hit of ``tokens`` tokens needs of this group."""
@@ -100,7 +107,7 @@ class ScopeLookup:
         full = [s for s in self.scopes if not s.window]
         sliding = [s for s in self.scopes if s.window]
         hit = reach = len(tokens)
-        l1 = len(tokens)
+        l1 = disk = len(tokens)  # (disk: where L1's prefix continued by the file tier's ends)
         for s in full:
             r = self._ask(LookupScope(*self._scope_fields(s), tokens, key))
             if r is None:
@@ -111,6 +118,7 @@ class ScopeLookup:
                 min(reach, r.hit_tokens + r.pending_tokens),
                 min(l1, r.l1_tokens),
             )
+            disk = min(disk, r.l1_tokens + r.fs_tokens)
         if sliding:
             cs = self.chunk_size or self._chunk_size_now(tokens, key)
             if cs is None:
@@ -126,11 +134,13 @@ class ScopeLookup:
                         return LookupFound(0, 0, answered=False)
                     reach = min(reach, r.hit_tokens + r.pending_tokens)
                     l1 = min(l1, r.l1_tokens)
+                    disk = min(disk, r.l1_tokens + r.fs_tokens)
                     if r.hit_tokens < hit:
                         hit, lowered = r.hit_tokens, True
                         if not hit:
                             break
-        return LookupFound(hit, max(0, reach - hit), l1=min(l1, hit))
+        l1 = min(l1, hit)
+        return LookupFound(hit, max(0, reach - hit), l1=l1, fs=max(0, min(disk, hit) - l1))
 
     def _learn(self, chunk_size: int) -> None:
         with self._lock:

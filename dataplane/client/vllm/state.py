@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dataplane.client.vllm.tally import Tally
 from dataplane.client.vllm.wait import LookupFound, OwnSaves, Source, Waits
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.messages import KeyContext
@@ -140,19 +141,29 @@ class Planner:
         self.loads = True  # False: nothing is ever loaded, or looked up (kv_producer)
         self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
         self.own = own if own is not None else OwnSaves()
+        self.tally = Tally()  # (vLLM's connector stats: the connector gives its own)
         self._hits: dict[str, int] = {}  # req id -> hit tokens (decided once per request)
         self._sources: dict[str, Source] = {}  # req id -> the own save its hit copies from
         self._in_l1: dict[str, int] = {}  # req id -> of its hit, the tokens the server held in L1
+        self._on_disk: dict[str, int] = {}  # req id -> of its hit, those after that its file tier held
+        self._own_copy: set[str] = set()  # requests whose hit is copied from this engine's blocks
         self.keys: dict[str, RequestKey] = {}  # req id -> its key context (or UNCACHED)
         self.names: dict[str, EngineBlocks | None] = {}  # req id -> vLLM's names of its blocks
         self._reqs: dict[str, _Request] = {}
         self.loading: set[str] = set()  # background loads planned, not yet reported over
 
     def matched(
-        self, req_id: str, prompt: Sequence[int] | None, computed: int, key: RequestKey = None
+        self,
+        req_id: str,
+        prompt: Sequence[int] | None,
+        computed: int,
+        key: RequestKey = None,
+        expected: int = 0,
     ) -> int | None:
         """Tokens beyond ``computed`` that kvwarden will load; None: not decided yet (chunks of
-        the prompt are being stored), ask again on a later step."""
+        the prompt are being stored), ask again on a later step. ``expected``: tokens of the
+        prompt a producer said it stored (a disaggregated prefill's handoff): waited for, within
+        the bound, as chunks on their way are, though the server does not see them yet."""
         self.keys[req_id] = key  # (what its saves are keyed on, loads or not)
         if not self.loads and self.chunk_size() is None:
             self.lookup(np.zeros(0, dtype=np.int64), None)  # (an empty lookup: the server's chunk size)
@@ -162,14 +173,14 @@ class Planner:
         if hit is None:
             if self.waits.too_soon(req_id):
                 return None
-            decided = self._decide(req_id, np.asarray(prompt, dtype=np.int64), key, computed)
+            decided = self._decide(req_id, np.asarray(prompt, dtype=np.int64), key, computed, expected)
             if decided is None:
                 return None
             hit = self._hits[req_id] = decided
         return max(0, hit - computed)
 
     def _decide(
-        self, req_id: str, tokens: np.ndarray, key: KeyContext | None, computed: int = 0
+        self, req_id: str, tokens: np.ndarray, key: KeyContext | None, computed: int = 0, expected: int = 0
     ) -> int | None:
         """The hit, or None: wait. A prefix this engine is saving is copied from the saved
         request's blocks at once, without asking the server when it covers all that could be
@@ -189,15 +200,46 @@ class Planner:
             cs, most = self.chunk_size(), limit()
         if src is not None and local and local >= found.hit:
             self._sources[req_id] = src
-            return self.waits.decide(req_id, LookupFound(local), 0, most)  # (ends a wait, if any)
+            self._own_copy.add(req_id)
+            return self._count(self.waits.decide(req_id, LookupFound(local), 0, most), True)  # (ends a wait)
         own = 0 if cs is None or not len(self.own) else self.own.reach(tokens, key) // cs * cs
-        self._in_l1[req_id] = found.l1
-        return self.waits.decide(req_id, found, own, most, computed)
+        if expected and cs is not None:
+            own = max(own, expected // cs * cs)  # (the producer's chunks: on their way)
+        self._own_copy.discard(req_id)
+        self._in_l1[req_id], self._on_disk[req_id] = found.l1, found.fs
+        return self._count(self.waits.decide(req_id, found, own, most, computed), found.answered)
+
+    def _count(self, decided: int | None, answered: bool) -> int | None:
+        """Count a request's lookup once decided (vLLM's connector stats)."""
+        if decided is not None:
+            outcome = "hit" if decided else "miss" if answered else "unanswered"
+            self.tally.add(**{f"lookups_{outcome}": 1})
+        return decided
 
     def from_lower_tiers(self, req_id: str) -> bool:
         """Whether the hit ``matched`` found reaches past what the server held in L1 when asked
         (a load that reads the file tier or Redis, not a memory copy alone)."""
         return self._hits.get(req_id, 0) > self._in_l1.get(req_id, 0)
+
+    def hit_sources(self, req_id: str, computed: int, n: int) -> dict[str, int]:
+        """Where the ``n`` tokens after ``computed`` that the request loads come from, as the
+        server told when asked: ``device`` (this engine's own blocks, a save on its way),
+        ``host`` (the server's L1), ``disk`` (its file tier), ``remote`` (the rest: Redis, or
+        a chunk stored while the request waited); only non-zero counts."""
+        if n <= 0:
+            return {}
+        if req_id in self._own_copy:
+            return {"device": n}
+        l1 = self._in_l1.get(req_id, 0)
+        disk = l1 + self._on_disk.get(req_id, 0)
+        end = computed + n
+
+        def part(lo: int, hi: int) -> int:
+            return max(0, min(hi, end) - max(lo, computed))
+
+        got = {"host": part(0, l1), "disk": part(l1, disk)}
+        got["remote"] = n - got["host"] - got["disk"]
+        return {k: v for k, v in got.items() if v > 0}
 
     def copies_own(self, req_id: str) -> bool:
         """Whether the hit ``matched`` found is copied from this engine's own blocks (a save on
@@ -321,11 +363,18 @@ class Planner:
             )
             r.saved, r.saving = full, True
 
+    def stored(self, req_id: str) -> int:
+        """Prompt tokens this engine stored, or asked its workers to store, of the request."""
+        r = self._reqs.get(req_id)
+        return 0 if r is None else r.saved
+
     def finished(self, req_id: str) -> bool:
         """The request is done: True when a save was planned for it, or its background load is
         not over (its blocks are freed once the worker says so)."""
         self._hits.pop(req_id, None)
         self._in_l1.pop(req_id, None)
+        self._on_disk.pop(req_id, None)
+        self._own_copy.discard(req_id)
         self._sources.pop(req_id, None)
         self.keys.pop(req_id, None)
         self.names.pop(req_id, None)

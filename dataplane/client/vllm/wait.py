@@ -32,12 +32,14 @@ OWN_SAVE_MAX_S = 120.0  # a save its worker never reported over stops counting a
 class LookupFound:
     """What a lookup found: ``hit`` tokens held, ``pending`` more being stored after them;
     ``answered`` False when the server could not be asked (then nothing is waited for); ``l1``
-    of ``hit``, the tokens the server held in L1 (a load of those alone is a memory copy)."""
+    of ``hit``, the tokens the server held in L1 (a load of those alone is a memory copy);
+    ``fs`` those after them its file tier held (the rest of ``hit``: the remote tier)."""
 
     hit: int
     pending: int = 0
     answered: bool = True
     l1: int = 0
+    fs: int = 0
 
 
 @dataclass

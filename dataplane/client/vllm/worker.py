@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar
@@ -17,6 +18,7 @@ import torch
 from dataplane.client.adapter import WorkerAdapter
 from dataplane.client.vllm.lookup import Scope
 from dataplane.client.vllm.state import Load, Save
+from dataplane.client.vllm.tally import Tally
 from dataplane.memory.copies import _MAX_RUNS, slot_runs
 from dataplane.memory.kvmemory import DTYPE_NAMES
 from dataplane.wire.errors import KVWardenError, RequestError
@@ -167,6 +169,8 @@ class Saver(_JobThread[Save, int]):
         self._busy = False
         self.stored_chunks = 0
         self.failed = 0
+        self.tally = Tally()  # (vLLM's connector stats: the connector gives its own)
+        self.token_bytes: Sequence[int] = ()  # KV bytes a token, each group's (for the tally)
 
     def submit(self, saves: Sequence[Save]) -> None:
         with self._cond:
@@ -212,19 +216,23 @@ class Saver(_JobThread[Save, int]):
     def _store(self, job: Save) -> None:
         if not self.store:
             return  # another rank stores these bytes
-        for adapter, part in zip([self.adapter, *self.more], job.parts(), strict=True):
+        for i, (adapter, part) in enumerate(zip([self.adapter, *self.more], job.parts(), strict=True)):
             if adapter.registration is None:
                 continue  # not registered (yet): nothing to store into
-            if adapter.chunk_size and part.first >= len(job.tokens) // adapter.chunk_size:
+            cs = adapter.chunk_size or 0
+            if cs and part.first >= len(job.tokens) // cs:
                 continue  # a part from past the full chunks stores nothing (no round trip for it)
             try:
                 names = job.names if adapter is self.adapter else None  # (the events name the first group's)
                 r = adapter.store_detail(job.tokens, part.blocks, job.key, names, part.first)
             except (KVWardenError, ValueError) as exc:
                 self.failed += 1
+                self.tally.add(failed_stores=1)
                 logger.warning("kvwarden: store of request %s failed: %s", job.req_id, exc)
                 return
             self.stored_chunks += r.stored
+            size = self.token_bytes[i] if i < len(self.token_bytes) else 0
+            self.tally.add(stored_chunks=r.stored, stored_bytes=r.stored * cs * size)
 
 
 class Loader(_JobThread[Load, tuple[str, set[int]]]):
@@ -249,6 +257,8 @@ class Loader(_JobThread[Load, tuple[str, set[int]]]):
         self.more = list(more)  # the other KV cache groups' instances (`Load.more`), in order
         self.block_size = block_size
         self.copy = copy
+        self.tally = Tally()  # (vLLM's connector stats: the connector gives its own)
+        self.token_bytes: Sequence[int] = ()  # KV bytes a token, each group's (for the tally)
 
     def submit(self, loads: Sequence[Load]) -> None:
         with self._cond:
@@ -266,7 +276,9 @@ class Loader(_JobThread[Load, tuple[str, set[int]]]):
                     return
                 job = self._queue.popleft()
             try:
-                missing = load(self.adapter, job, self.block_size, self.copy, self.more)
+                missing = load(
+                    self.adapter, job, self.block_size, self.copy, self.more, self.tally, self.token_bytes
+                )
             except Exception as exc:  # a load that breaks is recomputed, never served half-made
                 logger.warning("kvwarden: background load of request %s failed: %r", job.req_id, exc)
                 missing = _blocks_from(job, 0, self.block_size)
@@ -315,27 +327,42 @@ def load(
     block_size: int,
     copy: BlockCopier | None = None,
     more: Sequence[WorkerAdapter] = (),
+    tally: Tally | None = None,
+    token_bytes: Sequence[int] = (),
 ) -> set[int]:
     """Write ``job``'s prefix into its blocks: copied from this worker's own blocks when the job
     names them (``job.source``), else retrieved, each KV cache group's part by its own instance
     (``more``: the groups after the first). Returns the first group's blocks from the first
     token some group could not fill (empty when all came; all of them with no adapter or an
-    unregistered one). A miss is not an error: the scheduler recomputes those blocks."""
+    unregistered one). A miss is not an error: the scheduler recomputes those blocks. Counted
+    in ``tally``: the load, its time, its tokens and (``token_bytes``: each group's KV bytes a
+    token) the bytes it moved."""
+    t0 = time.perf_counter()
+    want = len(job.tokens)
     if job.source is not None and copy is not None:
         copy(job.source, job.blocks[: len(job.source)])
+        if tally is not None:
+            tally.add(loads_full=1, loaded_tokens=want)
+            tally.load_took(time.perf_counter() - t0)
         return set()
-    want = len(job.tokens)
-    got = want
-    for a, part in zip([adapter, *more], job.parts(), strict=True):
+    got, moved = want, 0
+    for i, (a, part) in enumerate(zip([adapter, *more], job.parts(), strict=True)):
         filled = 0
         if a is not None and a.registration is not None:
             try:
                 filled = a.retrieve(job.tokens, part.blocks, job.key, part.first)
             except (KVWardenError, ValueError) as exc:
                 logger.warning("kvwarden: load of request %s failed: %s", job.req_id, exc)
+            size = token_bytes[i] if i < len(token_bytes) else 0
+            moved += max(0, filled - part.first * (a.chunk_size or 0)) * size
         got = min(got, filled)
         if got < want:
             break  # (the hit is cut short: the rest is recomputed)
+    if tally is not None:
+        tally.add(
+            loads_full=int(got >= want), loads_short=int(got < want), loaded_tokens=got, loaded_bytes=moved
+        )
+        tally.load_took(time.perf_counter() - t0)
     return set() if got >= want else _blocks_from(job, got, block_size)
 
 

@@ -123,6 +123,12 @@ class L1Store:
                 n += 1
         return n
 
+    def prefix_split(
+        self, keys: list[bytes], scope: bytes = b"", tenant: bytes = NO_TENANT
+    ) -> tuple[int, int, int]:
+        """`prefix_hits` by tier: (L1's, the file tier's, the remote tier's): L1 has no other."""
+        return self.prefix_hits(keys, scope, tenant), 0, 0
+
     def peek_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys are present, touching nothing (a router's question)."""
         n = 0

@@ -30,7 +30,7 @@ SAMPLES: dict[type[Reply], Reply] = {
     r.StoreCounts: r.StoreCounts(4, 1, 2, 1, 0),
     r.Retrieved: r.Retrieved(512),
     r.Hits: r.Hits(256, 512),
-    r.ScopeHits: r.ScopeHits(256, 256, 0, 256),
+    r.ScopeHits: r.ScopeHits(512, 256, 0, 256, 256),
     r.Noted: r.Noted(True),
     r.Cleared: r.Cleared(4, 4, 0, 1, ("redis",), False),
     r.PoolRegistered: r.PoolRegistered(True, 256, "kvwarden-1-00", 4096, 4, r.ArenaInfo("a", 8192, 4096)),
