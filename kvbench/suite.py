@@ -19,6 +19,7 @@ def modules() -> dict[str, ModuleType]:
         blend,
         events,
         fs,
+        handoff,
         ping,
         reaper,
         remote,
@@ -41,6 +42,7 @@ def modules() -> dict[str, ModuleType]:
         "events": events,
         "blend": blend,
         "vllm": vllm,
+        "handoff": handoff,
         "serve": serve,
         "trace": trace,
     }

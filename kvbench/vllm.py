@@ -118,9 +118,13 @@ class EngineProcess:
         *,
         cache_salt: str | None = None,
         lora: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One request; ``lora`` is ``{"name": ..., "id": ..., "path": ...}`` (an engine with LoRA on)."""
-        self.submit(prompt, max_tokens, cache_salt=cache_salt, lora=lora)
+        """One request; ``lora`` is ``{"name": ..., "id": ..., "path": ...}`` (an engine with LoRA on);
+        ``kv_transfer_params``: a disaggregated prefill's answer, for this decode."""
+        self.submit(
+            prompt, max_tokens, cache_salt=cache_salt, lora=lora, kv_transfer_params=kv_transfer_params
+        )
         return self.result(timeout)
 
     def submit(
@@ -130,12 +134,15 @@ class EngineProcess:
         *,
         cache_salt: str | None = None,
         lora: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Send a request without waiting for its answer (``result``)."""
         assert self.proc.stdin is not None
         cmd: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens}
         if cache_salt is not None:
             cmd["cache_salt"] = cache_salt
+        if kv_transfer_params is not None:
+            cmd["kv_transfer_params"] = kv_transfer_params
         if lora is not None:
             cmd["lora"] = lora
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())

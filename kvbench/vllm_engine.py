@@ -6,7 +6,9 @@ Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for e
 ``{"prompt": [token ids], "max_tokens": n}`` answers ``{"tokens": [...], "logprobs": [...],
 "cached": n, "s": s}`` (``logprobs``: each output token's; ``s``: the request's time in the
 engine). A line may also carry ``"cache_salt": str`` (put in the prompt, as vLLM takes it) and
-``"lora": {"name": str, "id": int, "path": str}`` (the request's ``LoRARequest``).
+``"lora": {"name": str, "id": int, "path": str}`` (the request's ``LoRARequest``) and
+``"kv_transfer_params": {...}`` (what a disaggregated prefill answered, for the decode; every
+answer carries the request's own, ``null`` without).
 ``{"reset": true}`` resets the engine's prefix cache and the connector's
 (``reset_prefix_cache(reset_connector=True)``) and answers ``{"reset": bool}``;
 ``{"perturb": seed}`` changes every weight in place, as a trainer's weight update does (each
@@ -137,8 +139,13 @@ def main() -> None:
             llm.collective_rpc(perturb, args=(int(cmd["perturb"]),))
             print("@kvw " + json.dumps({"perturbed": int(cmd["perturb"])}), flush=True)
             continue
+        handed = cmd.get("kv_transfer_params")  # (a disaggregated prefill's, for its decode)
         params = SamplingParams(
-            max_tokens=int(cmd.get("max_tokens", 8)), temperature=0, detokenize=False, logprobs=0
+            max_tokens=int(cmd.get("max_tokens", 8)),
+            temperature=0,
+            detokenize=False,
+            logprobs=0,
+            extra_args={"kv_transfer_params": handed} if handed is not None else None,
         )
         prompt, lora_request = request(cmd)
         t0 = time.perf_counter()
@@ -153,6 +160,7 @@ def main() -> None:
             ],
             "cached": int(out.num_cached_tokens or 0),
             "s": elapsed,
+            "kv_transfer_params": getattr(out, "kv_transfer_params", None),
         }
         print("@kvw " + json.dumps(answer), flush=True)
     del llm

@@ -21,8 +21,8 @@ from tests.helpers import ROOT, subprocess_env
 pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
 
-def _bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
-    cmd = [sys.executable, "-m", "app.cli", "bench", "vllm", "--tiny", "--json", *args]
+def _bench(tmp_path: Path, *args: str, name: str = "vllm") -> tuple[dict[str, Any], str]:
+    cmd = [sys.executable, "-m", "app.cli", "bench", name, "--tiny", "--json", *args]
     cmd += ["--results-dir", str(tmp_path), "--vllm-python", str(VLLM_PYTHON)]
     p = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=850)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -75,3 +75,14 @@ def test_bench_vllm_tiny_gemma3_moves_each_windows_last_chunk_alone(tmp_path: Pa
     # the full layer's 512 tokens and each of the three windows' last chunk (256 tokens), at
     # 2 KV heads x 64 x K and V x 2 bytes a token and layer
     assert rep["retrieve_bytes_per_hit"] == (512 + 3 * 256) * 512 and "gemma3 model" in out
+
+
+@pytest.mark.bench
+def test_bench_handoff_tiny_decodes_from_the_prefills_chunks(tmp_path: Path) -> None:
+    require_vllm()
+    rep, out = _bench(tmp_path, name="handoff")
+    cached = rep["cached_tokens"]
+    # 600 tokens: two full chunks of 256 handed off; the decode computes the 88 after them
+    assert cached["decode"] == cached["vllm_hit"] == 512 and cached["prefill"] == 0
+    assert rep["decode_computed_tokens"] == [88] and rep["handed_params"] is True
+    assert rep["decode_vs_vllm_hit"] > 0 and "decode / vLLM hit" in out

@@ -1,0 +1,132 @@
+"""`kvwarden bench handoff`: a disaggregated prefill's decode, timed against vLLM's own prefix hit.
+
+The model and prompts of `kvwarden bench vllm` (a random-weight Llama where prefill dominates,
+~2,900-token prompts, one output token: a request's time is its time to first token), engines
+one after another on the same cores, each prompt new to every cache:
+- **vLLM prefix hit**: an engine without kvwarden, its own prefix caching on, a prompt it has
+  just served (the floor for any hit; its first pass is the single-engine run);
+- **prefill**: a ``kv_producer`` engine with kvwarden (its own prefix caching off), each prompt
+  once, on a server just started: it stores the prompt before it answers, and answers the
+  ``kv_transfer_params`` naming what it stored;
+- **decode**: a ``kv_consumer`` engine, each prompt with the prefill's params (what
+  ``kvwarden proxy`` sends it): its time to first token after the prefill returned, and the
+  prompt tokens it computed (those past the last full chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvbench.procs import bench_env, launch, wait_http
+from kvbench.results import add_output_args, finish, resolve
+from kvbench.vllm import CHUNK, EngineProcess, _prompts, default_python
+
+
+def add_args(sub: Any) -> None:
+    p = sub.add_parser(
+        "handoff", help="prefill/decode handoff: the decode's time to first token vs vLLM's own hit"
+    )
+    p.add_argument("--rounds", type=int, default=None, help="prompts (5; quick 2)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 2900")
+    p.add_argument("--vllm-python", default=None, help="the Python of vLLM's environment (.venv-vllm)")
+    p.add_argument(
+        "--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine"
+    )
+    add_output_args(p)
+    p.set_defaults(func=run_handoff)
+
+
+def run_handoff(ns: argparse.Namespace) -> int:
+    resolve(ns, rounds=(5, 2, 1), prompt_tokens=(2900, 2900, 600))
+    python = ns.vllm_python or default_python()
+    if ns.rounds < 1 or ns.prompt_tokens < 2 * CHUNK:
+        print(f"bench: --rounds >= 1 and --prompt-tokens >= {2 * CHUNK}", file=sys.stderr)
+        return 2
+    from kvbench.vllm_model import PREFILL, TINY
+
+    shape = TINY if ns.tiny else PREFILL
+    with tempfile.TemporaryDirectory(prefix="kvwarden-bench-handoff-") as tmp:
+        work = Path(tmp)
+        model = work / "model"
+        code = f"from kvbench.vllm_model import *; build_model({str(model)!r}, {shape!r})"
+        subprocess.run([python, "-c", code], check=True, env=bench_env())
+        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ns.reserved_cpus)}
+        out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env)
+    out["params"] = {
+        "rounds": ns.rounds,
+        "prompt_tokens": ns.prompt_tokens,
+        "model": str(shape),
+        "reserved_cpus": ns.reserved_cpus,
+    }
+    finish(ns, "handoff", out, _show)
+    return 0
+
+
+def _measure(
+    python: str, model: Path, work: Path, rounds: int, tokens: int, env: dict[str, str]
+) -> dict[str, Any]:
+    prompts = _prompts(3, rounds, tokens)
+    cases: dict[str, list[dict[str, Any]]] = {k: [] for k in ("vllm_miss", "vllm_hit", "prefill", "decode")}
+    own = EngineProcess(python, model, None, work / "own.log", prefix_caching=True, env_extra=env)
+    try:
+        for p in prompts:
+            cases["vllm_miss"].append(own.generate(p, 1))
+            cases["vllm_hit"].append(own.generate(p, 1))
+    finally:
+        own.close()
+    srv = launch("--chunk-size", str(CHUNK), "--l1-size-gb", "2")
+    try:
+        wait_http(srv)
+        roles = {**env, "KVWARDEN_ENGINE_ROLE": "kv_producer"}
+        prefill = EngineProcess(python, model, srv.endpoint, work / "prefill.log", env_extra=roles)
+        try:
+            for p in prompts:
+                cases["prefill"].append(prefill.generate(p, 1))
+        finally:
+            prefill.close()
+        roles["KVWARDEN_ENGINE_ROLE"] = "kv_consumer"
+        decode = EngineProcess(python, model, srv.endpoint, work / "decode.log", env_extra=roles)
+        try:
+            for p, pre in zip(prompts, cases["prefill"], strict=True):
+                cases["decode"].append(decode.generate(p, 1, kv_transfer_params=pre["kv_transfer_params"]))
+        finally:
+            decode.close()
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(30)
+    med = {k: statistics.median(r["s"] for r in v) for k, v in cases.items()}
+    return {
+        "ttft_s": med,
+        "cached_tokens": {k: statistics.median(r["cached"] for r in v) for k, v in cases.items()},
+        "decode_computed_tokens": [tokens - r["cached"] for r in cases["decode"]],
+        "decode_vs_vllm_hit": med["decode"] / med["vllm_hit"],
+        "handed_params": all(r["kv_transfer_params"] for r in cases["prefill"]),
+        "same_output": all(
+            a["tokens"] == b["tokens"] for a, b in zip(cases["vllm_miss"], cases["decode"], strict=True)
+        ),
+        "runs": {k: [round(r["s"], 4) for r in v] for k, v in cases.items()},
+    }
+
+
+def _show(rep: dict[str, Any]) -> None:
+    t, c = rep["ttft_s"], rep["cached_tokens"]
+    print(
+        f"prefill/decode handoff, {rep['params']['prompt_tokens']}-token prompt, medians of "
+        f"{rep['params']['rounds']}:"
+    )
+    for label, key in (
+        ("vLLM prefix caching on: miss", "vllm_miss"),
+        ("vLLM prefix-cache hit", "vllm_hit"),
+        ("prefill (kv_producer)", "prefill"),
+        ("decode (kv_consumer, handed off)", "decode"),
+    ):
+        print(f"  {label:34s} {1000 * t[key]:9.1f} ms   cached {c[key]:.0f}   runs {rep['runs'][key]}")
+    print(f"  decode / vLLM hit  {rep['decode_vs_vllm_hit']:.2f}x (target <= 1.2x)")
+    print(f"  prompt tokens the decode computed: {rep['decode_computed_tokens']}")
+    print(f"  params handed: {rep['handed_params']}; decode output = single-engine run: {rep['same_output']}")
