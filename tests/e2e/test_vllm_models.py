@@ -201,7 +201,11 @@ def test_an_mla_model_on_two_ranks_stores_its_latent_once_for_both(mla: MLAWorld
 
     def two_ranks(url: str | None, logs: Path, prefix_caching: bool | str = False) -> EngineProcess:
         logs.mkdir(parents=True, exist_ok=True)
-        extra = {"kvwarden.retry_s": 0.5}
+        # each rank is held to one core, which its compute threads keep busy while other tests'
+        # processes share the host: a rank's heartbeat may wait seconds for a turn, and a PING
+        # that waits past its interval (5 s by default) marks the server down and drops the
+        # store under way; a longer interval (and PING wait) keeps that outage from happening
+        extra = {"kvwarden.retry_s": 0.5, "kvwarden.heartbeat_interval_s": 30.0}
         env_extra = {**env, "KVWARDEN_ENGINE_OPTIONS": json.dumps(tp)}
         return EngineProcess(
             VLLM_PYTHON,
