@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kvbench.procs import free_port, stop_process
 from kvbench.vllm import EngineProcess
 from tests.helpers import ROOT, ServerProcess, subprocess_env
 
@@ -180,7 +181,6 @@ class OpenAIServer:
     def __init__(
         self, model: Path, endpoint: str, role: str, log: Path, extra: dict[str, Any] | None = None
     ) -> None:
-        from kvbench.procs import free_port
         from kvbench.serve.stack import _wait_vllm
 
         self.port = free_port()
@@ -210,9 +210,4 @@ class OpenAIServer:
             raise
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        stop_process(self.proc, 60.0)

@@ -343,17 +343,19 @@ class L1Store:
         dropped = 0
         with self._lock:
             try:
+                # found once (none of the scope commits meanwhile): a wake-up rechecks the pinned
+                held = [(k, e) for k, e in self._entries.items() if e.scope == scope]
                 while True:
-                    held = [(k, e) for k, e in self._entries.items() if e.scope == scope]
-                    for k, e in held:
-                        if e.readers == 0:
+                    live = [(k, e) for k, e in held if self._entries.get(k) is e]  # (not evicted)
+                    held = [(k, e) for k, e in live if e.readers]
+                    for k, e in live:
+                        if not e.readers:
                             del self._entries[k]
                             self._drop(k, e)
                             dropped += 1
-                    left = sum(1 for _, e in held if e.readers)
                     now = time.monotonic()
-                    if not left or now >= deadline:
-                        return dropped, left
+                    if not held or now >= deadline:
+                        return dropped, len(held)
                     self._cleared.wait(deadline - now)  # (a release notifies)
             finally:
                 n = self._clearing.get(scope, 0) - 1
