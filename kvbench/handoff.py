@@ -10,7 +10,10 @@ one after another on the same cores, each prompt new to every cache:
   ``kv_transfer_params`` naming what it stored;
 - **decode**: a ``kv_consumer`` engine, each prompt with the prefill's params (what
   ``kvwarden proxy`` sends it): its time to first token after the prefill returned, and the
-  prompt tokens it computed (those past the last full chunk).
+  prompt tokens it computed (those past the last full chunk);
+- **prefill, tail** and **decode, tail**: the same with a producer that stores each prompt's
+  tail too (``kvwarden.store_tail``), on prompts of their own: the decode computes the prompt's
+  last token alone.
 """
 
 from __future__ import annotations
@@ -71,13 +74,16 @@ def run_handoff(ns: argparse.Namespace) -> int:
 def _measure(
     python: str, model: Path, work: Path, rounds: int, tokens: int, env: dict[str, str]
 ) -> dict[str, Any]:
-    prompts = _prompts(3, rounds, tokens)
-    cases: dict[str, list[dict[str, Any]]] = {k: [] for k in ("vllm_miss", "vllm_hit", "prefill", "decode")}
+    prompts, tailed = _prompts(3, rounds, tokens), _prompts(4, rounds, tokens)
+    names = ("vllm_miss", "vllm_hit", "prefill", "decode", "vllm_miss_tail", "prefill_tail", "decode_tail")
+    cases: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
     own = EngineProcess(python, model, None, work / "own.log", prefix_caching=True, env_extra=env)
     try:
         for p in prompts:
             cases["vllm_miss"].append(own.generate(p, 1))
             cases["vllm_hit"].append(own.generate(p, 1))
+        for p in tailed:
+            cases["vllm_miss_tail"].append(own.generate(p, 1))  # (the single-engine outputs)
     finally:
         own.close()
     srv = launch("--chunk-size", str(CHUNK), "--l1-size-gb", "2")
@@ -90,11 +96,19 @@ def _measure(
                 cases["prefill"].append(prefill.generate(p, 1))
         finally:
             prefill.close()
+        tail = {"kvwarden.store_tail": True}
+        prefill = EngineProcess(python, model, srv.endpoint, work / "prefill-tail.log", tail, env_extra=roles)
+        try:
+            for p in tailed:
+                cases["prefill_tail"].append(prefill.generate(p, 1))
+        finally:
+            prefill.close()
         roles["KVWARDEN_ENGINE_ROLE"] = "kv_consumer"
         decode = EngineProcess(python, model, srv.endpoint, work / "decode.log", env_extra=roles)
         try:
-            for p, pre in zip(prompts, cases["prefill"], strict=True):
-                cases["decode"].append(decode.generate(p, 1, kv_transfer_params=pre["kv_transfer_params"]))
+            for case, ps in (("decode", prompts), ("decode_tail", tailed)):
+                for p, pre in zip(ps, cases[case.replace("decode", "prefill")], strict=True):
+                    cases[case].append(decode.generate(p, 1, kv_transfer_params=pre["kv_transfer_params"]))
         finally:
             decode.close()
     finally:
@@ -105,10 +119,16 @@ def _measure(
         "ttft_s": med,
         "cached_tokens": {k: statistics.median(r["cached"] for r in v) for k, v in cases.items()},
         "decode_computed_tokens": [tokens - r["cached"] for r in cases["decode"]],
+        "decode_tail_computed_tokens": [tokens - r["cached"] for r in cases["decode_tail"]],
         "decode_vs_vllm_hit": med["decode"] / med["vllm_hit"],
-        "handed_params": all(r["kv_transfer_params"] for r in cases["prefill"]),
+        "decode_tail_vs_vllm_hit": med["decode_tail"] / med["vllm_hit"],
+        "handed_params": all(r["kv_transfer_params"] for r in cases["prefill"] + cases["prefill_tail"]),
         "same_output": all(
             a["tokens"] == b["tokens"] for a, b in zip(cases["vllm_miss"], cases["decode"], strict=True)
+        ),
+        "same_output_tail": all(
+            a["tokens"] == b["tokens"]
+            for a, b in zip(cases["vllm_miss_tail"], cases["decode_tail"], strict=True)
         ),
         "runs": {k: [round(r["s"], 4) for r in v] for k, v in cases.items()},
     }
@@ -125,8 +145,15 @@ def _show(rep: dict[str, Any]) -> None:
         ("vLLM prefix-cache hit", "vllm_hit"),
         ("prefill (kv_producer)", "prefill"),
         ("decode (kv_consumer, handed off)", "decode"),
+        ("prefill, storing the tail", "prefill_tail"),
+        ("decode, handed the tail", "decode_tail"),
     ):
         print(f"  {label:34s} {1000 * t[key]:9.1f} ms   cached {c[key]:.0f}   runs {rep['runs'][key]}")
     print(f"  decode / vLLM hit  {rep['decode_vs_vllm_hit']:.2f}x (target <= 1.2x)")
+    print(f"  decode, handed the tail / vLLM hit  {rep['decode_tail_vs_vllm_hit']:.2f}x")
     print(f"  prompt tokens the decode computed: {rep['decode_computed_tokens']}")
-    print(f"  params handed: {rep['handed_params']}; decode output = single-engine run: {rep['same_output']}")
+    print(f"  prompt tokens the decode computed, handed the tail: {rep['decode_tail_computed_tokens']}")
+    print(
+        f"  params handed: {rep['handed_params']}; decode output = single-engine run: {rep['same_output']}, "
+        f"handed the tail: {rep['same_output_tail']}"
+    )

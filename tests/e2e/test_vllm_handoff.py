@@ -1,9 +1,11 @@
 """A disaggregated prefill through ``kvwarden proxy``, with real vLLM OpenAI servers (vLLM's CPU
-build, their own prefix caches off): a prefill engine (``kv_producer``) and a decode engine
-(``kv_consumer``) on one real ``kvwarden serve``. The prefill answers with ``kv_transfer_params``
-naming the chunks it stored (and stores them before it answers); the decode engine loads every
-full chunk of the prompt and computes only the rest, stores nothing, and answers what a single
-engine without kvwarden answers. Both engines' own ``/metrics`` carry kvwarden's figures
+build, their own prefix caches off): a prefill engine (``kv_producer``, storing each prompt's
+tail: ``kvwarden.store_tail``) and a decode engine (``kv_consumer``) on one real ``kvwarden
+serve``. The prefill answers with ``kv_transfer_params`` naming what it stored (and stores it
+before it answers); the decode engine loads the whole prompt but its last token and computes
+that one alone, stores nothing, and answers what a single engine without kvwarden answers.
+Handed the full chunks alone (a producer without the tail option), it loads those and computes
+the rest. Both engines' own ``/metrics`` carry kvwarden's figures
 (through vLLM's connector stats), equal to what the server counted, and the decode engine's
 hits are reported by the tier they came from (``vllm:prompt_tokens_cached_by_source``)."""
 
@@ -20,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.vllm_support import (
-    CHUNK,
     FULL,
     PROMPT,
     OpenAIServer,
@@ -61,7 +62,9 @@ def test_a_prefill_handed_off_through_the_proxy_is_decoded_from_its_chunks(
     started: list[OpenAIServer] = []
     proxy: subprocess.Popen[bytes] | None = None
     try:
-        prefill = OpenAIServer(model, srv.endpoint, "kv_producer", tmp_path / "prefill.log")
+        prefill = OpenAIServer(
+            model, srv.endpoint, "kv_producer", tmp_path / "prefill.log", {"kvwarden.store_tail": True}
+        )
         started.append(prefill)
         decode = OpenAIServer(model, srv.endpoint, "kv_consumer", tmp_path / "decode.log")
         started.append(decode)
@@ -92,8 +95,7 @@ def test_a_prefill_handed_off_through_the_proxy_is_decoded_from_its_chunks(
         assert r.status_code == 200, r.text
         out = r.json()
         cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached == FULL  # every full chunk of the prompt came from the prefill's store
-        assert len(PROMPT) - cached <= CHUNK - 1  # the decode computed the tail alone
+        assert cached == len(PROMPT) - 1  # the prefill's chunks and its tail: the decode computed one token
         assert words_to_ids(out["choices"][0]["text"]) == reference.tokens["prompt"]
         stored = _bytes(srv.http_port, "store")
         assert stored > 0 and _bytes(srv.http_port, "retrieve") > 0
@@ -101,31 +103,44 @@ def test_a_prefill_handed_off_through_the_proxy_is_decoded_from_its_chunks(
         # finds the prefill's chunks again and the store count grows by nothing new
         with httpx.Client(timeout=300) as client:
             again = client.post(url + "/v1/completions", json=body).json()
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1
+        assert _bytes(srv.http_port, "store") == stored
+        # handed the full chunks alone (what a producer without the tail option names), the
+        # decode engine loads those and computes the tail itself
+        with httpx.Client(timeout=300) as client:
+            pre = client.post(prefill.url + "/v1/completions", json=dict(body, max_tokens=1)).json()
+            params = pre["kv_transfer_params"]
+            assert params["kvwarden"]["tokens"] == len(PROMPT) - 1  # the prefill names its tail
+            params["kvwarden"]["tokens"] = FULL
+            r = client.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=params))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL
+        assert words_to_ids(r.json()["choices"][0]["text"]) == reference.tokens["prompt"]
         assert _bytes(srv.http_port, "store") == stored
         retrieved = _bytes(srv.http_port, "retrieve")
+        hits = 2 * (len(PROMPT) - 1) + FULL
         # vLLM's /metrics: the decode engine's lookups and loads, the prefill engine's stores
         wait_until(
-            lambda: samples(_vllm_metrics(decode.url), "vllm:kvwarden_loads_total", outcome="full") == 2,
+            lambda: samples(_vllm_metrics(decode.url), "vllm:kvwarden_loads_total", outcome="full") == 3,
             60,
             what="the decode engine's loads in its metrics",
         )
         d, p = _vllm_metrics(decode.url), _vllm_metrics(prefill.url)
-        assert samples(d, "vllm:kvwarden_lookups_total", outcome="hit") == 2
-        assert samples(d, "vllm:kvwarden_lookups_total") == 2  # (no miss, none unanswered)
+        assert samples(d, "vllm:kvwarden_lookups_total", outcome="hit") == 3
+        assert samples(d, "vllm:kvwarden_lookups_total") == 3  # (no miss, none unanswered)
         assert samples(d, "vllm:kvwarden_loads_total", outcome="short") == 0
-        assert samples(d, "vllm:kvwarden_loaded_tokens_total") == 2 * FULL
+        assert samples(d, "vllm:kvwarden_loaded_tokens_total") == hits
         assert samples(d, "vllm:kvwarden_loaded_bytes_total") == retrieved  # what the server moved
         assert (
-            samples(d, "vllm:kvwarden_load_seconds_count") == 2
+            samples(d, "vllm:kvwarden_load_seconds_count") == 3
             and samples(d, "vllm:kvwarden_load_seconds_sum") > 0
         )
         assert samples(d, "vllm:kvwarden_stored_chunks_total") == 0  # a consumer
         # every hit came from the server's L1: vLLM's own cached-token counts say so
-        assert samples(d, "vllm:prompt_tokens_cached_by_source_total", source="host") == 2 * FULL
+        assert samples(d, "vllm:prompt_tokens_cached_by_source_total", source="host") == hits
         assert samples(d, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
         wait_until(
-            lambda: samples(_vllm_metrics(prefill.url), "vllm:kvwarden_stored_chunks_total") == 4,
+            lambda: samples(_vllm_metrics(prefill.url), "vllm:kvwarden_stored_chunks_total") == 5,
             60,
             what="the prefill engine's stores in its metrics",
         )

@@ -86,3 +86,6 @@ def test_bench_handoff_tiny_decodes_from_the_prefills_chunks(tmp_path: Path) -> 
     assert cached["decode"] == cached["vllm_hit"] == 512 and cached["prefill"] == 0
     assert rep["decode_computed_tokens"] == [88] and rep["handed_params"] is True
     assert rep["decode_vs_vllm_hit"] > 0 and "decode / vLLM hit" in out
+    # handed the tail too, it computes the prompt's last token alone
+    assert cached["decode_tail"] == 599 and cached["prefill_tail"] == 0
+    assert rep["decode_tail_computed_tokens"] == [1] and rep["decode_tail_vs_vllm_hit"] > 0

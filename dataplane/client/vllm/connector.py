@@ -123,6 +123,12 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
                 "loads its hits off the step (vLLM takes its failed loads only from those); use "
                 "true or auto"
             )
+        if self._cfg["kvwarden.store_tail"] and scopes and not self._moves_tails():
+            raise ValueError(
+                "kvwarden.store_tail: a tail chunk moves only in whole blocks of vLLM's CPU backend, "
+                "engine-driven, for a model of one KV cache group without sliding windows; this "
+                "engine's would never be loaded"
+            )
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
                 "kvwarden: kv_load_failure_policy is %r: a load cut short (the server killed while "
@@ -161,6 +167,8 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._planner = Planner(lookup.find, self._block_size, waits, own)
         self._planner.windows = self._windows
         self._planner.stores, self._planner.loads = self._stores, self._loads
+        self._planner.store_tail = cfg["kvwarden.store_tail"]
+        self._planner.load_tail = self._loads and self._moves_tails()
         self._planner.tally = self._tally
         if self._scope.kv_format is KVFormat.LATENT:
             # a prompt whose one token is left after a hit goes through vLLM's MLA decode
@@ -171,6 +179,16 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         if cfg["kvwarden.kv_events_endpoint"] is not None:
             self._relay = EventRelay(cfg["kvwarden.kv_events_endpoint"], cfg["kvwarden.kv_events_topic"])
             self._relay.start()
+
+    def _moves_tails(self) -> bool:
+        """Whether this engine's transfers can move a prompt's tail chunk
+        (`dataplane.client.vllm.tail`): whole blocks, written by the worker itself, which can
+        leave the blocks past the prompt alone; one group, no window."""
+        return (
+            not self._windowed
+            and self._scope.kv_format is not KVFormat.TOKEN_MAJOR
+            and self._cfg["kvwarden.transfer_mode"] != "server_driven"
+        )
 
     @property
     def _scope(self) -> Scope:

@@ -40,6 +40,7 @@ _KEYS: dict[str, Any] = {
     "kvwarden.kv_events_topic": str,
     "kvwarden.async_load": _async_mode,
     "kvwarden.prefetch": _flag,
+    "kvwarden.store_tail": _flag,
 }
 _MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
 _DEFAULTS: dict[str, Any] = {
@@ -65,6 +66,10 @@ _DEFAULTS: dict[str, Any] = {
     # a request the scheduler is given asks the server at once to bring its prefix from the
     # slower tiers (file tier, Redis) into L1 (PREFETCH_SCOPE), before it is scheduled
     "kvwarden.prefetch": True,
+    # a kv_producer's opt-in: each prompt's tail past its last full chunk is stored too, as a
+    # chunk of its own (`dataplane.client.vllm.tail`), so the decode engine it hands off to
+    # computes only the prompt's last token
+    "kvwarden.store_tail": False,
 }
 
 
@@ -110,6 +115,17 @@ def connector_settings(extra: dict[str, Any] | None, role: str = "kv_both") -> d
     if ep is None and out["kvwarden.kv_events_topic"]:
         raise ValueError(
             "kv_connector_extra_config['kvwarden.kv_events_topic'] needs kvwarden.kv_events_endpoint"
+        )
+    if out["kvwarden.store_tail"] and role != "kv_producer":
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.store_tail']: a tail is loaded only by a decode "
+            f"engine given a kv_producer's handoff, so on a {role} it would do nothing; set it on "
+            "the kv_producer"
+        )
+    if out["kvwarden.store_tail"] and out["kvwarden.transfer_mode"] == "server_driven":
+        raise ValueError(
+            "kv_connector_extra_config['kvwarden.store_tail']: server-driven transfers cannot load "
+            "a tail chunk; use transfer_mode engine_driven (the CPU default)"
         )
     if out["kvwarden.transfer_mode"] not in MODES:
         raise ValueError(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dataplane.client.vllm.tail import padded, tail_blocks, tail_end
 from dataplane.client.vllm.tally import Tally
 from dataplane.client.vllm.wait import LookupFound, OwnSaves, Source, Waits
 from dataplane.wire.blocks import EngineBlocks
@@ -139,6 +140,11 @@ class Planner:
         self.windows: tuple[int, ...] = (0,)
         self.stores = True  # False: no save is ever planned (vLLM's kv_role kv_consumer)
         self.loads = True  # False: nothing is ever loaded, or looked up (kv_producer)
+        # a computed prompt's tail is stored too (`dataplane.client.vllm.tail`: a kv_producer's
+        # kvwarden.store_tail); a handoff that names one is loaded with it (the worker's loads
+        # can leave a chunk's blocks past the prompt alone)
+        self.store_tail = False
+        self.load_tail = False
         self.waits = waits if waits is not None else Waits(0.0, lambda s, o: None)
         self.own = own if own is not None else OwnSaves()
         self.tally = Tally()  # (vLLM's connector stats: the connector gives its own)
@@ -190,6 +196,9 @@ class Planner:
             cs = self.chunk_size()
             return 0 if cs is None else max(0, len(tokens) - self.tail) // cs * cs
 
+        end = self._handed_tail(tokens, expected)
+        if end:
+            return self._decide_tail(req_id, tokens, key, computed, end)
         cs, most = self.chunk_size(), limit()
         src = self.own.source(tokens, key) if most and len(self.own) else None
         local = 0 if src is None or cs is None else min(src.tokens // cs * cs, most)
@@ -208,6 +217,35 @@ class Planner:
         self._own_copy.discard(req_id)
         self._in_l1[req_id], self._on_disk[req_id] = found.l1, found.fs
         return self._count(self.waits.decide(req_id, found, own, most, computed), found.answered)
+
+    def _handed_tail(self, tokens: np.ndarray, expected: int) -> int:
+        """Where the tail a producer's handoff names ends (``expected``: all of the prompt but
+        the tokens vLLM computes itself), when this engine can load it; else 0."""
+        if not self.load_tail or not expected:
+            return 0
+        if self.chunk_size() is None:
+            self.lookup(np.zeros(0, dtype=np.int64), None)  # (an empty lookup: the server's chunk size)
+        cs = self.chunk_size()
+        if cs is None or cs % self.block_size:
+            return 0
+        end = tail_end(len(tokens), self.tail, cs)
+        return end if end == expected else 0
+
+    def _decide_tail(
+        self, req_id: str, tokens: np.ndarray, key: KeyContext | None, computed: int, end: int
+    ) -> int | None:
+        """A handoff that names the prompt's tail: the prefix and its tail chunk, waited for
+        within the bound as a producer's chunks are; ``end`` when all of it is held, else the
+        full chunks held."""
+        cs = self.chunk_size() or 1
+        want = padded(tokens, end, cs)
+        found = self.lookup(want, key)
+        self._own_copy.discard(req_id)
+        self._in_l1[req_id], self._on_disk[req_id] = found.l1, found.fs
+        decided = self.waits.decide(req_id, found, len(want), len(want), computed)
+        if decided is not None and decided >= len(want):
+            decided = end  # (the tail chunk holds the tokens up to ``end``)
+        return self._count(decided, found.answered)
 
     def _count(self, decided: int | None, answered: bool) -> int | None:
         """Count a request's lookup once decided (vLLM's connector stats)."""
@@ -320,10 +358,11 @@ class Planner:
             Part(np.asarray(b, dtype=np.int64), 0 if not w else max(0, r.load - w + 1) // cs)
             for b, w in zip(r.blocks, self.windows, strict=True)
         ]
-        head = parts[0]
-        return Load(
-            req_id, r.tokens[: r.load], head.blocks, r.key, copy, background, head.first, tuple(parts[1:])
-        )
+        head, tokens = parts[0], r.tokens[: r.load]
+        if r.load % cs:  # a tail chunk: its blocks past the prompt are left alone
+            tokens = padded(r.tokens, r.load, cs)
+            head = Part(tail_blocks(head.blocks, r.load, cs, self.block_size, store=False), head.first)
+        return Load(req_id, tokens, head.blocks, r.key, copy, background, head.first, tuple(parts[1:]))
 
     def _save(self, out: Plan, req_id: str, r: _Request, computed: int, done: int) -> None:
         """Store the chunks ``r`` completed by ``done`` tokens (``computed`` when its step
@@ -362,6 +401,21 @@ class Planner:
                 )
             )
             r.saved, r.saving = full, True
+        if self.store_tail and done >= len(r.tokens) and cs % self.block_size == 0:
+            self._save_tail(out, req_id, r, cs)
+
+    def _save_tail(self, out: Plan, req_id: str, r: _Request, cs: int) -> None:
+        """Store the computed prompt's tail as a chunk of its own (`dataplane.client.vllm.tail`),
+        once its full chunks are planned; not named in the engine's KV events (vLLM names only
+        full blocks)."""
+        end = tail_end(len(r.tokens), self.tail, cs)
+        if end <= r.saved:
+            return
+        tokens = padded(r.tokens, end, cs)
+        blocks = tail_blocks(np.asarray(r.blocks[0], dtype=np.int64), end, cs, self.block_size, store=True)
+        seq = self.own.add(tokens, r.key, req_id, None)
+        out.saves.append(Save(req_id, tokens, blocks, r.key, seq, None, end // cs))
+        r.saved, r.saving = end, True
 
     def stored(self, req_id: str) -> int:
         """Prompt tokens this engine stored, or asked its workers to store, of the request."""

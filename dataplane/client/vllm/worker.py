@@ -18,6 +18,7 @@ import torch
 from dataplane.client.adapter import WorkerAdapter
 from dataplane.client.vllm.lookup import Scope
 from dataplane.client.vllm.state import Load, Save
+from dataplane.client.vllm.tail import real_length
 from dataplane.client.vllm.tally import Tally
 from dataplane.memory.copies import _MAX_RUNS, slot_runs
 from dataplane.memory.kvmemory import DTYPE_NAMES
@@ -287,9 +288,10 @@ class Loader(_JobThread[Load, tuple[str, set[int]]]):
 
 
 def _blocks_from(job: Load, tokens: int, block_size: int) -> set[int]:
-    """The blocks of ``job`` from the one holding token ``tokens`` to its last token's."""
+    """The blocks of ``job`` from the one holding token ``tokens`` to its last token's (none of
+    those it leaves alone, -1: a tail chunk's past the prompt)."""
     first, last = tokens // block_size, -(-len(job.tokens) // block_size)
-    return {int(b) for b in np.asarray(job.blocks[first:last])}
+    return {int(b) for b in np.asarray(job.blocks[first:last]) if b >= 0}
 
 
 class BlockCopier:
@@ -339,6 +341,7 @@ def load(
     token) the bytes it moved."""
     t0 = time.perf_counter()
     want = len(job.tokens)
+    real = real_length(job.tokens)  # (a tail chunk's marks are no tokens: `dataplane.client.vllm.tail`)
     if job.source is not None and copy is not None:
         copy(job.source, job.blocks[: len(job.source)])
         if tally is not None:
@@ -354,13 +357,16 @@ def load(
             except (KVWardenError, ValueError) as exc:
                 logger.warning("kvwarden: load of request %s failed: %s", job.req_id, exc)
             size = token_bytes[i] if i < len(token_bytes) else 0
-            moved += max(0, filled - part.first * (a.chunk_size or 0)) * size
+            moved += max(0, filled - part.first * (a.chunk_size or 0)) * size  # (a tail's whole chunk)
         got = min(got, filled)
         if got < want:
             break  # (the hit is cut short: the rest is recomputed)
     if tally is not None:
         tally.add(
-            loads_full=int(got >= want), loads_short=int(got < want), loaded_tokens=got, loaded_bytes=moved
+            loads_full=int(got >= want),
+            loads_short=int(got < want),
+            loaded_tokens=min(got, real),
+            loaded_bytes=moved,
         )
         tally.load_took(time.perf_counter() - t0)
     return set() if got >= want else _blocks_from(job, got, block_size)
