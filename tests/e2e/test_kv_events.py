@@ -21,10 +21,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dataplane.client.keys import key_context
+from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.events.describe import native_hash
 from dataplane.storage.keys import chunk_keys, scope_digest
 from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.errors import RequestError
+from dataplane.wire.kinds import KVFormat
 from tests.e2e.test_fs_tier import chunk_files, fs_doc
 from tests.e2e.test_remote_tier import BLOCK_IDS, BS, CS, HD, HEADS, LAYERS, Worker, prompt
 from tests.e2e.vllm_support import VLLM_PYTHON
@@ -316,6 +318,52 @@ def test_the_file_tier_publishes_disk_stores_and_evictions(tmp_path: Path, decod
         ca, cb = chunk_events(a, "DISK"), chunk_events(b, "DISK")
         assert got == [ca[0], ca[1], removed([native(a)[0]], "DISK"), cb[0]]
     finally:
+        if w is not None:
+            w.close()
+        ev.close()
+
+
+def test_a_clear_publishes_the_removal_of_every_chunk_it_removes_to_a_live_subscriber(
+    tmp_path: Path, decoder: Decoder
+) -> None:
+    root = tmp_path / "fs"
+    root.mkdir()
+    ev = Events(tmp_path, "--fs-path", str(root), "--fs-size-gb", "0.0625")
+    w = look = None
+    try:
+        sub = ev.subscriber()
+        w = Worker(ev.srv)
+        w.fill(5)
+        a, b = prompt(9, 2 * CS), prompt(10, CS)
+        for p in (a, b):
+            assert w.w.store_detail(p, BLOCK_IDS).stored == len(p) // CS
+        wait_until(lambda: fs_doc(ev.srv)["puts"] == 3 and fs_doc(ev.srv)["queue_depth"] == 0, 20)
+        # what a vLLM engine's reset sends: CLEAR_SCOPE for its scope
+        look = ScopeLookup(
+            ev.srv.endpoint, Scope("m", 1, "bfloat16", LAYERS, HEADS, HD, KVFormat.TOKEN_MAJOR, BS)
+        )
+        assert look.clear()
+        wait_until(lambda: ev.metrics().get('kvwarden_kv_events_total{type="BlockRemoved"}') == 6, 10)
+        live = []
+        while sub.poll(1000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == ev.topic.encode()
+            live.append((int.from_bytes(seq, "big"), payload))
+        history = ev.replay(0)
+        # the subscriber saw every batch since it joined (the start's AllBlocksCleared may be before)
+        assert len(live) >= len(history) - 1 and live == history[len(history) - len(live) :]
+        got = events_of(decoder, live)
+        stores = [e for e in got if e["type"] == "BlockStored"]
+        assert len(stores) == 6 and got.index(stores[-1]) < min(
+            i for i, e in enumerate(got) if e["type"] == "BlockRemoved"
+        )  # (the removals come after every store)
+        gone = {(e["medium"], h) for e in got if e["type"] == "BlockRemoved" for h in e["block_hashes"]}
+        held = native(a) + native(b)
+        assert gone == {(medium, h) for medium in ("CPU", "DISK") for h in held}
+        assert tiers(ev.srv, a)[:3] == (0, 0, 0)
+    finally:
+        if look is not None:
+            look.close()
         if w is not None:
             w.close()
         ev.close()

@@ -5,6 +5,8 @@ different, longer, shorter, another key context) is ever served that tail."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -27,7 +29,8 @@ from tests.dataplane.client.vllm.test_connector_parts import (
     vllm_cpu_caches,
     worker,
 )
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, wait_until
+from tests.redis_server import RedisServer
 
 __all__ = ["server"]  # (the fixture)
 
@@ -184,3 +187,48 @@ def test_store_tail_is_a_producers_setting_and_acts() -> None:
         )
     with pytest.raises(ValueError, match="is not a boolean"):
         connector_settings({"kvwarden.store_tail": "yes"}, "kv_producer")
+
+
+def test_a_decode_on_another_server_sharing_redis_waits_for_the_handoff_and_loads_it(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two hosts' servers on one Redis: the producer's chunks and tail reach Redis behind its
+    answer; the consumer on the other server, handed the params at once, waits for exactly
+    them (its server sees nothing on its way) and loads them from Redis."""
+    servers = []
+    for name in ("a", "b"):
+        srv = ServerProcess(tmp_path / name, "--chunk-size", str(CS), "--remote-url", redis_server.url)
+        servers.append(srv)
+    look_a = look_b = None
+    try:
+        for srv in servers:
+            srv.wait_ready()
+        a, b = servers
+        src, dst = vllm_cpu_caches(3), vllm_cpu_caches(4)
+        look_a, look_b = ScopeLookup(a.endpoint, scope()), ScopeLookup(b.endpoint, scope())
+        prod = _producer(look_a)
+        prod.matched("r", PROMPT.tolist(), 0)
+        plan = prod.plan([("r", PROMPT.tolist(), [list(range(NB))], 0, len(PROMPT))], [], False)
+        cons = _consumer(look_b, bound_s=60.0)
+        handed = expected(produced(prod.stored("r"), None, a.endpoint), None)
+        assert cons.matched("d", PROMPT.tolist(), 0, None, handed) is None  # not in Redis yet: waits
+        with worker(a) as w:
+            w.register_kv_caches(src, "vllm_cpu")
+            for s in plan.saves:
+                w.store_detail(s.tokens, s.blocks, s.key, s.names, s.first)
+        # the consumer asks again on later steps until every named chunk is in Redis
+        got = wait_until(lambda: cons.matched("d", PROMPT.tolist(), 0, None, handed), 30, what="the handoff")
+        assert got == END and cons.hit_sources("d", 0, END) == {"remote": END}
+        cons.allocated("d", PROMPT.tolist(), END)
+        (job,) = cons.plan([("d", PROMPT.tolist(), [list(range(NB))], 0, 1)], [], False).loads
+        with worker(b) as w:
+            w.register_kv_caches(dst, "vllm_cpu")
+            assert load(w, job, BS) == set()
+        for layer in range(LAYERS):
+            assert torch.equal(dst[layer][: -(-END // BS)], src[layer][: -(-END // BS)])
+    finally:
+        for look in (look_a, look_b):
+            if look is not None:
+                look.close()
+        for srv in servers:
+            srv.stop()
