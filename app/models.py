@@ -231,20 +231,33 @@ class ReapResult(BaseModel):
 
 
 class CacheClear(BaseModel):
-    """Body of `POST /v1/cache/clear`: the model whose chunks go, as its workers register it."""
+    """Body of `POST /v1/cache/clear`: the model whose chunks go, as its workers register it;
+    with a salt, an adapter or both, only the chunks stored under them."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=256, description="the served model name its workers register")
+    salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="only the chunks of this tenant's cache_salt (under any adapter, unless one is given)",
+    )
+    adapter: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="only the chunks of this LoRA adapter, by the name the engine's requests give it "
+        "(under any salt, unless one is given)",
+    )
 
     @model_validator(mode="before")
     @classmethod
-    def _whole_model(cls, data: Any) -> Any:
-        if isinstance(data, dict) and ({"namespace", "salt", "adapter"} & data.keys()):
+    def _no_namespace(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "namespace" in data:
             raise ValueError(
-                "clearing one namespace or salt is not supported: chunks are filed by their "
-                "model's scope, and a clear removes the model's chunks under every salt and "
-                "namespace; send the model alone"
+                "namespace: name the LoRA adapter instead ('adapter', the name the engine's "
+                "requests give it), as /v1/lookup does"
             )
         return data
 

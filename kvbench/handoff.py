@@ -90,19 +90,15 @@ def _measure(
     try:
         wait_http(srv)
         roles = {**env, "KVWARDEN_ENGINE_ROLE": "kv_producer"}
-        prefill = EngineProcess(python, model, srv.endpoint, work / "prefill.log", env_extra=roles)
-        try:
-            for p in prompts:
-                cases["prefill"].append(prefill.generate(p, 1))
-        finally:
-            prefill.close()
-        tail = {"kvwarden.store_tail": True}
-        prefill = EngineProcess(python, model, srv.endpoint, work / "prefill-tail.log", tail, env_extra=roles)
-        try:
-            for p in tailed:
-                cases["prefill_tail"].append(prefill.generate(p, 1))
-        finally:
-            prefill.close()
+        for case, ps, extra in (
+            ("prefill", prompts, {}),
+            ("prefill_tail", tailed, {"kvwarden.store_tail": True}),
+        ):
+            prefill = EngineProcess(python, model, srv.endpoint, work / f"{case}.log", extra, env_extra=roles)
+            try:
+                cases[case] += [prefill.generate(p, 1) for p in ps]
+            finally:
+                prefill.close()
         roles["KVWARDEN_ENGINE_ROLE"] = "kv_consumer"
         decode = EngineProcess(python, model, srv.endpoint, work / "decode.log", env_extra=roles)
         try:
@@ -114,6 +110,12 @@ def _measure(
     finally:
         srv.proc.terminate()
         srv.proc.wait(30)
+    return _report(cases, tokens)
+
+
+def _report(cases: dict[str, list[dict[str, Any]]], tokens: int) -> dict[str, Any]:
+    """Each case's medians and runs, the ratios to vLLM's own hit, the tokens each decode
+    computed, and whether the decodes answered what the single engine did."""
     med = {k: statistics.median(r["s"] for r in v) for k, v in cases.items()}
     return {
         "ttft_s": med,

@@ -41,7 +41,7 @@ from dataplane.memory.rope_kernel import KernelWarmup
 from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.engine_pool import EngineDrivenTransferModule
 from dataplane.modules.server_driven import ServerDrivenTransferModule
-from dataplane.storage.keys import blend_keys
+from dataplane.storage.keys import blend_keys, filing_scope
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import RequestError
 from dataplane.wire.messages import (
@@ -183,7 +183,8 @@ class BlendModule(InstanceLivenessTarget):
                 self._check_span(tables, p.position, len(keys))
                 r = e.reg
                 g = Geometry(TORCH_DTYPES[r.dtype], r.num_layers, cs, r.heads, r.head_dim)
-                yield _Opened(tables, g, keys, e.chunk_bytes, pool=e.strategy.slots, scope=e.scope)
+                filed = filing_scope(e.scope, p.key)
+                yield _Opened(tables, g, keys, e.chunk_bytes, pool=e.strategy.slots, scope=filed)
             return
         with self.transfer.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             kv = c.kv
@@ -195,7 +196,8 @@ class BlendModule(InstanceLivenessTarget):
                 raise RequestError(str(exc)) from None
             self._check_span(tables, p.position, len(keys))
             g = Geometry(kv.dtype, kv.num_layers, cs, kv.heads, kv.head_dim)
-            yield _Opened(tables, g, keys, kv.chunk_nbytes(cs), kv=kv, slots=slots, scope=c.scope)
+            filed = filing_scope(c.scope, p.key)
+            yield _Opened(tables, g, keys, kv.chunk_nbytes(cs), kv=kv, slots=slots, scope=filed)
 
     def _check_span(self, tables: RopeTables, position: int, chunks: int) -> None:
         try:

@@ -19,7 +19,7 @@ from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.blend import BlendModule
 from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
-from dataplane.storage.keys import blend_keys
+from dataplane.storage.keys import blend_keys, filing_scope
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import RequestError
@@ -74,7 +74,7 @@ class BlendDirectModule:
             try:
                 tenant = tenant_of(p.key)
                 handed, present, rejected, skipped = reserve_into(
-                    lease, self.l1, keys, c.chunk_bytes, tenant, rctx.conn_fd, c.scope
+                    lease, self.l1, keys, c.chunk_bytes, tenant, rctx.conn_fd, filing_scope(c.scope, p.key)
                 )
                 lid = c.leases.add(lease)
             except BaseException:
@@ -94,7 +94,7 @@ class BlendDirectModule:
             chunks: list[tuple[int, int]] = []
             try:
                 for i, key in enumerate(keys):  # each chunk on its own, not a prefix
-                    got = self.l1.acquire_prefix([key], tenant_of(p.key), c.scope)
+                    got = self.l1.acquire_prefix([key], tenant_of(p.key), filing_scope(c.scope, p.key))
                     if got:
                         lease.pinned.append(key)
                     chunks.append((i, self.l1.arena.offset_of(got[0]) if got else -1))

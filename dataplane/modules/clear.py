@@ -4,12 +4,15 @@ connector's reset): the KV it stored is stale, and a request after the reset mus
 
 A scope is named by its fields, as LOOKUP_SCOPE names it, and every rank's is cleared; the
 admin route (`POST /v1/cache/clear`, through `clear_model`) clears every scope a model's
-instances registered since start. Each clear is one WARNING line (who asked, the scope, what
-each tier removed) and counted in /metrics. The answer comes once every tier is cleared: it
+instances registered since start, or of them the chunks of one salt, one adapter, or both.
+Each clear is one WARNING line (who asked, the scope, what each tier removed) and counted in
+/metrics. The answer comes once every tier is cleared: it
 runs on a NORMAL worker, never on the loop, since it waits for the disk and Redis.
 
-Chunk keys start from their scope (`dataplane.storage.keys`), so a clear removes every chunk of
-the model's layout: under every salt and adapter namespace.
+The tiers file each chunk under its filing scope (`dataplane.storage.keys.filing_scope`): its
+scope's first bytes, then parts of its salt and adapter namespace. So a reset removes every
+chunk of the model's layout, under every salt and namespace, and an admin clear of a salt or an
+adapter those alone (`dataplane.storage.keys.ScopeMatch`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from dataplane.liveness.registry import LivenessRegistry
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.lookup import scopes_named
+from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.l1 import L1Store, ScopeCleared
+from dataplane.wire.context import salt_bytes
 from dataplane.wire.messages import ClearScope, MsgType
 from dataplane.wire.replies import Cleared
 
@@ -77,18 +82,40 @@ class ClearModule:
         return None
 
     def _clear_scope(self, rctx: RequestContext, p: ClearScope) -> Cleared:
-        got = self._clear(scopes_named(p), "engine", f"connection {rctx.conn_fd}", p.model_name)
+        whole = [ScopeMatch.whole(s) for s in scopes_named(p)]
+        got = self._clear(whole, "engine", f"connection {rctx.conn_fd}", p.model_name)
         return Cleared(got.l1, got.fs, got.remote, got.pinned, got.failed, got.complete)
 
-    def clear_model(self, model: str, who: str) -> ModelCleared:
+    def clear_model(
+        self, model: str, who: str, salt: str | None = None, adapter: str | None = None
+    ) -> ModelCleared:
         """Clear every scope of ``model``'s instances registered since start (the admin route:
-        ``who`` names the caller in the log)."""
+        ``who`` names the caller in the log), or, of them, the chunks of salt ``salt``, of the
+        LoRA adapter named ``adapter`` (its namespace as this server learnt it from the
+        engines' stores: LookupError when it never saw one), or both."""
+        namespace = None
+        if adapter is not None:
+            namespace = self.l1.names.namespace(adapter)
+            if namespace is None:
+                raise LookupError(
+                    f"adapter {adapter!r}: no chunk stored under it since this server started: its "
+                    "namespace is not known"
+                )
+        raw = None if salt is None else salt_bytes(salt)
         scopes: set[bytes] = set()
         for r in self.registries:
             scopes |= {s for _, _, s in r.scopes_of(model)}
-        return self._clear(sorted(scopes), "admin", who, model)
+        matches = [
+            ScopeMatch.whole(s)
+            if raw is None and namespace is None
+            else ScopeMatch.context(s, raw, namespace)
+            for s in sorted(scopes)
+        ]
+        # (the log names the salt's presence, never the salt)
+        what = repr(model) + (", one salt" if salt else "") + (f", adapter {adapter!r}" if adapter else "")
+        return self._clear(matches, "admin", who, what)
 
-    def _clear(self, scopes: Iterable[bytes], origin: str, who: str, model: str) -> ModelCleared:
+    def _clear(self, scopes: Iterable[ScopeMatch], origin: str, who: str, model: str) -> ModelCleared:
         done = [self.l1.clear_scope(s) for s in scopes]
         got = _sum(done)
         outcome = "complete" if got.complete else "incomplete"
@@ -96,7 +123,7 @@ class ClearModule:
         for tier, n in zip(TIERS, (got.l1, got.fs, got.remote), strict=True):
             self.metrics.cleared_chunks.labels(tier=tier).inc(n)
         logger.warning(
-            "clear: %s %s: model %r, %d scope(s): removed %d from L1, %d files, %d from the remote tier%s%s",
+            "clear: %s %s: model %s, %d scope(s): removed %d from L1, %d files, %d from the remote tier%s%s",
             origin,
             who,
             model,

@@ -36,7 +36,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.leases import Leases
 from dataplane.modules.transfer_common import TransferModule
-from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.storage.keys import chunk_keys, filing_scope, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import InvalidLayout, LimitExceeded, RequestError
@@ -259,7 +259,8 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             prev = keys[first - 1] if first else None
             describe(self.l1.events, keys[first:end], first, p.token_ids, self.chunk_size, p.blocks, prev)
             names = self.l1.names
-            names.learn(c.info.model_name, c.scope, p.blocks, p.key, keys[first:end], first, self.chunk_size)
+            filed = filing_scope(c.scope, p.key)  # (where the tiers file them)
+            names.learn(c.info.model_name, filed, p.blocks, p.key, keys[first:end], first, self.chunk_size)
             return self.write_chunks(
                 p.instance_id,
                 keys[p.first_chunk : p.first_chunk + p.n_chunks],
@@ -268,14 +269,14 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 prefix=keys[: p.first_chunk],
                 tenant=tenant_of(p.key),
                 conn_fd=rctx.conn_fd,
-                scope=c.scope,
+                scope=filed,
             )
 
     def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> PoolRetrieved:
         with self.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             s, keys = self._batch(c, p)
             wanted = keys[p.first_chunk : p.first_chunk + p.n_chunks]
-            bufs = self.l1.acquire_prefix(wanted, tenant_of(p.key), c.scope)
+            bufs = self.l1.acquire_prefix(wanted, tenant_of(p.key), filing_scope(c.scope, p.key))
             try:
                 for i, buf in enumerate(bufs):
                     self._copy(s.slots[i], buf)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext
-from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.storage.keys import chunk_keys, filing_scope, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import NotRegistered
@@ -88,7 +88,7 @@ class LookupModule:
         else:
             raise NotRegistered(f"instance {p.instance_id} is not registered")
         keys = chunk_keys(scope, p.token_ids, self.chunk_size, p.key)
-        held, reach = self._reach(keys, scope, tenant_of(p.key))
+        held, reach = self._reach(keys, filing_scope(scope, p.key), tenant_of(p.key))
         return Hits(*self._answer(len(p.token_ids), held, reach))
 
     def _lookup_scope(self, rctx: RequestContext, p: LookupScope) -> ScopeHits:
@@ -111,7 +111,7 @@ class LookupModule:
             if reach == 0:
                 break
             keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)
-            h, r, l1, d = self._window(keys, scope, tenant_of(p.key), p.window)
+            h, r, l1, d = self._window(keys, filing_scope(scope, p.key), tenant_of(p.key), p.window)
             held, reach, in_l1, to_disk = min(held, h), min(reach, r), min(in_l1, l1), min(to_disk, d)
         in_l1 = min(in_l1, held)
         return held, reach, in_l1, max(in_l1, min(to_disk, held))

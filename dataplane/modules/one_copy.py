@@ -19,7 +19,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Deferred, Handler, RequestContext
 from dataplane.modules.engine_pool import EngineContext, EngineDrivenTransferModule
 from dataplane.modules.leases import Lease, reserve_into
-from dataplane.storage.keys import chunk_keys
+from dataplane.storage.keys import chunk_keys, filing_scope
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.storage.tiered import TieredStore
@@ -101,14 +101,15 @@ class DirectTransferModule:
         describe(
             self.l1.events, wanted, p.first_chunk, p.token_ids, cs, p.blocks, before[-1] if before else None
         )
-        self.l1.names.learn(c.info.model_name, c.scope, p.blocks, p.key, wanted, p.first_chunk, cs)
+        filed = filing_scope(c.scope, p.key)  # (where the tiers file them)
+        self.l1.names.learn(c.info.model_name, filed, p.blocks, p.key, wanted, p.first_chunk, cs)
         c.leases.room(self.l1)
         lease = Lease()
         _, lease.pinned = self.l1.pin_present(before)  # the prefix stays while we write
         try:
             tenant = tenant_of(p.key)
             handed, present, rejected, skipped = reserve_into(
-                lease, self.l1, wanted, c.chunk_bytes, tenant, rctx.conn_fd, c.scope
+                lease, self.l1, wanted, c.chunk_bytes, tenant, rctx.conn_fd, filed
             )
             lid = c.leases.add(lease)
         except BaseException:
@@ -137,7 +138,7 @@ class DirectTransferModule:
         c = self.engine.registry.touch(p.instance_id, rctx.conn_fd, p.secret)
         _, wanted = self._wanted(c, p)
         c.leases.room(self.l1)
-        bufs = self._held(rctx, wanted, tenant_of(p.key), c.scope)
+        bufs = self._held(rctx, wanted, tenant_of(p.key), filing_scope(c.scope, p.key))
         lease = Lease(pinned=wanted[: len(bufs)])
         try:
             lid = c.leases.add(lease)

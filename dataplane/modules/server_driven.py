@@ -35,7 +35,7 @@ from dataplane.memory.shm import unlink_if_owner_gone
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.modules.base import Handler, RequestContext
 from dataplane.modules.transfer_common import TransferModule
-from dataplane.storage.keys import chunk_keys, scope_digest
+from dataplane.storage.keys import chunk_keys, filing_scope, scope_digest
 from dataplane.storage.l1 import L1Store
 from dataplane.storage.l1.tenants import tenant_of
 from dataplane.wire.errors import RequestError
@@ -192,7 +192,8 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             chunks = self._chunks(kv, p, len(keys))
             check_blocks(p.blocks, self.chunk_size, len(keys))
             describe(self.l1.events, keys, 0, p.token_ids, self.chunk_size, p.blocks, None)
-            self.l1.names.learn(c.info.model_name, c.scope, p.blocks, p.key, keys, 0, self.chunk_size)
+            filed = filing_scope(c.scope, p.key)  # (where the tiers file them)
+            self.l1.names.learn(c.info.model_name, filed, p.blocks, p.key, keys, 0, self.chunk_size)
 
             def fill(i: int, buf: torch.Tensor) -> None:
                 kv.gather(chunks[i], buf, self.splitter)
@@ -205,7 +206,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
                 fill,
                 tenant=tenant_of(p.key),
                 conn_fd=rctx.conn_fd,
-                scope=c.scope,
+                scope=filed,
             )
 
     @staticmethod
@@ -228,7 +229,12 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
             self._check_blocks(kv, p)
             into = self._into(kv, p, len(keys))
             bufs = self.l1.acquire_into(
-                keys, into, tenant_of(p.key), c.scope, rctx.after.append, kv.chunk_nbytes(self.chunk_size)
+                keys,
+                into,
+                tenant_of(p.key),
+                filing_scope(c.scope, p.key),
+                rctx.after.append,
+                kv.chunk_nbytes(self.chunk_size),
             )
             held = [k for k, b in zip(keys, bufs, strict=False) if b is not None]
             try:

@@ -173,10 +173,13 @@ class DataPlaneView(Protocol):
         """The admin reap (the cleanup UNREGISTER runs); names of the modules that held it."""
         ...
 
-    def clear_model(self, model: str, who: str) -> ModelCleared:
+    def clear_model(
+        self, model: str, who: str, salt: str | None = None, adapter: str | None = None
+    ) -> ModelCleared:
         """The admin clear: every chunk of ``model``'s scopes (those its instances registered
-        since start) leaves every tier (`dataplane.modules.clear`); blocking (the disk,
-        Redis): never on the loop thread. ``who`` names the caller in the log."""
+        since start), or of them those of ``salt``, of ``adapter`` (LookupError: not known) or
+        both, leaves every tier (`dataplane.modules.clear`); blocking (the disk, Redis): never
+        on the loop thread. ``who`` names the caller in the log."""
         ...
 
     def render_metrics(self) -> bytes:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataplane.liveness.registry import LivenessRegistry
-from dataplane.storage.keys import chunk_keys
+from dataplane.storage.keys import chunk_keys, filing_scope
 from dataplane.storage.tiered import TieredStore
 from dataplane.wire.context import KeyContext, salt_bytes
 
@@ -69,7 +69,10 @@ def lookup_tiers(
         groups.setdefault(world, []).append(scope)
     best = (0, 0, 0, 0)
     for members in groups.values():
-        counts = [_counts(l1, scope, chunk_keys(scope, token_ids, chunk_size, ctx)) for scope in members]
+        counts = [
+            _counts(l1, filing_scope(scope, ctx), chunk_keys(scope, token_ids, chunk_size, ctx))
+            for scope in members
+        ]
         cpu, disk, ext, total = (min(c[i] for c in counts) for i in range(4))
         best = max(best, (cpu, disk, ext, total), key=lambda c: (c[3], c))
     cpu, disk, external, total = (n * chunk_size for n in best)

@@ -169,9 +169,11 @@ class DataPlane:
     def force_reap(self, instance_id: int) -> list[str]:
         return self.management.force_reap(instance_id)
 
-    def clear_model(self, model: str, who: str) -> ModelCleared:
+    def clear_model(
+        self, model: str, who: str, salt: str | None = None, adapter: str | None = None
+    ) -> ModelCleared:
         assert self.clear is not None
-        return self.clear.clear_model(model, who)
+        return self.clear.clear_model(model, who, salt, adapter)
 
     def monitor_state(self) -> MonitorState:
         return self.monitor.summary_state()

@@ -16,11 +16,19 @@ A request's key context (`dataplane.wire.context.KeyContext`) changes the chain:
 namespace (a LoRA adapter) the start, ``key_0 = H(start, ...)``, and each of its spans the
 chunks it overlaps, ``key_i = H(key_{i-1}, tokens[iC:(i+1)C], spans over chunk i)``. Without one,
 or with an empty one, keys are as above, so what was shared stays shared.
+
+The tiers file a chunk under its *filing scope* (`filing_scope`: L1's entries, the file tier's
+directories, Redis's names): the scope itself for a chunk with no salt and no namespace, else
+the scope's first 8 bytes, then 4 bytes of the salt's digest and 4 of the namespace's. Every
+chunk of a model's layout and rank so starts with the same 8 bytes, and a `ScopeMatch` finds
+them all (a reset after a weight update), or those of one salt, one namespace, or both (the
+admin clear of a tenant or an adapter): keys themselves are hashes that name no context.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +37,8 @@ from dataplane.wire.context import KeyContext
 from dataplane.wire.kinds import KVFormat
 
 KEY_BYTES = 16
+FAMILY_BYTES = 8  # a filing scope's first bytes: its scope's (`filing_scope`)
+PART_BYTES = 4  # then the salt's part, then the namespace's
 
 
 def scope_digest(
@@ -128,3 +138,80 @@ def blend_keys(
             h.update(mark)
         out.append(h.digest())
     return out
+
+
+def _part(scope: bytes, person: bytes, value: bytes) -> bytes:
+    return hashlib.blake2b(value, digest_size=PART_BYTES, key=scope, person=person).digest()
+
+
+def salt_part(scope: bytes, salt: bytes) -> bytes:
+    return _part(scope, b"kvwarden-fsalt", salt)
+
+
+def namespace_part(scope: bytes, namespace: bytes) -> bytes:
+    return _part(scope, b"kvwarden-fns", namespace)
+
+
+def filing_scope(scope: bytes, ctx: KeyContext | None) -> bytes:
+    """Where the tiers file the chunks of ``scope`` keyed under ``ctx``: ``scope`` itself without
+    a salt or namespace; else its first `FAMILY_BYTES`, the salt's part and the namespace's
+    (each a digest keyed by the scope: a salt is never written out)."""
+    if ctx is None or not (ctx.salt or ctx.namespace):
+        return scope
+    return scope[:FAMILY_BYTES] + salt_part(scope, ctx.salt) + namespace_part(scope, ctx.namespace)
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeMatch:
+    """Which filing scopes a clear takes (`filing_scope`): those starting with ``head``, and,
+    when given, with this salt part and namespace part (a salted or namespaced chunk's)."""
+
+    head: bytes
+    salt: bytes | None = None
+    namespace: bytes | None = None
+
+    @classmethod
+    def whole(cls, scope: bytes) -> ScopeMatch:
+        """Every chunk of ``scope``, under every salt and namespace."""
+        return cls(scope[:FAMILY_BYTES])
+
+    @classmethod
+    def context(cls, scope: bytes, salt: bytes | None, namespace: bytes | None) -> ScopeMatch:
+        """The chunks of ``scope`` under salt ``salt`` (None: any) and namespace ``namespace``
+        (None: any); at least one of them given, and not both empty (that is no context)."""
+        if salt is None and namespace is None:
+            raise ValueError("a context needs a salt or a namespace")
+        if not salt and not namespace and salt is not None and namespace is not None:
+            return cls(scope)  # (chunks with neither are filed under the scope itself)
+        return cls(
+            scope[:FAMILY_BYTES],
+            None if salt is None else salt_part(scope, salt),
+            None if namespace is None else namespace_part(scope, namespace),
+        )
+
+    @property
+    def exact(self) -> bool:
+        return len(self.head) == KEY_BYTES
+
+    def matches(self, filed: bytes) -> bool:
+        if self.exact:
+            return filed == self.head
+        if len(filed) != KEY_BYTES or filed[:FAMILY_BYTES] != self.head:
+            return False
+        at = FAMILY_BYTES
+        if self.salt is not None and filed[at : at + PART_BYTES] != self.salt:
+            return False
+        at += PART_BYTES
+        return self.namespace is None or filed[at : at + PART_BYTES] == self.namespace
+
+    def hex_glob(self) -> str:
+        """The hex of the filing scopes it matches, as a glob (``?``: any hex digit)."""
+        if self.exact or (self.salt is None and self.namespace is None):
+            return self.head.hex() + ("" if self.exact else "?" * 2 * (KEY_BYTES - FAMILY_BYTES))
+        any_part = "?" * 2 * PART_BYTES
+        salt = any_part if self.salt is None else self.salt.hex()
+        namespace = any_part if self.namespace is None else self.namespace.hex()
+        return self.head.hex() + salt + namespace
+
+    def __str__(self) -> str:
+        return self.hex_glob()

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dataplane.storage.fs import FileTier
+from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.l1 import L1Store, ScopeCleared
 from dataplane.storage.l1.arena import Arena
 from dataplane.storage.l1.store import CLEAR_WAIT_S
@@ -445,8 +446,8 @@ class TieredStore(L1Store):
         return written
 
     # ---------------------------------------------------------------- clears
-    def clear_scope(self, scope: bytes, wait_s: float = CLEAR_WAIT_S) -> ScopeCleared:
-        """Remove every chunk of ``scope`` from every tier: L1 stops taking the scope's chunks
+    def clear_scope(self, scope: ScopeMatch, wait_s: float = CLEAR_WAIT_S) -> ScopeCleared:
+        """Remove every chunk ``scope`` matches from every tier: L1 stops taking those chunks
         (`begin_clear`), the file and remote tiers drop its queued writes, wait for the one
         under way and remove what they hold, then L1 drops its own (waiting at most ``wait_s``
         for readers), and no chunk read from a lower tier before it was cleared enters L1

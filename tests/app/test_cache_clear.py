@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from dataplane.client.keys import key_context
 from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.server.runtime import DataPlane
 from dataplane.storage.fs.layout import chunk_path
 from dataplane.storage.keys import chunk_keys
+from dataplane.wire.blocks import EngineBlocks
 from dataplane.wire.kinds import KVFormat
 from tests.app.conftest import AUTH, CHUNK, LAYOUT, AppFactory, DataPlaneFactory, Worker, WorkerFactory
 from tests.app.test_fake_dataplane import metric_value
@@ -64,8 +66,9 @@ def stored_everywhere(dp: DataPlane, workers: list[Worker]) -> None:
     assert dp.remote is not None and dp.remote.flush(10)
 
 
-def tiers(client: httpx.Client, model: str) -> dict[str, int]:
-    r = client.post("/v1/lookup", json={"requests": [{"model": model, "token_ids": TOKENS.tolist()}]})
+def tiers(client: httpx.Client, model: str, **context: str) -> dict[str, int]:
+    item = {"model": model, "token_ids": TOKENS.tolist(), **context}
+    r = client.post("/v1/lookup", json={"requests": [item]})
     assert r.status_code == 200, r.text
     got = r.json()["results"][0]
     return {k: got[k] for k in ("cpu_tokens", "disk_tokens", "external_tokens")}
@@ -122,13 +125,70 @@ def test_the_admin_clear_refuses_what_it_cannot_do(tiered: DataPlane, serve_app:
     assert client.post("/v1/cache/clear", json={"model": "m"}).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
     assert client.post("/v1/cache/clear", json={"model": "m"}, headers=wrong).status_code == 401
-    r = client.post("/v1/cache/clear", json={"model": "m", "salt": "tenant-a"}, headers=AUTH)
-    assert r.status_code == 422 and "namespace or salt is not supported" in r.text
+    r = client.post("/v1/cache/clear", json={"model": "m", "namespace": "ab"}, headers=AUTH)
+    assert r.status_code == 422 and "namespace: name the LoRA adapter instead ('adapter'" in r.text
+    assert client.post("/v1/cache/clear", json={"model": "m", "salt": ""}, headers=AUTH).status_code == 422
     r = client.post("/v1/cache/clear", json={"model": "m", "extra": 1}, headers=AUTH)
     assert r.status_code == 422 and "extra" in r.text
     assert client.post("/v1/cache/clear", json={"model": ""}, headers=AUTH).status_code == 422
     r = client.post("/v1/cache/clear", json={"model": "never-registered"}, headers=AUTH)
     assert r.status_code == 404 and "registered since this server started" in r.json()["detail"]
+
+
+def test_the_admin_clear_of_a_salt_or_an_adapter_removes_theirs_alone_from_every_tier(
+    tiered: DataPlane,
+    tiered_worker: WorkerFactory,
+    serve_app: AppFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    w = tiered_worker("m")
+    hashes = tuple(range(900, 900 + len(TOKENS) // LAYOUT[2]))  # the engine's names of the blocks
+    contexts = {  # (the request's salt, adapter) -> its key context and the engine's names
+        (None, None): (None, None),
+        ("tenant-a", None): (key_context("tenant-a"), None),
+        ("tenant-b", None): (key_context("tenant-b"), None),
+        ("tenant-b", "lora-x"): (
+            key_context("tenant-b", b"ns-of-lora-x"),
+            EngineBlocks(LAYOUT[2], hashes, "lora-x"),
+        ),
+    }
+    for key, names in contexts.values():
+        assert w.adapter.store(TOKENS, BLOCKS, key, names)
+    assert tiered.fs is not None and tiered.fs.flush(10)
+    assert tiered.remote is not None and tiered.remote.flush(10)
+    client = serve_app(tiered)
+
+    def held(salt: str | None, adapter: str | None) -> dict[str, int]:
+        return tiers(client, "m", **{k: v for k, v in (("salt", salt), ("adapter", adapter)) if v})
+
+    assert all(held(*c) == ALL for c in contexts)
+
+    def clear(**body: str) -> dict[str, object]:
+        r = client.post("/v1/cache/clear", json={"model": "m", **body}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    with caplog.at_level(logging.WARNING):
+        got = clear(salt="tenant-a")
+    assert (got["l1"], got["fs"], got["remote"], got["complete"]) == (4, 4, 4, True)
+    assert held("tenant-a", None) == NONE
+    assert held(None, None) == held("tenant-b", None) == held("tenant-b", "lora-x") == ALL
+    got = clear(adapter="lora-x")  # under any salt
+    assert (got["l1"], got["fs"], got["remote"]) == (4, 4, 4)
+    assert held("tenant-b", "lora-x") == NONE and held(None, None) == held("tenant-b", None) == ALL
+    got = clear(salt="tenant-b", adapter="lora-x")  # nothing of that context is left
+    assert got["removed"] == 0 and got["complete"] is True
+    got = clear()  # the model: the unsalted chunks and tenant-b's
+    assert (got["l1"], got["fs"], got["remote"]) == (8, 8, 8)
+    assert all(held(*c) == NONE for c in contexts)
+    r = client.post("/v1/cache/clear", json={"model": "m", "adapter": "never-used"}, headers=AUTH)
+    assert r.status_code == 404 and "its namespace is not known" in r.json()["detail"]
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any("audit: admin clear_cache" in m and "one salt: removed 12" in m for m in lines)
+    assert not any("tenant-a" in m for m in lines)  # a salt is never written out
+    # a tenant's chunks stored again after its clear hit again, in every tier
+    assert w.adapter.store(TOKENS, BLOCKS, key_context("tenant-a"))
+    assert w.adapter.lookup(TOKENS, key_context("tenant-a")) == 64
 
 
 def test_an_engines_clear_scope_empties_every_tier_of_its_scope(

@@ -201,7 +201,9 @@ class FakeDataPlane:
         e = self.entries.pop(instance_id, None)
         return [] if e is None else [e.transfer_mode]
 
-    def clear_model(self, model: str, who: str) -> ModelCleared:
+    def clear_model(
+        self, model: str, who: str, salt: str | None = None, adapter: str | None = None
+    ) -> ModelCleared:
         return ModelCleared(0, 0, 0, 0, 0, ())
 
     def render_metrics(self) -> bytes:

@@ -17,18 +17,22 @@ admin_router = APIRouter(prefix="/v1/cache", tags=["cache"], route_class=Audited
     "/clear",
     response_model=CacheCleared,
     name="clear_cache",
-    summary="Remove a model's chunks from every tier (admin)",
+    summary="Remove a model's chunks from every tier, or a tenant's or an adapter's (admin)",
     description="What an engine's reset of its cache does (vLLM's reset_prefix_cache with "
     "reset_external), for an operator: every chunk of the model's scopes (each layout and rank "
-    "its instances registered since the server started), under every salt and namespace, "
-    "leaves L1, the file tier and the remote tier, chunks being written included; KV events "
-    "announce the removals. Answered once done: 200 when nothing is left, 503 when a tier "
-    "could not be cleared (down, an error) or a chunk stayed held by a reader, with what was "
-    "removed.",
+    "its instances registered since the server started), under every salt and adapter, "
+    "leaves L1, the file tier and the remote tier, chunks being written included; with `salt`, "
+    "`adapter` or both, only the chunks stored under them. KV events announce the removals. "
+    "Answered once done: 200 when nothing of it is left, 503 when a tier could not be cleared "
+    "(down, an error) or a chunk stayed held by a reader, with what was removed.",
     responses={
         401: {"model": Detail, "description": "missing or wrong bearer token"},
         403: {"model": Detail, "description": "no admin token is configured"},
-        404: {"model": Detail, "description": "no instance of the model registered since start"},
+        404: {
+            "model": Detail,
+            "description": "no instance of the model registered since start, or no chunk of the "
+            "adapter stored since start (its namespace is not known)",
+        },
         503: {"model": CacheCleared, "description": "a tier could not be cleared, or a chunk stayed pinned"},
     },
 )
@@ -38,7 +42,13 @@ def clear_cache(
     client = request.client
     who = f"admin from {client.host}:{client.port}" if client is not None else "admin"
     # blocking (the disk, Redis): this sync route runs on the threadpool, never the loop
-    got = dp.clear_model(body.model, who)
+    what = f"model {body.model!r}" + (", one salt" if body.salt else "")  # (never the salt itself)
+    what += f", adapter {body.adapter!r}" if body.adapter else ""
+    try:
+        got = dp.clear_model(body.model, who, body.salt, body.adapter)
+    except LookupError as exc:
+        request.state.audit_result = f"{what}: adapter not known"
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
     if not got.scopes:
         request.state.audit_result = f"model {body.model!r}: not registered since start"
         raise HTTPException(
@@ -57,7 +67,7 @@ def clear_cache(
         failed=list(got.failed),
         complete=got.complete,
     )
-    request.state.audit_result = f"model {body.model!r}: removed {got.removed}" + (
+    request.state.audit_result = f"{what}: removed {got.removed}" + (
         "" if got.complete else f", incomplete (failed: {','.join(got.failed) or '-'}, pinned {got.pinned})"
     )
     if not got.complete:

@@ -61,6 +61,7 @@ from dataplane.client.vllm.metadata import KVWardenConnectorMetadata, KVWardenWo
 from dataplane.client.vllm.request_keys import request_key
 from dataplane.client.vllm.settings import connector_settings
 from dataplane.client.vllm.state import Plan, Planner, Uncached, prompt_of
+from dataplane.client.vllm.tail import tail_refusal
 from dataplane.client.vllm.tally import Tally
 from dataplane.client.vllm.vllm_stats import KVWardenPromMetrics, KVWardenStats, by_source
 from dataplane.client.vllm.wait import OwnSaves, Waits
@@ -123,17 +124,14 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
                 "loads its hits off the step (vLLM takes its failed loads only from those); use "
                 "true or auto"
             )
-        if self._cfg["kvwarden.store_tail"] and scopes and not self._moves_tails():
-            raise ValueError(
-                "kvwarden.store_tail: a tail chunk moves only in whole blocks of vLLM's CPU backend, "
-                "engine-driven, for a model of one KV cache group without sliding windows; this "
-                "engine's would never be loaded"
-            )
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+        # why this engine cannot move a prompt's tail chunk (`tail.py`), if it cannot
+        self._no_tails = tail_refusal(scopes[0].kv_format, self._windowed, self._cfg) if scopes else None
+        if self._cfg["kvwarden.store_tail"] and self._no_tails:
+            raise ValueError(f"kvwarden.store_tail: {self._no_tails}: its tails would never be loaded")
+        if (policy := self._kv_transfer_config.kv_load_failure_policy) != "recompute":
+            msg = "kvwarden: kv_load_failure_policy is %r: a load cut short (the server killed while it"
             logger.warning(
-                "kvwarden: kv_load_failure_policy is %r: a load cut short (the server killed while "
-                "it copies) fails its request; set it to 'recompute' to recompute instead",
-                self._kv_transfer_config.kv_load_failure_policy,
+                msg + " copies) fails its request; set it to 'recompute' to recompute instead", policy
             )
         self._lookup: ScopeLookup | None = None
         self._planner: Planner | None = None
@@ -167,8 +165,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._planner = Planner(lookup.find, self._block_size, waits, own)
         self._planner.windows = self._windows
         self._planner.stores, self._planner.loads = self._stores, self._loads
-        self._planner.store_tail = cfg["kvwarden.store_tail"]
-        self._planner.load_tail = self._loads and self._moves_tails()
+        self._planner.store_tail, self._planner.load_tail = cfg["kvwarden.store_tail"], not self._no_tails
         self._planner.tally = self._tally
         if self._scope.kv_format is KVFormat.LATENT:
             # a prompt whose one token is left after a hit goes through vLLM's MLA decode
@@ -179,16 +176,6 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         if cfg["kvwarden.kv_events_endpoint"] is not None:
             self._relay = EventRelay(cfg["kvwarden.kv_events_endpoint"], cfg["kvwarden.kv_events_topic"])
             self._relay.start()
-
-    def _moves_tails(self) -> bool:
-        """Whether this engine's transfers can move a prompt's tail chunk
-        (`dataplane.client.vllm.tail`): whole blocks, written by the worker itself, which can
-        leave the blocks past the prompt alone; one group, no window."""
-        return (
-            not self._windowed
-            and self._scope.kv_format is not KVFormat.TOKEN_MAJOR
-            and self._cfg["kvwarden.transfer_mode"] != "server_driven"
-        )
 
     @property
     def _scope(self) -> Scope:
@@ -476,22 +463,18 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         return by_source(split)
 
     def reset_cache(self) -> bool | None:
-        """vLLM's reset of the external cache (``reset_prefix_cache(reset_connector=True)``,
-        ``POST /reset_prefix_cache?reset_external=true``; after a weight update): every chunk
-        of this engine's scopes leaves every tier of the server (CLEAR_SCOPE), and no save
-        still on its way is copied from or waited for. True only when the server removed all
-        of it and no save of this engine is still under way (its chunks could land after the
-        clear: vLLM's own reset fails then too, while their blocks are held, and is retried)."""
+        """vLLM's reset of the external cache (``reset_prefix_cache(reset_connector=True)``, after
+        a weight update): every chunk of this engine's scopes leaves every tier (CLEAR_SCOPE),
+        and no save on its way is copied from or waited for. True only when the server removed
+        all of it and no save is under way (its chunks could land after: vLLM's own reset fails
+        then too, while their blocks are held, and is retried)."""
         if self._lookup is None or self._own is None:
             return True  # declined: this engine's KV was never cached
         cleared = self._lookup.clear()
         self._own.forget()
         if self._held:
-            logger.warning(
-                "kvwarden: cache reset with %d request(s) still saving: their chunks may land after "
-                "it; reset again once they are done",
-                len(self._held),
-            )
+            msg = "kvwarden: cache reset with %d request(s) still saving: their chunks may land after it"
+            logger.warning(msg + "; reset again once they are done", len(self._held))
         return cleared and not self._held
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

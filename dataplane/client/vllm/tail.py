@@ -19,7 +19,11 @@ position past its sequence, and overwrites them as it decodes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+from dataplane.wire.kinds import KVFormat
 
 TAIL_MARK = -1  # fills a tail chunk past its tokens: never a prompt's token
 
@@ -53,3 +57,18 @@ def tail_blocks(blocks: np.ndarray, end: int, chunk_size: int, block_size: int, 
     more = -(-end // chunk_size) * chunk_size // block_size - len(held)
     fill = held[-1] if store else -1
     return np.concatenate([held, np.full(more, fill, dtype=np.int64)])
+
+
+def tail_refusal(kv_format: KVFormat, windowed: bool, settings: dict[str, Any]) -> str | None:
+    """Why an engine's transfers cannot move a tail chunk (None: they can). It moves as whole
+    blocks written by the worker itself, which leaves the blocks past the prompt alone: a
+    block-major format (vLLM's CPU backend), engine-driven, one KV cache group, no window."""
+    if kv_format is KVFormat.TOKEN_MAJOR:
+        return (
+            "a tail chunk moves in whole blocks of vLLM's CPU backend alone (this engine's KV is token-major)"
+        )
+    if settings["kvwarden.transfer_mode"] == "server_driven":
+        return "a tail chunk is moved by engine-driven transfers alone (transfer_mode is server_driven)"
+    if windowed:
+        return "a model with sliding windows or several KV cache groups moves no tail chunk"
+    return None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import fnmatch
 import logging
 import os
 import threading
@@ -46,9 +47,10 @@ from dataplane.storage.fs import chunk_file, resident
 from dataplane.storage.fs.chunk_file import failure_kind
 from dataplane.storage.fs.disk import DiskPool, DiskTimeout
 from dataplane.storage.fs.index import FileIndex
-from dataplane.storage.fs.layout import KEY_HEX, SUFFIX, ScanCounts, chunk_path, scan, scope_dir
+from dataplane.storage.fs.layout import FORMAT_DIR, KEY_HEX, SUFFIX, ScanCounts, chunk_path, scan, scope_dir
 from dataplane.storage.fs.reads import FileReads
 from dataplane.storage.fs.stats import FsCounters, FsStats
+from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.lower import OK, OTHER_ERROR, TIMEOUT, SpaceState, WriteSpace
 
 logger = logging.getLogger(__name__)
@@ -267,35 +269,52 @@ class FileTier(FileReads):
             logger.info("fs tier: %d chunk files, %d bytes, under %s (%d stale temporary files swept)", *what)
 
     # ----------------------------------------------------------------- clear
-    def clear_scope(self, scope: bytes) -> int | None:
-        """Remove every chunk file of ``scope`` under this tier's directory, and make sure none
-        of this server's writes of it lands afterwards: those queued are dropped (``done``
-        called, counted ``cleared``), the one in progress is waited for. The files removed (one
-        already gone, another server's doing, is not counted; temporary files, other servers'
-        writes in progress, stay); None (one warning) when the tier is bypassed or a disk call
-        fails. Runs on the caller's thread, as long as the disk takes: never the loop's."""
-        if not scope:
+    def clear_scope(self, scope: ScopeMatch) -> int | None:
+        """Remove every chunk file whose filing scope ``scope`` matches under this tier's
+        directory, and make sure none of this server's writes of them lands afterwards: those
+        queued are dropped (``done`` called, counted ``cleared``), the one in progress is waited
+        for. The files removed (one already gone, another server's doing, is not counted;
+        temporary files, other servers' writes in progress, stay); None (one warning) when the
+        tier is bypassed or a disk call fails. Runs on the caller's thread, as long as the disk
+        takes: never the loop's."""
+        if not scope.head:
             raise ValueError("clear_scope: an empty scope")
         if self.bypassed:
-            logger.warning("fs tier: scope %s not cleared: the tier is bypassed", scope.hex())
+            logger.warning("fs tier: scope %s not cleared: the tier is bypassed", scope)
             return None
         with self._lock:
-            kept = collections.deque(w for w in self._queue if w.scope != scope)
-            dropped = [w for w in self._queue if w.scope == scope]
+            kept = collections.deque(w for w in self._queue if not scope.matches(w.scope))
+            dropped = [w for w in self._queue if scope.matches(w.scope)]
             self._queue = kept
             self._queued_bytes -= sum(w.payload.nbytes for w in dropped)
         for w in dropped:
             self._dropped("cleared")
             _done(w)
+        removed = 0
         with self._write_gate:  # (waits for the write in progress, or the scan)
             try:
-                removed = self._remove_scope_files(scope)
+                for filed in self._filed_scopes(scope):
+                    removed += self._remove_scope_files(filed)
+                    self.index.forget_scope(filed)  # (known here, but gone from the disk already)
             except OSError as exc:
-                where = exc.filename or scope_dir(self.root, scope)
-                logger.warning("fs tier: scope %s not cleared: %s on %s", scope.hex(), _errname(exc), where)
+                where = exc.filename or os.path.join(self.root, FORMAT_DIR)
+                logger.warning("fs tier: scope %s not cleared: %s on %s", scope, _errname(exc), where)
                 return None
-            self.index.forget_scope(scope)  # (known here, but gone from the disk already)
         return removed
+
+    def _filed_scopes(self, scope: ScopeMatch) -> list[bytes]:
+        """The filing scopes on disk that ``scope`` matches (their directories' names)."""
+        if scope.exact:
+            return [scope.head]
+        pattern = scope.hex_glob()
+        found = []
+        for name in _subdirs(os.path.join(self.root, FORMAT_DIR)):
+            if len(name) == len(pattern) and fnmatch.fnmatchcase(name, pattern):
+                try:
+                    found.append(bytes.fromhex(name))
+                except ValueError:
+                    continue  # (not a scope's directory)
+        return found
 
     def _remove_scope_files(self, scope: bytes) -> int:
         """Remove ``scope``'s chunk files (the gate held), each forgotten and told removed: how

@@ -28,7 +28,9 @@ from dataplane.events.describe import NameBook
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_CPU
 from dataplane.storage.evict import POLICIES, LFUDAOrder, LRUOrder
+from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.l1.arena import Arena, Extents
+from dataplane.storage.l1.clears import ClearBook
 from dataplane.storage.l1.inflight import InFlight
 from dataplane.storage.l1.stats import L1Stats, ScopeCleared
 from dataplane.storage.l1.tenants import NO_TENANT, TenantBook
@@ -93,10 +95,8 @@ class L1Store:
         # clears (`clear_scope`): a chunk whose bytes were produced before its scope's clear
         # began, or that commits while one runs, is refused (`commit`); _cleared notifies the
         # waits for the readers of a scope being cleared
-        self._epoch = 0  # clears begun so far
         self._reserved_at: dict[int, int] = {}  # offset of a reserved buffer -> the epoch then
-        self._clear_began: dict[bytes, int] = {}  # scope -> the epoch its last clear began at
-        self._clearing: dict[bytes, int] = {}  # scope -> clears of it running now
+        self._clears = ClearBook()
         self._cleared = threading.Condition(self._lock)
         self.arena.yield_to = self._copying_with_room
         self.arena.needed = self._growth_needed
@@ -189,7 +189,7 @@ class L1Store:
                     e.readers -= 1
                     if e.readers == 0:
                         self._pinned -= e.buf.numel()
-                        if self._clearing:
+                        if self._clears.running:
                             self._cleared.notify_all()
 
     def pin_present(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
@@ -231,7 +231,7 @@ class L1Store:
                     self._used += nbytes
                     self._writing += 1
                     self._reserved_for[off] = tenant
-                    self._reserved_at[off] = self._epoch
+                    self._reserved_at[off] = self._clears.epoch
                     self._tenants.add_bytes(tenant, nbytes)
             if off is not None:
                 self.arena.nudge()  # it may need to grow (outside the lock: the arena has its own)
@@ -261,8 +261,8 @@ class L1Store:
             self._writing -= 1
             off = self.arena.offset_of(buf)
             tenant = self._reserved_for.pop(off, NO_TENANT)
-            at = self._reserved_at.pop(off, self._epoch)
-            if scope in self._clearing or self._clear_began.get(scope, 0) > (at if since is None else since):
+            at = self._reserved_at.pop(off, self._clears.epoch)
+            if self._clears.stale(scope, at if since is None else since):
                 self._give_back(buf)  # stale: KV of before the clear
                 self._tenants.add_bytes(tenant, -buf.numel())
                 return False
@@ -321,20 +321,19 @@ class L1Store:
         """Clears begun so far: a lower tier's read notes it before it starts, and its commit
         passes it (``since``), so bytes read from before a clear never enter L1 after it."""
         with self._lock:
-            return self._epoch
+            return self._clears.epoch
 
-    def begin_clear(self, scope: bytes) -> None:
-        """A clear of ``scope`` starts: from now until `end_clear`, no chunk of it commits, and
-        none whose bytes were produced before now ever will. (`TieredStore` clears its lower
-        tiers in between, so nothing read from them before they were cleared enters L1.)"""
-        if not scope:
+    def begin_clear(self, scope: ScopeMatch) -> None:
+        """A clear of the chunks ``scope`` matches (their filing scopes: `dataplane.storage.keys`)
+        starts: from now until `end_clear`, none of them commits, and none whose bytes were
+        produced before now ever will. (`TieredStore` clears its lower tiers in between, so
+        nothing read from them before they were cleared enters L1.)"""
+        if not scope.head:
             raise ValueError("a clear names a scope")
         with self._lock:
-            self._epoch += 1
-            self._clear_began[scope] = self._epoch
-            self._clearing[scope] = self._clearing.get(scope, 0) + 1
+            self._clears.begin(scope)
 
-    def end_clear(self, scope: bytes, wait_s: float) -> tuple[int, int]:
+    def end_clear(self, scope: ScopeMatch, wait_s: float) -> tuple[int, int]:
         """Drop every chunk of ``scope`` (KV events announce each), waiting at most ``wait_s``
         for the readers of those that are pinned (a copy out under way, a write-behind); ends
         what `begin_clear` began. (chunks dropped, chunks still pinned at the deadline: those
@@ -344,7 +343,7 @@ class L1Store:
         with self._lock:
             try:
                 # found once (none of the scope commits meanwhile): a wake-up rechecks the pinned
-                held = [(k, e) for k, e in self._entries.items() if e.scope == scope]
+                held = [(k, e) for k, e in self._entries.items() if scope.matches(e.scope)]
                 while True:
                     live = [(k, e) for k, e in held if self._entries.get(k) is e]  # (not evicted)
                     held = [(k, e) for k, e in live if e.readers]
@@ -358,15 +357,11 @@ class L1Store:
                         return dropped, len(held)
                     self._cleared.wait(deadline - now)  # (a release notifies)
             finally:
-                n = self._clearing.get(scope, 0) - 1
-                if n > 0:
-                    self._clearing[scope] = n
-                else:
-                    self._clearing.pop(scope, None)
+                self._clears.end(scope)
 
-    def clear_scope(self, scope: bytes, wait_s: float = CLEAR_WAIT_S) -> ScopeCleared:
-        """Remove every chunk of ``scope`` (`begin_clear`, then `end_clear`): what a reset of
-        the model's cache asks (weights changed: its KV is stale)."""
+    def clear_scope(self, scope: ScopeMatch, wait_s: float = CLEAR_WAIT_S) -> ScopeCleared:
+        """Remove every chunk ``scope`` matches (`begin_clear`, then `end_clear`): what a reset
+        of the model's cache asks (weights changed: its KV is stale)."""
         self.begin_clear(scope)
         dropped, left = self.end_clear(scope, wait_s)
         return ScopeCleared(dropped, pinned=left)

@@ -48,6 +48,7 @@ import redis
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_EXTERNAL
 from dataplane.storage.codec import RemoteValueError, check_layout, decode, encode_header
+from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.lower import DURATION_BUCKETS, OK, SpaceState, WriteSpace
 from dataplane.storage.remote.clear import unlink_scope
 from dataplane.storage.remote.direct import NO_ROOM, DirectGets
@@ -408,21 +409,22 @@ class RemoteBackend:
         self.events.stored(w.key, MEDIUM_EXTERNAL)
 
     # ----------------------------------------------------------------- clear
-    def clear_scope(self, scope: bytes) -> int | None:
-        """Remove every chunk of ``scope`` this Redis holds: how many UNLINK removed (each one
+    def clear_scope(self, scope: ScopeMatch) -> int | None:
+        """Remove every chunk this Redis holds whose filing scope ``scope`` matches
+        (`dataplane.storage.keys`): how many UNLINK removed (each one
         reported to ``events``). None when that is not known to be all of them: a Redis failure
         (one warning naming its kind), or the tier bypassed (known down).
 
         First this server's queued writes of ``scope`` are dropped (counted ``cleared``) and the
         write on the wire is waited for, so none put before the call lands after it (a put of
         ``scope`` made while it runs may land or not)."""
-        if not scope:
+        if not scope.head:
             raise ValueError("clear_scope needs a scope (the unscoped chunks are no scope's)")
         self._purge(scope)
         with self._write_gate:  # the write on the wire (it may be of this scope) has ended
             pass
         if self.bypassed:
-            logger.warning("remote tier %s: scope %s not cleared: bypassed", self.url, scope.hex())
+            logger.warning("remote tier %s: scope %s not cleared: bypassed", self.url, scope)
             return None
         removed = 0
         try:
@@ -434,15 +436,15 @@ class RemoteBackend:
                     self.events.removed(key, MEDIUM_EXTERNAL)
         except redis.RedisError as exc:
             why = failure_kind(exc)
-            logger.warning("remote tier %s: clearing scope %s failed (%s)", self.url, scope.hex(), why)
+            logger.warning("remote tier %s: clearing scope %s failed (%s)", self.url, scope, why)
             return None
         return removed
 
-    def _purge(self, scope: bytes) -> None:
-        """Drop the queued writes of ``scope`` (the others stay queued, in order)."""
+    def _purge(self, scope: ScopeMatch) -> None:
+        """Drop the queued writes ``scope`` matches (the others stay queued, in order)."""
         with self._lock:
-            gone = [w for w in self._queue if w.scope == scope]
-            self._queue = collections.deque(w for w in self._queue if w.scope != scope)
+            gone = [w for w in self._queue if scope.matches(w.scope)]
+            self._queue = collections.deque(w for w in self._queue if not scope.matches(w.scope))
             self._queued_bytes -= sum(w.payload.nbytes for w in gone)
         for w in gone:
             self._count_drop("cleared")

@@ -72,11 +72,13 @@ def maps_count(name: str) -> int:
 
 def footprint() -> tuple[Counter[str], frozenset[str]]:
     """Every kvwarden segment mapped in this process (with how often), and every segment file
-    this process created (the worker's caches and the server's pools)."""
+    this process created (the worker's caches and the server's pools). A segment still being
+    created (``.kvwarden-creating-...``) names no process: another test's, on another worker,
+    may be there at any moment, so those are left out."""
     with open("/proc/self/maps") as f:
         mapped = Counter(_SEGMENT.findall(f.read()))
     mine = f"{shm.PREFIX}{os.getpid()}-"
-    files = frozenset(p.name for p in shm.SHM_DIR.iterdir() if p.name.startswith((mine, ".kvwarden-")))
+    files = frozenset(p.name for p in shm.SHM_DIR.iterdir() if p.name.startswith(mine))
     return mapped, files
 
 

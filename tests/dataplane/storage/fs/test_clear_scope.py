@@ -20,6 +20,7 @@ from dataplane.events.vllm_format import MEDIUM_DISK
 from dataplane.storage.fs import FileTier, chunk_file, layout
 from dataplane.storage.fs import tier as tier_module
 from dataplane.storage.fs.layout import FORMAT_DIR, ScannedFile, chunk_path, scope_dir
+from dataplane.storage.keys import ScopeMatch
 from tests.helpers import wait_until
 
 A = bytes(range(16))
@@ -80,7 +81,7 @@ def tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: WatchedLock) -> 
 def clearing(t: FileTier, scope: bytes, gate: WatchedLock) -> tuple[threading.Thread, list[int | None]]:
     """``clear_scope(scope)`` on a thread of its own, once it waits for the gate."""
     out: list[int | None] = []
-    th = threading.Thread(target=lambda: out.append(t.clear_scope(scope)), name="clearing")
+    th = threading.Thread(target=lambda: out.append(t.clear_scope(ScopeMatch(scope))), name="clearing")
     th.start()
     wait_until(lambda: "clearing" in gate.entered, 10, what="the clear waiting for the gate")
     return th, out
@@ -102,7 +103,7 @@ def test_a_scope_cleared_loses_its_files_only_and_the_index_drops_exactly_their_
     assert n == 8 and len(files(tmp_path, A)) == 5 and len(files(tmp_path, B)) == 3
     tier.events.take(100)  # (the writes' reports)
 
-    assert tier.clear_scope(A) == 5
+    assert tier.clear_scope(ScopeMatch(A)) == 5
     assert files(tmp_path, A) == [] and len(files(tmp_path, B)) == 3
     assert tier.index.sizes() == (n - 5, used - a_bytes)
     assert tier.held(A, [key(i) for i in range(5)]) == 0 and read(tier, A, 0) is None
@@ -110,7 +111,7 @@ def test_a_scope_cleared_loses_its_files_only_and_the_index_drops_exactly_their_
     assert all(read(tier, B, i) == payload(i) for i in range(100, 103))
     reports = tier.events.take(100)
     assert sorted(reports) == sorted(("removed", key(i), MEDIUM_DISK) for i in range(5))
-    assert tier.clear_scope(A) == 0 and tier.events.take(100) == []  # nothing left to remove
+    assert tier.clear_scope(ScopeMatch(A)) == 0 and tier.events.take(100) == []  # nothing left to remove
 
 
 def test_queued_writes_of_the_scope_never_land_and_the_others_do(tier: FileTier, tmp_path: Path) -> None:
@@ -128,7 +129,7 @@ def test_queued_writes_of_the_scope_never_land_and_the_others_do(tier: FileTier,
         assert tier.put(scope, key(i), memoryview(payload(i)), functools.partial(done.append, i))
     assert tier.stats().queue_depth == 5
 
-    assert tier.clear_scope(A) == 2
+    assert tier.clear_scope(ScopeMatch(A)) == 2
     assert done == [2, 3, 4]  # dropped, their done called
     s = tier.stats()
     assert (s.queue_depth, s.queue_bytes, s.drops["cleared"]) == (2, 2 * CHUNK, 3)
@@ -209,7 +210,7 @@ def test_what_the_walk_leaves_temporary_files_and_index_entries_of_files_gone(
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_bytes(b"x")
     tier.events.take(100)
-    assert tier.clear_scope(A) == 2  # the file already gone is not counted
+    assert tier.clear_scope(ScopeMatch(A)) == 2  # the file already gone is not counted
     assert tmp.exists() and files(tmp_path, A) == []
     assert tier.index.sizes() == (0, 0)  # forgotten too
     assert len(tier.events.take(100)) == 2
@@ -219,12 +220,12 @@ def test_no_directory_is_zero_a_bypassed_tier_none_an_empty_scope_an_error(
     tier: FileTier, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert not os.path.exists(scope_dir(str(tmp_path), A))
-    assert tier.clear_scope(A) == 0
+    assert tier.clear_scope(ScopeMatch(A)) == 0
     with pytest.raises(ValueError):
-        tier.clear_scope(b"")
+        tier.clear_scope(ScopeMatch(b""))
     written(tier, A, range(0, 2))
     tier.bypassed = True
-    assert tier.clear_scope(A) is None
+    assert tier.clear_scope(ScopeMatch(A)) is None
     assert len(files(tmp_path, A)) == 2
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "not cleared" in r.message]
     assert len(warnings) == 1 and "bypassed" in warnings[0].message
@@ -239,7 +240,7 @@ def test_a_disk_call_that_fails_is_none_with_one_warning_naming_it(
         raise OSError(errno.EIO, "Input/output error", path)
 
     monkeypatch.setattr(chunk_file, "remove", failing)
-    assert tier.clear_scope(A) is None
+    assert tier.clear_scope(ScopeMatch(A)) is None
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "not cleared" in r.message]
     assert len(warnings) == 1 and "EIO" in warnings[0].message
     assert len(files(tmp_path, A)) == 2 and tier.index.sizes()[0] == 2  # what is there stays known

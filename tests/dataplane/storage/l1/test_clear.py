@@ -10,6 +10,7 @@ import pytest
 
 from dataplane.events.sink import EventSink
 from dataplane.events.vllm_format import MEDIUM_CPU
+from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.l1 import L1Store
 from tests.helpers import wait_until
 
@@ -40,14 +41,14 @@ def test_a_clear_drops_its_scope_alone_and_announces_each_chunk() -> None:
     for i in range(3, 5):
         put(l1, i, B)
     sink.take(100)
-    got = l1.clear_scope(A)
+    got = l1.clear_scope(ScopeMatch(A))
     assert (got.l1, got.pinned, got.complete, got.removed) == (3, 0, True, 3)
     assert held(l1, 0, 1, 2, 3, 4) == [False, False, False, True, True]
     assert l1.stats().used_bytes == 2 * N and l1.stats().chunks == 2
     assert sorted(sink.take(100)) == sorted(("removed", key(i), MEDIUM_CPU) for i in range(3))
-    assert l1.clear_scope(A).l1 == 0  # nothing left of it
+    assert l1.clear_scope(ScopeMatch(A)).l1 == 0  # nothing left of it
     with pytest.raises(ValueError, match="names a scope"):
-        l1.clear_scope(b"")
+        l1.clear_scope(ScopeMatch(b""))
 
 
 def test_bytes_reserved_before_a_clear_never_commit_after_it() -> None:
@@ -55,7 +56,7 @@ def test_bytes_reserved_before_a_clear_never_commit_after_it() -> None:
     early = l1.reserve(N)  # a STORE of the old weights' KV, under way when the clear comes
     other = l1.reserve(N)
     assert early is not None and other is not None
-    l1.clear_scope(A)
+    l1.clear_scope(ScopeMatch(A))
     assert not l1.commit(key(1), early, scope=A)  # refused: stale
     assert l1.commit(key(2), other, scope=B)  # another scope's is not
     assert held(l1, 1, 2) == [False, True] and l1.stats().used_bytes == N
@@ -67,11 +68,11 @@ def test_bytes_reserved_before_a_clear_never_commit_after_it() -> None:
 def test_a_lower_tiers_read_begun_before_a_clear_never_enters_after_it() -> None:
     l1 = L1Store(16 * N)
     since = l1.epoch()  # a read from the file or remote tier starts
-    l1.begin_clear(A)
+    l1.begin_clear(ScopeMatch(A))
     buf = l1.reserve(N)  # its buffer, asked for once the size is known: during the clear
     assert buf is not None
     assert not l1.commit(key(1), buf, scope=A)  # while the clear runs: refused
-    assert l1.end_clear(A, 1.0) == (0, 0)
+    assert l1.end_clear(ScopeMatch(A), 1.0) == (0, 0)
     buf = l1.reserve(N)
     assert buf is not None
     assert not l1.commit(key(1), buf, scope=A, since=since)  # read before the clear: refused
@@ -87,7 +88,7 @@ def test_a_clear_waits_for_the_readers_of_its_chunks_within_its_deadline() -> No
     put(l1, 2, A)
     assert len(l1.acquire_prefix([key(1)])) == 1  # a copy out under way
     out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(l1.clear_scope(A, wait_s=30.0)))
+    t = threading.Thread(target=lambda: out.append(l1.clear_scope(ScopeMatch(A), wait_s=30.0)))
     t.start()
     wait_until(lambda: not held(l1, 2)[0], 10, what="the unpinned chunk dropped at once")
     assert held(l1, 1) == [True] and t.is_alive()  # the pinned one is waited for
@@ -99,7 +100,7 @@ def test_a_clear_waits_for_the_readers_of_its_chunks_within_its_deadline() -> No
     assert l1.stats().used_bytes == 0
     put(l1, 3, A)
     assert len(l1.acquire_prefix([key(3)])) == 1  # a reader that never lets go
-    stuck = l1.clear_scope(A, wait_s=0.05)
+    stuck = l1.clear_scope(ScopeMatch(A), wait_s=0.05)
     assert (stuck.l1, stuck.pinned, stuck.complete) == (0, 1, False)
     l1.release([key(3)])
-    assert l1.clear_scope(A).l1 == 1
+    assert l1.clear_scope(ScopeMatch(A)).l1 == 1

@@ -14,6 +14,7 @@ import pytest
 
 from dataplane.events.sink import EventSink
 from dataplane.events.vllm_format import MEDIUM_EXTERNAL
+from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.lower import WriteSpace
 from dataplane.storage.remote import RemoteBackend
 from tests.helpers import wait_until
@@ -22,7 +23,7 @@ from tests.redis_server import RedisServer
 SHAPE = (4, 16, 64)  # bfloat16: 8 KiB
 NBYTES = 4 * 16 * 64 * 2
 TIMEOUT_S = 2.0
-A, B = b"scope-a", b"\x00scope-b"
+A, B = b"scope-a-scope-a-", b"\x00scope-b\x00scope-b"  # (16 bytes, as scopes are)
 
 
 def _key(i: int) -> bytes:
@@ -128,7 +129,7 @@ def test_a_clear_removes_exactly_its_scope(backend: RemoteBackend, redis_server:
     assert _names(redis_server) == {f"kvwarden:{A.hex()}:{k.hex()}" for k in a} | b_names | {plain_name}
     sink.take(1 << 20)  # (the chunks stored)
 
-    assert backend.clear_scope(A) == 3
+    assert backend.clear_scope(ScopeMatch(A)) == 3
     assert sorted(_removed(sink)) == sorted(a)
     assert all(backend.get(k, "bfloat16", SHAPE, scope=A) is None for k in a)
     for k, data in b.items():
@@ -137,9 +138,9 @@ def test_a_clear_removes_exactly_its_scope(backend: RemoteBackend, redis_server:
     got = backend.get(_key(1), "bfloat16", SHAPE)
     assert got is not None and bytes(got) == plain
     assert _names(redis_server) == b_names | {plain_name}
-    assert backend.clear_scope(A) == 0 and backend.stats().cleared == 3
+    assert backend.clear_scope(ScopeMatch(A)) == 0 and backend.stats().cleared == 3
     with pytest.raises(ValueError):
-        backend.clear_scope(b"")
+        backend.clear_scope(ScopeMatch(b""))
 
 
 def test_a_clear_removes_names_past_a_batch(backend: RemoteBackend, redis_server: RedisServer) -> None:
@@ -152,7 +153,7 @@ def test_a_clear_removes_names_past_a_batch(backend: RemoteBackend, redis_server
     pipe.set(f"kvwarden:{A.hex()}:not-a-key", b"x")  # under the scope's names, but no chunk's
     pipe.set(backend.redis_key(_key(1), B), b"x")
     pipe.execute()
-    assert backend.clear_scope(A) == 2501
+    assert backend.clear_scope(ScopeMatch(A)) == 2501
     assert sorted(_removed(sink)) == [_key(i) for i in range(2500)]  # (no key for the odd name)
     assert raw.dbsize() == 1 and raw.exists(backend.redis_key(_key(1), B))
     raw.close()
@@ -166,10 +167,10 @@ def test_glob_characters_in_the_prefix_match_only_themselves(redis_server: Redis
             for i in range(3):
                 _put(b, _key(i), A)
             assert b.flush(10)
-        assert globby.clear_scope(A) == 3
+        assert globby.clear_scope(ScopeMatch(A)) == 3
         assert _names(redis_server) == {other.redis_key(_key(i), A) for i in range(3)}
         assert other.count_prefix([_key(i) for i in range(3)], scope=A) == 3
-        assert other.clear_scope(A) == 3 and _names(redis_server) == set()
+        assert other.clear_scope(ScopeMatch(A)) == 3 and _names(redis_server) == set()
     finally:
         _close(globby)
         _close(other)
@@ -189,7 +190,7 @@ def test_queued_writes_of_the_scope_are_dropped_and_the_one_on_the_wire_waited_f
     assert backend.stats().queue_depth == 4
 
     cleared: list[int | None] = []
-    clear = threading.Thread(target=lambda: cleared.append(backend.clear_scope(A)), name="clear")
+    clear = threading.Thread(target=lambda: cleared.append(backend.clear_scope(ScopeMatch(A))), name="clear")
     clear.start()
     try:
         # A's queued writes are dropped (released) at once, then the clear waits for the writer
@@ -215,16 +216,16 @@ def test_a_clear_answers_none_when_redis_is_gone_or_bypassed(
     assert backend.flush(10)
     redis_server.kill()
     with caplog.at_level(logging.WARNING, logger="dataplane.storage.remote.backend"):
-        assert backend.clear_scope(A) is None
+        assert backend.clear_scope(ScopeMatch(A)) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "connection" in warnings[0], warnings
     assert backend.stats().cleared == 0
 
     redis_server.start()  # empty (no persistence): the chunk went with the process
     backend.bypassed = True
-    assert backend.clear_scope(A) is None
+    assert backend.clear_scope(ScopeMatch(A)) is None
     backend.bypassed = False
-    assert backend.clear_scope(A) == 0
+    assert backend.clear_scope(ScopeMatch(A)) == 0
 
 
 @pytest.fixture(params=["direct", "redis-py"])
