@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import numpy as np
 import pytest
 
-from dataplane.storage.keys import KEY_BYTES, blend_keys, chunk_keys, scope_digest, span_marks
+from dataplane.storage.keys import (
+    KEY_BYTES,
+    ScopeMatch,
+    blend_keys,
+    chunk_keys,
+    filing_scope,
+    scope_digest,
+    span_marks,
+)
 from dataplane.wire.context import KeyContext
 
 C = 32
@@ -166,3 +176,32 @@ def test_blend_keys_of_a_window_are_the_whole_sequences() -> None:
     plain = blend_keys(scope(), t, C)
     assert not set(whole) & set(plain)
     assert blend_keys(scope(), t, C, KeyContext(b"t", b"n")) != whole
+
+
+def test_a_filing_scope_keeps_its_scopes_head_and_names_salt_and_namespace_by_digest() -> None:
+    own, other = scope_digest("m", 1, 0, "bfloat16", 2, 2, 8), scope_digest("m", 1, 1, "bfloat16", 2, 2, 8)
+    assert filing_scope(own, None) == own == filing_scope(own, KeyContext(b"", b""))
+    a, b = KeyContext(b"tenant-a"), KeyContext(b"tenant-b")
+    ax, bx = KeyContext(b"tenant-a", b"ns-x"), KeyContext(b"tenant-b", b"ns-x")
+    x = KeyContext(b"", b"ns-x")
+    filed = {c: filing_scope(own, c) for c in (a, b, ax, bx, x)}
+    assert len(set(filed.values()) | {own}) == 6  # every context its own
+    for f in filed.values():
+        assert len(f) == 16 and f[:8] == own[:8] and b"tenant" not in f  # no salt written out
+    assert filing_scope(other, a) != filed[a]  # a digest keyed by the scope: ranks differ
+
+    def taken(m: ScopeMatch) -> set[bytes]:
+        got = {f for f in [own, *filed.values()] if m.matches(f)}
+        pattern = m.hex_glob()  # (what Redis's SCAN and the file tier's directories match)
+        assert got == {f for f in [own, *filed.values()] if fnmatch.fnmatchcase(f.hex(), pattern)}
+        return got
+
+    assert taken(ScopeMatch.whole(own)) == {own, *filed.values()}
+    assert taken(ScopeMatch.whole(other)) == set()
+    assert taken(ScopeMatch.context(own, b"tenant-a", None)) == {filed[a], filed[ax]}
+    assert taken(ScopeMatch.context(own, None, b"ns-x")) == {filed[ax], filed[bx], filed[x]}
+    assert taken(ScopeMatch.context(own, b"tenant-b", b"ns-x")) == {filed[bx]}
+    assert taken(ScopeMatch.context(own, b"", b"")) == {own}  # no salt, no namespace: the own
+    assert taken(ScopeMatch(own)) == {own}
+    with pytest.raises(ValueError, match="a context needs a salt or a namespace"):
+        ScopeMatch.context(own, None, None)
