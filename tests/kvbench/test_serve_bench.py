@@ -2,7 +2,8 @@
 and a real ``redis-server``: both protocols run against the ideal row and the Redis row, every
 request is answered, the report holds every figure, and the Redis row's hits really come from
 kvwarden (its engine cache holds about one document: the query round's prefixes are read from
-Redis, ahead of the RETRIEVE). The numbers mean nothing at this size."""
+Redis, ahead of the RETRIEVE). The numbers mean nothing at this size. Marked ``bench``: a whole
+benchmark run, out of ``make test``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from tests.helpers import ROOT, subprocess_env
 pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
 
 
+# A whole benchmark run (two minutes on a 2-core host): with KVWARDEN_BENCH=1 or -m bench. make
+# test covers OpenAI servers with the connector (tests/e2e/test_vllm_handoff.py) and an engine's
+# hits from Redis (tests/e2e/test_vllm_reset.py).
+@pytest.mark.bench
 def test_bench_serve_tiny(tmp_path: Path) -> None:
     require_vllm()
     cmd = [sys.executable, "-m", "app.cli", "bench", "serve", "--tiny", "--json", "--configs", "ideal,redis"]

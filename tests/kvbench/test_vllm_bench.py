@@ -2,8 +2,8 @@
 harness runs every case and its report holds every figure. The model and prompts are tiny: the
 numbers mean nothing here, but a hit must load what the miss stored, with the same output, and
 move the bytes its model's KV takes (a dense model's K and V, an MLA model's latent alone, a
-sliding-window hybrid's full layers and each window's last chunk). The model kinds' runs are
-marked ``bench``."""
+sliding-window hybrid's full layers and each window's last chunk). Every run here is marked
+``bench``: whole benchmark runs, out of ``make test``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def _bench(tmp_path: Path, *args: str, name: str = "vllm") -> tuple[dict[str, An
     return rep, p.stdout
 
 
+# A whole benchmark run (two minutes on a 2-core host): with KVWARDEN_BENCH=1 or -m bench. make
+# test covers its paths with real engines: hits equal to misses, bytes moved (tests/e2e).
+@pytest.mark.bench
 def test_bench_vllm_tiny(tmp_path: Path) -> None:
     require_vllm()
     rep, out = _bench(tmp_path)
