@@ -5,7 +5,9 @@ serve``. The prefill answers with ``kv_transfer_params`` naming what it stored (
 before it answers); the decode engine loads the whole prompt but its last token and computes
 that one alone, stores nothing, and answers what a single engine without kvwarden answers.
 Handed the full chunks alone (a producer without the tail option), it loads those and computes
-the rest. Both engines' own ``/metrics`` carry kvwarden's figures
+the rest; given no params, it loads what the server holds (a chunk in common with another
+prompt). The roles hold throughout: the producer never loads (a prompt the server holds is
+computed again), the consumer never stores. Both engines' own ``/metrics`` carry kvwarden's figures
 (through vLLM's connector stats), equal to what the server counted, and the decode engine's
 hits are reported by the tier they came from (``vllm:prompt_tokens_cached_by_source``)."""
 
@@ -22,8 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.vllm_support import (
+    CHUNK,
     FULL,
     PROMPT,
+    SHARES_ONE,
     OpenAIServer,
     Reference,
     model_with_tokenizer,
@@ -109,6 +113,8 @@ def test_a_prefill_handed_off_through_the_proxy_is_decoded_from_its_chunks(
         # decode engine loads those and computes the tail itself
         with httpx.Client(timeout=300) as client:
             pre = client.post(prefill.url + "/v1/completions", json=dict(body, max_tokens=1)).json()
+            # held by the server, but a producer never loads
+            assert pre["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             params = pre["kv_transfer_params"]
             assert params["kvwarden"]["tokens"] == len(PROMPT) - 1  # the prefill names its tail
             params["kvwarden"]["tokens"] = FULL
@@ -116,23 +122,28 @@ def test_a_prefill_handed_off_through_the_proxy_is_decoded_from_its_chunks(
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL
         assert words_to_ids(r.json()["choices"][0]["text"]) == reference.tokens["prompt"]
+        # without params, a consumer loads what is held (one chunk in common), and stores
+        # nothing of the rest
+        with httpx.Client(timeout=300) as client:
+            r = client.post(decode.url + "/v1/completions", json=dict(body, prompt=SHARES_ONE))
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == CHUNK
         assert _bytes(srv.http_port, "store") == stored
         retrieved = _bytes(srv.http_port, "retrieve")
-        hits = 2 * (len(PROMPT) - 1) + FULL
+        hits = 2 * (len(PROMPT) - 1) + FULL + CHUNK
         # vLLM's /metrics: the decode engine's lookups and loads, the prefill engine's stores
         wait_until(
-            lambda: samples(_vllm_metrics(decode.url), "vllm:kvwarden_loads_total", outcome="full") == 3,
+            lambda: samples(_vllm_metrics(decode.url), "vllm:kvwarden_loads_total", outcome="full") == 4,
             60,
             what="the decode engine's loads in its metrics",
         )
         d, p = _vllm_metrics(decode.url), _vllm_metrics(prefill.url)
-        assert samples(d, "vllm:kvwarden_lookups_total", outcome="hit") == 3
-        assert samples(d, "vllm:kvwarden_lookups_total") == 3  # (no miss, none unanswered)
+        assert samples(d, "vllm:kvwarden_lookups_total", outcome="hit") == 4
+        assert samples(d, "vllm:kvwarden_lookups_total") == 4  # (no miss, none unanswered)
         assert samples(d, "vllm:kvwarden_loads_total", outcome="short") == 0
         assert samples(d, "vllm:kvwarden_loaded_tokens_total") == hits
         assert samples(d, "vllm:kvwarden_loaded_bytes_total") == retrieved  # what the server moved
         assert (
-            samples(d, "vllm:kvwarden_load_seconds_count") == 3
+            samples(d, "vllm:kvwarden_load_seconds_count") == 4
             and samples(d, "vllm:kvwarden_load_seconds_sum") > 0
         )
         assert samples(d, "vllm:kvwarden_stored_chunks_total") == 0  # a consumer
