@@ -14,6 +14,10 @@ TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 BlockHashInt = Annotated[int, Field(ge=0)]  # (one past 2^64 names nothing held: a miss)
 
 
+MAX_SALT_CHARS = 4096  # a cache_salt, wherever a route takes one
+MAX_ADAPTER_CHARS = 256  # a LoRA adapter's name, likewise
+
+
 class TokensItem(BaseModel):
     """A prompt named by its token ids, with its tenant's salt and LoRA adapter."""
 
@@ -24,13 +28,13 @@ class TokensItem(BaseModel):
     salt: str | None = Field(
         None,
         min_length=1,
-        max_length=4096,
+        max_length=MAX_SALT_CHARS,
         description="the tenant's cache_salt; a salted prefix is only found with it",
     )
     adapter: str | None = Field(
         None,
         min_length=1,
-        max_length=256,
+        max_length=MAX_ADAPTER_CHARS,
         description="the LoRA adapter's name, as the engine's events give it",
     )
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.lookup_models import MAX_ADAPTER_CHARS, MAX_SALT_CHARS
+
 CheckStatus = Literal["pass", "warn", "fail"]
 TransferModeName = Literal["server_driven", "engine_driven"]  # dataplane.wire.kinds.TransferMode
 MemoryKindName = Literal["shm", "cuda_ipc"]  # dataplane.wire.kinds.MemoryKind
@@ -240,13 +242,13 @@ class CacheClear(BaseModel):
     salt: str | None = Field(
         None,
         min_length=1,
-        max_length=4096,
+        max_length=MAX_SALT_CHARS,
         description="only the chunks of this tenant's cache_salt (under any adapter, unless one is given)",
     )
     adapter: str | None = Field(
         None,
         min_length=1,
-        max_length=256,
+        max_length=MAX_ADAPTER_CHARS,
         description="only the chunks of this LoRA adapter, by the name the engine's requests give it "
         "(under any salt, unless one is given)",
     )

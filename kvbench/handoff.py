@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvbench.procs import bench_env, launch, wait_http
-from kvbench.results import add_output_args, finish, resolve
-from kvbench.vllm import CHUNK, EngineProcess, _prompts, default_python
+from kvbench.procs import launch, wait_http
+from kvbench.results import add_output_args, finish
+from kvbench.vllm import CHUNK, EngineProcess, _prompts, build_in, engine_python
 
 
 def add_args(sub: Any) -> None:
@@ -46,10 +44,8 @@ def add_args(sub: Any) -> None:
 
 
 def run_handoff(ns: argparse.Namespace) -> int:
-    resolve(ns, rounds=(5, 2, 1), prompt_tokens=(2900, 2900, 600))
-    python = ns.vllm_python or default_python()
-    if ns.rounds < 1 or ns.prompt_tokens < 2 * CHUNK:
-        print(f"bench: --rounds >= 1 and --prompt-tokens >= {2 * CHUNK}", file=sys.stderr)
+    python = engine_python(ns)
+    if python is None:
         return 2
     from kvbench.vllm_model import PREFILL, TINY
 
@@ -57,8 +53,7 @@ def run_handoff(ns: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-handoff-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        code = f"from kvbench.vllm_model import *; build_model({str(model)!r}, {shape!r})"
-        subprocess.run([python, "-c", code], check=True, env=bench_env())
+        build_in(python, model, f"build_model({{path!r}}, {shape!r})")
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ns.reserved_cpus)}
         out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env)
     out["params"] = {

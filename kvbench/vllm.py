@@ -60,11 +60,16 @@ class EngineProcess:
         prefix_caching: bool | str = False,
         env_extra: dict[str, str] | None = None,
         lora: dict[str, Any] | None = None,
+        one_process: bool = False,
     ) -> None:
         """``lora``: LoRA on, with these engine options (``max_lora_rank``, ``max_loras``...);
         ``prefix_caching`` "force": vLLM's own prefix cache on even where its platform turns it
-        off (MLA on its CPU backend: a comparator for tests, `kvbench.vllm_engine`)."""
-        env = {**os.environ, **(env_extra or {})}
+        off (MLA on its CPU backend: a comparator for tests, `kvbench.vllm_engine`);
+        ``one_process``: the engine core (and one rank's worker) in the engine's process, not
+        vLLM's default processes of their own (`kvbench.vllm_engine`). vLLM's log lines go to
+        ``log`` (stdout is the answers' channel)."""
+        env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **(env_extra or {})}
+        env["KVWARDEN_ENGINE_ONE_PROCESS"] = "1" if one_process else "0"
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env["KVWARDEN_ENGINE_CONNECTOR_EXTRA"] = json.dumps(extra or {})
@@ -217,11 +222,26 @@ def add_args(sub: Any) -> None:
     p.set_defaults(func=run_vllm)
 
 
-def run_vllm(ns: argparse.Namespace) -> int:
+def engine_python(ns: argparse.Namespace) -> str | None:
+    """A vLLM benchmark's sizes resolved (``--rounds``, ``--prompt-tokens``) and the Python of
+    vLLM's environment; None, said on stderr, when the sizes cannot run."""
     resolve(ns, rounds=(5, 2, 1), prompt_tokens=(2900, 2900, 600))
-    python = ns.vllm_python or default_python()
     if ns.rounds < 1 or ns.prompt_tokens < 2 * CHUNK:
         print(f"bench: --rounds >= 1 and --prompt-tokens >= {2 * CHUNK}", file=sys.stderr)
+        return None
+    return str(ns.vllm_python or default_python())
+
+
+def build_in(python: str, model: Path, build: str) -> None:
+    """Build a random-weight model in ``model`` with vLLM's environment: ``build`` is a call of
+    `kvbench.vllm_model` naming the folder as ``{path!r}``."""
+    code = "from kvbench.vllm_model import *; " + build.format(path=str(model))
+    subprocess.run([python, "-c", code], check=True, env=bench_env())
+
+
+def run_vllm(ns: argparse.Namespace) -> int:
+    python = engine_python(ns)
+    if python is None:
         return 2
     from kvbench.vllm_model import MLA, PREFILL, TINY
 
@@ -234,8 +254,7 @@ def run_vllm(ns: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvwarden-bench-vllm-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        code = "from kvbench.vllm_model import *; " + build.format(path=str(model))
-        subprocess.run([python, "-c", code], check=True, env=bench_env())
+        build_in(python, model, build)
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(ns.reserved_cpus)}
         own_cache: bool | str = "force" if ns.model_kind == "mla" else True
         out = _measure(python, model, work, ns.rounds, ns.prompt_tokens, env, own_cache)

@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.vllm_support import (
     ENGINE_LORA,
+    ONE_PROCESS,
     REFERENCE_CASES,
     RESERVED_CPUS,
     VLLM_PYTHON,
@@ -70,7 +71,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
     answers_path, log = root / "answers.json", root / "reference.log"
     (root / "job.json").write_text(json.dumps(_job(models, answers_path)))
     script = Path(__file__).with_name("vllm_reference.py")
-    env = subprocess_env(**RESERVED_CPUS, KVWARDEN_ENGINE_PREFIX_CACHING="0")
+    env = subprocess_env(**RESERVED_CPUS, **ONE_PROCESS, KVWARDEN_ENGINE_PREFIX_CACHING="0")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [str(VLLM_PYTHON), str(script), str(root / "job.json")],

@@ -102,7 +102,7 @@ def _engine(
     worker spins on its core, which would starve another worker's store, and teardown, there)."""
     extra = {"kvwarden.retry_s": 0.5, "kvwarden.lookup_wait_s": wait_s}
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
-    return EngineProcess(VLLM_PYTHON, model, url, log, extra, prefix_caching, env_extra=env)
+    return EngineProcess(VLLM_PYTHON, model, url, log, extra, prefix_caching, env_extra=env, one_process=True)
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,8 @@ class Cluster:
         self.servers: list[ServerProcess] = []
 
     def engine(self, **extra: float) -> EngineProcess:
-        eng = engine(self.ref.models.model, self.endpoint, self.tmp, extra)
+        # (vLLM's own processes: the connector's scheduler half apart from its worker's)
+        eng = engine(self.ref.models.model, self.endpoint, self.tmp, extra, one_process=False)
         self.engines.append(eng)
         return eng
 

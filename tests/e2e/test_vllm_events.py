@@ -63,6 +63,7 @@ def test_kvwarden_events_name_the_engines_blocks_and_join_its_stream(
             {"kvwarden.retry_s": 0.5, "kvwarden.kv_events_endpoint": f"tcp://127.0.0.1:{pub}"},
             prefix_caching=True,  # (vLLM publishes its own blocks' events only with it)
             env_extra={"KVWARDEN_ENGINE_KV_EVENTS": json.dumps(own_events)},
+            one_process=True,
         )
         out = eng.generate(PROMPT)
         assert out["tokens"] == reference.tokens["prompt"] and out["cached"] == 0

@@ -26,7 +26,6 @@ from tests.e2e.vllm_support import (
     CHUNK,
     FULL,
     PROMPT,
-    VLLM_PYTHON,
     Reference,
     engine,
     instances,
@@ -92,15 +91,6 @@ class Setup:
         self.engines.append(eng)
         return eng
 
-    def logging_engine(self) -> EngineProcess:
-        """An engine whose vLLM log lines go to its log file (stdout is the harness's channel)."""
-        log = self.tmp / f"engine-logging-{free_port()}.log"
-        extra = {"kvwarden.retry_s": 0.5}
-        env = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
-        eng = EngineProcess(VLLM_PYTHON, self.ref.models.model, self.endpoint, log, extra, env_extra=env)
-        self.engines.append(eng)
-        return eng
-
     def store_prompt_on_disk(self) -> None:
         eng = self.engine()
         out = eng.generate(PROMPT)  # a miss: stores the prompt's full chunks, to L1 and to disk
@@ -138,7 +128,7 @@ def test_a_load_that_fails_mid_way_is_recomputed_from_where_it_failed(on_disk: S
         b = f.read(1)
         f.seek(PAYLOAD_AT + 1000)
         f.write(bytes([b[0] ^ 0xFF]))
-    eng = on_disk.logging_engine()
+    eng = on_disk.engine()  # (vLLM logs to its log file: EngineProcess)
     out = eng.generate(PROMPT)
     assert out["tokens"] == on_disk.ref.tokens["prompt"], out  # the reference's, token for token
     doc = fs_doc(on_disk.srv)

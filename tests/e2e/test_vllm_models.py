@@ -80,7 +80,14 @@ def engine(
     log = logs / f"engine-{len(list(logs.iterdir()))}.log"
     env = {**RESERVED_CPUS, "KVWARDEN_ENGINE_OPTIONS": json.dumps(options or {})}
     return EngineProcess(
-        VLLM_PYTHON, model, url, log, {"kvwarden.retry_s": 0.5}, prefix_caching, env_extra=env
+        VLLM_PYTHON,
+        model,
+        url,
+        log,
+        {"kvwarden.retry_s": 0.5},
+        prefix_caching,
+        env_extra=env,
+        one_process=True,
     )
 
 
@@ -214,7 +221,7 @@ def test_an_mla_model_on_two_ranks_stores_its_latent_once_for_both(mla: MLAWorld
             logs / f"tp-{url is None}.log",
             extra,
             prefix_caching,
-            env_extra=env_extra,
+            env_extra=env_extra,  # (vLLM's own processes: a rank's worker on a core of its own)
         )
 
     prompt = MLA_PROMPT[::-1]  # a prompt of its own: nothing of it stored yet

@@ -46,7 +46,12 @@ def test_a_reset_after_a_weight_update_leaves_no_hit_of_the_old_weights(
         model = str(reference.models.model)  # (as the engine serves it, and its workers register)
         log = tmp_path / "engine.log"
         engine = EngineProcess(
-            VLLM_PYTHON, reference.models.model, srv.endpoint, log, {"kvwarden.retry_s": 0.5}
+            VLLM_PYTHON,
+            reference.models.model,
+            srv.endpoint,
+            log,
+            {"kvwarden.retry_s": 0.5},
+            one_process=True,
         )
         try:
             first = engine.generate(PROMPT, 8)

@@ -34,6 +34,12 @@ ENGINE_LORA = {"max_lora_rank": 8, "max_loras": 2}  # both adapters stay loaded 
 # Every engine with LoRA computes on the same number of cores (vLLM keeps one more from an engine
 # with a KV connector): another number of threads may sum in another order, and flip a near tie.
 RESERVED_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+# Engines start with their engine core and worker in one process (`kvbench.vllm_engine`): about a
+# third of the time vLLM's own three processes take to start on two cores, and what the tests
+# compare (outputs, bytes, hits) does not depend on it. The connector's halves in processes of
+# their own, as `vllm serve` runs them, are tested by test_vllm (its engines), test_vllm_handoff and
+# test_install (vLLM's OpenAI server).
+ONE_PROCESS = {"KVWARDEN_ENGINE_ONE_PROCESS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 # test_vllm's prompts: 4 full chunks of PROMPT may be loaded (of 1,099 tokens)
 _rng = np.random.default_rng(11)
@@ -95,16 +101,27 @@ def engine(
     log_dir: Path,
     settings: dict[str, float] | None = None,
     lora_on: bool = False,
+    one_process: bool = True,
 ) -> EngineProcess:
     """A vLLM engine process; kvwarden's connector (retrying fast) when ``url`` is given, with
     ``settings`` as more of its ``kvwarden.*`` settings (``{"connect_wait_s": 0.5}``).
-    ``lora_on``: LoRA on (``ENGINE_LORA``) and ``RESERVED_CPUS``, like the reference engine."""
+    ``lora_on``: LoRA on (``ENGINE_LORA``) and ``RESERVED_CPUS``, like the reference engine.
+    ``one_process``: the engine core and worker in the engine's process (`ONE_PROCESS`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"engine-{time.monotonic_ns()}.log"
     extra = {"kvwarden.retry_s": 0.5, **{f"kvwarden.{k}": v for k, v in (settings or {}).items()}}
     if not lora_on:
-        return EngineProcess(VLLM_PYTHON, model, url, log, extra)
-    return EngineProcess(VLLM_PYTHON, model, url, log, extra, env_extra=RESERVED_CPUS, lora=ENGINE_LORA)
+        return EngineProcess(VLLM_PYTHON, model, url, log, extra, one_process=one_process)
+    return EngineProcess(
+        VLLM_PYTHON,
+        model,
+        url,
+        log,
+        extra,
+        env_extra=RESERVED_CPUS,
+        lora=ENGINE_LORA,
+        one_process=one_process,
+    )
 
 
 def server(tmp: Path, port: int = 0, http_port: int = 0) -> ServerProcess:

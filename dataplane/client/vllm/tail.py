@@ -47,7 +47,7 @@ def real_length(tokens: np.ndarray) -> int:
     """The tokens of ``tokens`` before a tail's marks (all of them when it ends in none)."""
     if not len(tokens) or tokens[-1] != TAIL_MARK:
         return len(tokens)
-    return int(np.flatnonzero(tokens != TAIL_MARK)[-1]) + 1 if (tokens != TAIL_MARK).any() else 0
+    return len(tokens) - int(np.count_nonzero(tokens == TAIL_MARK))  # (marks only ever trail)
 
 
 def tail_blocks(blocks: np.ndarray, end: int, chunk_size: int, block_size: int, store: bool) -> np.ndarray:

@@ -34,8 +34,8 @@ class ClearBook:
     def stale(self, scope: bytes, since: int) -> bool:
         """Whether a chunk filed under ``scope`` whose bytes were produced at epoch ``since``
         is stale: a clear of it runs now, or one began after that."""
-        if not self._began:
-            return False
+        if not self._running and since >= self.epoch:
+            return False  # (a commit's bytes began after the last clear began: no scan)
         return any(m.matches(scope) for m in self._running) or any(
             at > since and m.matches(scope) for m, at in self._began.items()
         )

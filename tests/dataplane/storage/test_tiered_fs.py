@@ -31,9 +31,15 @@ def key(i: int) -> bytes:
     return bytes([i]) * 16
 
 
+# a read's deadline: what a read queued behind stuck I/O threads waits for before it is a miss,
+# and long enough that a read of a small cold file never runs past it while the rest of the suite
+# (vLLM engines among it) keeps both cores busy (at 0.3 s one did: a warm read in place a miss)
+READ_DEADLINE_S = 2.0
+
+
 @pytest.fixture
 def fs(tmp_path: Path) -> Iterator[FileTier]:
-    t = FileTier(str(tmp_path), 1 << 30, timeout_s=0.3, io_threads=2)
+    t = FileTier(str(tmp_path), 1 << 30, timeout_s=READ_DEADLINE_S, io_threads=2)
     t.start()
     yield t
     t.stop()
