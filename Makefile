@@ -144,7 +144,12 @@ run: $(INSTALL_STAMP)
 	@echo "==> kvwarden serve $(ARGS)"
 	exec $(BIN)/kvwarden serve $(ARGS)
 
-test: $(DEV_STAMP) $(VLLM_STAMP) tools
+# the two environments install side by side (pip waits on downloads and disk as much as on a
+# core; .NOTPARALLEL keeps -j from doing it), their output interleaved
+test:
+	@$(MAKE) --no-print-directory $(VLLM_STAMP) & vllm=$$!; \
+	  $(MAKE) --no-print-directory $(DEV_STAMP) tools && dev=0 || dev=$$?; \
+	  wait $$vllm && exit $$dev
 	@$(MAKE) --no-print-directory lint-steps
 	@echo "==> mypy"
 	$(BIN)/python -m mypy

@@ -157,6 +157,8 @@ class RemotePublic(BaseModel):
     bad_values: int = Field(description="values refused: truncated, damaged, foreign, another key's")
     get_failures: int = Field(description="reads that failed: timeouts, connection, auth, errors")
     puts: int = Field(description="chunks written")
+    coded_puts: int = Field(0, description="chunks written coded (remote_compression lossless)")
+    coded_bytes_saved: int = Field(0, description="bytes coding saved against the chunks' raw size")
     put_failures: int
     queue_depth: int = Field(description="writes waiting in the write-behind queue")
     queue_bytes: int

@@ -11,12 +11,13 @@ from typing import Any
 
 from kvbench.results import add_output_args
 
-ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend", "events")
+ORDER = ("startup", "transfer", "ping", "reaper", "http", "remote", "blend", "events", "codec")
 
 
 def modules() -> dict[str, ModuleType]:
     from kvbench import (
         blend,
+        codec,
         events,
         fs,
         handoff,
@@ -41,6 +42,7 @@ def modules() -> dict[str, ModuleType]:
         "fs": fs,
         "events": events,
         "blend": blend,
+        "codec": codec,
         "vllm": vllm,
         "handoff": handoff,
         "serve": serve,

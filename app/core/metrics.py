@@ -178,6 +178,12 @@ def _remote_counters(r: RemoteState) -> tuple[tuple[str, str, float], ...]:
         ("kvwarden_remote_puts", "Chunks written to the remote tier.", r.puts),
         ("kvwarden_remote_read_bytes", "Chunk bytes read from the remote tier.", r.bytes_read),
         ("kvwarden_remote_written_bytes", "Bytes written to the remote tier.", r.bytes_written),
+        ("kvwarden_remote_coded_puts", "Chunks written to the remote tier coded (lossless).", r.coded_puts),
+        (
+            "kvwarden_remote_coded_saved_bytes",
+            "Bytes the remote tier's coding saved against the raw size of the chunks it coded.",
+            r.coded_bytes_saved,
+        ),
         (
             "kvwarden_remote_dropped_writes",
             "Writes dropped (queue full, bypassed, shutdown, out of space, their model's chunks cleared).",

@@ -151,6 +151,8 @@ def remote_view(dp: DataPlaneView) -> dict[str, Any] | None:
         "bad_values": r.bad_values,
         "get_failures": r.get_failures,
         "puts": r.puts,
+        "coded_puts": r.coded_puts,
+        "coded_bytes_saved": r.coded_bytes_saved,
         "put_failures": r.put_failures,
         "queue_depth": r.queue_depth,
         "queue_bytes": r.queue_bytes,

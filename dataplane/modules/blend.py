@@ -35,7 +35,7 @@ import torch
 from dataplane.liveness.target import InstanceLivenessTarget
 from dataplane.memory.blendcopy import Geometry, Side, cache_side, chunk_side, move
 from dataplane.memory.copies import token_slots
-from dataplane.memory.kvmemory import TORCH_DTYPES, MappedKV
+from dataplane.memory.kvmemory import DTYPE_NAMES, TORCH_DTYPES, MappedKV
 from dataplane.memory.rope import RopeParams, RopeTables
 from dataplane.memory.rope_kernel import KernelWarmup
 from dataplane.modules.base import Handler, RequestContext
@@ -223,7 +223,14 @@ class BlendModule(InstanceLivenessTarget):
 
             tenant = tenant_of(p.key)
             return self.transfer.write_chunks(
-                p.instance_id, o.keys, o.chunk_bytes, fill, tenant=tenant, conn_fd=rctx.conn_fd, scope=o.scope
+                p.instance_id,
+                o.keys,
+                o.chunk_bytes,
+                fill,
+                tenant=tenant,
+                conn_fd=rctx.conn_fd,
+                scope=o.scope,
+                words=DTYPE_NAMES.get(o.g.dtype),
             )
 
     def _retrieve(self, rctx: RequestContext, p: BlendRetrieve) -> BlendRetrieved:

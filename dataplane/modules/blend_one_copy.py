@@ -74,7 +74,14 @@ class BlendDirectModule:
             try:
                 tenant = tenant_of(p.key)
                 handed, present, rejected, skipped = reserve_into(
-                    lease, self.l1, keys, c.chunk_bytes, tenant, rctx.conn_fd, filing_scope(c.scope, p.key)
+                    lease,
+                    self.l1,
+                    keys,
+                    c.chunk_bytes,
+                    tenant,
+                    rctx.conn_fd,
+                    filing_scope(c.scope, p.key),
+                    c.info.dtype,
                 )
                 lid = c.leases.add(lease)
             except BaseException:

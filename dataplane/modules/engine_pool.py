@@ -270,6 +270,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 tenant=tenant_of(p.key),
                 conn_fd=rctx.conn_fd,
                 scope=filed,
+                words=c.info.dtype,
             )
 
     def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> PoolRetrieved:

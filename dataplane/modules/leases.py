@@ -42,6 +42,7 @@ class Lease:
     opened: float = 0.0
     mark: int = 0  # its keys' mark in L1's in-flight index (`dataplane.storage.l1.inflight`)
     scope: bytes = b""  # its keys' scope (where lower tiers file them)
+    words: str | None = None  # the dtype of its chunks' elements (which lower tiers may code)
 
     def abort(self, l1: L1Store, worker_may_write: bool = False) -> None:
         """Return the buffers (quarantined when the worker may still write into them) and
@@ -61,7 +62,10 @@ class Lease:
         chunks stored (a key already held is not stored again)."""
         n = len(self.bufs) if count is None else min(count, len(self.bufs))
         keys, bufs = self.keys[:n], self.bufs[:n]
-        stored = sum(l1.commit(key, buf, scope=self.scope) for key, buf in zip(keys, bufs, strict=True))
+        stored = sum(
+            l1.commit(key, buf, scope=self.scope, words=self.words)
+            for key, buf in zip(keys, bufs, strict=True)
+        )
         self.keys, self.bufs = self.keys[n:], self.bufs[n:]
         l1.inflight.landed(self.mark, keys)
         return stored
@@ -75,6 +79,7 @@ def reserve_into(
     tenant: bytes = NO_TENANT,
     conn_fd: int = -1,
     scope: bytes = b"",
+    words: str | None = None,
 ) -> tuple[list[int], int, int, int]:
     """A reserve: pin the chunks of ``keys`` L1 holds and take a buffer of ``nbytes`` for each
     of the others, into ``lease``, whose keys lookups then count as being stored (over
@@ -94,7 +99,7 @@ def reserve_into(
         lease.keys.append(keys[i])
         lease.bufs.append(buf)
     lease.mark = l1.inflight.open(lease.keys, conn_fd)
-    lease.scope = scope
+    lease.scope, lease.words = scope, words
     return missing[: len(lease.bufs)], len(held), rejected, skipped
 
 

@@ -207,6 +207,7 @@ class ServerDrivenTransferModule(TransferModule[CacheContext]):
                 tenant=tenant_of(p.key),
                 conn_fd=rctx.conn_fd,
                 scope=filed,
+                words=c.info.dtype,
             )
 
     @staticmethod

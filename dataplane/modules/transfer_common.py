@@ -85,6 +85,7 @@ class TransferModule(Generic[E]):
         tenant: bytes = NO_TENANT,
         conn_fd: int = -1,
         scope: bytes = b"",
+        words: str | None = None,
     ) -> StoreCounts:
         """Store ``keys[i]`` for every missing i, ``fill(i, buf)`` writing its bytes, as
         ``tenant``'s chunks (`dataplane.storage.l1.tenants`).
@@ -112,7 +113,7 @@ class TransferModule(Generic[E]):
                 except BaseException:
                     self.l1.abort(buf)
                     raise
-                stored += self.l1.commit(keys[i], buf, scope=scope)
+                stored += self.l1.commit(keys[i], buf, scope=scope, words=words)
                 self.l1.inflight.landed(mark, [keys[i]])
                 # pinned as it landed (whichever copy won): none, when a clear of the scope
                 # refused it (`L1Store.commit`), so the release below lets go only of our pins

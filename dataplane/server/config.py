@@ -11,7 +11,7 @@ import enum
 import math
 import resource
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -131,6 +131,13 @@ class Settings(BaseSettings):
         max_length=64,
         pattern=r"^[!-~]+$",
         description="Prefix of every remote key (printable, no spaces): servers sharing chunks share it.",
+    )
+    remote_compression: Literal["none", "lossless"] = Field(
+        "none",
+        description="How the remote tier stores bfloat16 and float16 chunks: lossless codes them "
+        "(about 1.47x smaller on a trained model's KV, so Redis holds as many more; a chunk that "
+        "saves less than 5% stays as it is), none stores every chunk as it is. Readers decode "
+        "either. Off by default: a hit from Redis on loopback took 1.06-1.56x as long coded.",
     )
     remote_write_queue_mb: int = Field(
         256, ge=1, le=1 << 20, description="Write-behind queue to the remote tier (MiB); more is dropped."

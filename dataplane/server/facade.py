@@ -79,6 +79,8 @@ class RemoteState:
     # (op, upper bounds in seconds, counts per bucket with +Inf last, sum of seconds)
     durations: tuple[tuple[str, tuple[float, ...], tuple[int, ...], float], ...] = ()
     read_ahead: int = 0  # chunks read into L1 ahead of a RETRIEVE because a LOOKUP found them in Redis
+    coded_puts: int = 0  # chunks written coded (`dataplane.storage.compress`)
+    coded_bytes_saved: int = 0  # what coding them saved, against their raw size
 
 
 @dataclass(frozen=True, slots=True)

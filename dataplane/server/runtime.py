@@ -211,6 +211,8 @@ class DataPlane:
             ),
             tuple((op, DURATION_BUCKETS, tuple(c), s.duration_sums[op]) for op, c in s.durations.items()),
             self.l1.remote_read_ahead,
+            s.coded_puts,
+            s.coded_bytes_saved,
         )
 
     def fs_state(self) -> FsStats | None:
@@ -339,6 +341,7 @@ def _remote_backend(settings: Settings) -> tuple[RemoteBackend | None, str | Non
             prefix=settings.remote_key_prefix,
             queue_bytes=settings.remote_write_queue_mb << 20,
             health_timeout_s=settings.health_ping_timeout,
+            compression=settings.remote_compression,
         )
     except Exception as exc:  # the server still serves: recompute-only, unhealthy
         return None, f"the remote tier could not be set up: {type(exc).__name__}"

@@ -1,15 +1,18 @@
 """The format of a chunk in the remote tier: a fixed header, the shape, a hash, then the bytes.
 
     magic  b"KVWR"   4 bytes
-    version          u8    (FORMAT_VERSION)
+    version          u8    (FORMAT_VERSION; CODED_VERSION for a coded payload)
     dtype code       u8    (`DTYPE_CODES`)
     ndim             u8
-    (pad)            u8
+    codec            u8    (`dataplane.storage.compress`: 0, the bytes as they are, in version 1)
     key hash         u64   xxh3-64 of the key the value was written under
-    payload length   u64
-    shape            ndim x u32
-    value hash       u64   xxh3-64 of everything before it and of the payload
-    payload          the chunk's bytes
+    payload length   u64   (of the payload as stored: coded, it is smaller than dtype x shape)
+    shape            ndim x u32   (the chunk's, decoded)
+    value hash       u64   xxh3-64 of everything before it and of the payload as stored
+    payload          the chunk's bytes, or their coding
+
+A value whose payload is coded is of version 2, which servers from before codecs refuse as
+another format (a counted miss) instead of serving coded bytes; a raw value stays version 1.
 
 Every value is checked before a byte of it reaches a worker: a truncated value, one of another
 format or version, one whose bytes changed anywhere (the value hash), one copied from another
@@ -26,9 +29,12 @@ from dataclasses import dataclass
 
 import xxhash
 
+from dataplane.storage.compress import CODECS, NONE, CodedChunkError, decode_into
+
 MAGIC = b"KVWR"
 FORMAT_VERSION = 1
-_FIXED = struct.Struct("<4sBBBxQQ")
+CODED_VERSION = 2
+_FIXED = struct.Struct("<4sBBBBQQ")
 _HASH = struct.Struct("<Q")
 MAX_NDIM = 8
 
@@ -62,11 +68,20 @@ def key_hash(key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(key)
 
 
-def encode_header(key: bytes, dtype: str, shape: Sequence[int], payload: memoryview | bytes) -> bytes:
-    """The header of ``payload`` stored under ``key`` (the payload is sent after it as is)."""
-    code = check_layout(dtype, shape, memoryview(payload).nbytes)
+def encode_header(
+    key: bytes, dtype: str, shape: Sequence[int], payload: memoryview | bytes, codec: int = NONE
+) -> bytes:
+    """The header of ``payload`` stored under ``key`` (the payload is sent after it as is):
+    the chunk's bytes, or with ``codec`` their coding (smaller than ``dtype[shape]``)."""
     n = memoryview(payload).nbytes
-    prefix = _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), key_hash(key), n)
+    if codec == NONE:
+        code = check_layout(dtype, shape, n)
+    else:
+        code = check_layout(dtype, shape, _nbytes(dtype, shape))
+        if codec not in CODECS or n >= _nbytes(dtype, shape):
+            raise ValueError(f"codec {codec}: a coded payload of {n} bytes for {dtype}{list(shape)}")
+    version = FORMAT_VERSION if codec == NONE else CODED_VERSION
+    prefix = _FIXED.pack(MAGIC, version, code, len(shape), codec, key_hash(key), n)
     prefix += struct.pack(f"<{len(shape)}I", *shape)
     h = xxhash.xxh3_64(prefix)
     h.update(payload)
@@ -96,9 +111,11 @@ def _nbytes(dtype: str, shape: Sequence[int]) -> int:
     return n
 
 
-def encode(key: bytes, dtype: str, shape: Sequence[int], payload: memoryview | bytes) -> bytes:
+def encode(
+    key: bytes, dtype: str, shape: Sequence[int], payload: memoryview | bytes, codec: int = NONE
+) -> bytes:
     """Header and payload in one value (a copy of the payload: tests and small values)."""
-    return encode_header(key, dtype, shape, payload) + bytes(payload)
+    return encode_header(key, dtype, shape, payload, codec) + bytes(payload)
 
 
 def decode(
@@ -107,14 +124,31 @@ def decode(
     dtype: str | None = None,
     shape: Sequence[int] | None = None,
 ) -> tuple[str, tuple[int, ...], memoryview]:
-    """(dtype, shape, payload view) of ``value`` read under ``key``, after every check; with
-    ``dtype`` / ``shape`` given, the value must match them too. RemoteValueError otherwise."""
+    """(dtype, shape, payload view) of ``value`` read under ``key``, after every check, the
+    payload decoded (into a new buffer) when it is coded; with ``dtype`` / ``shape`` given, the
+    value must match them too. RemoteValueError otherwise."""
     mv = memoryview(value).cast("B")
     head = check_header(None, mv, mv.nbytes)
     check_hash(mv, head, mv[head.start :])  # (a damaged value is "checksum", whatever it claims)
     check_key(key, head)
     check_expected(head, dtype, shape)
-    return head.dtype, head.shape, mv[head.start :]
+    if head.codec == NONE:
+        return head.dtype, head.shape, mv[head.start :]
+    out = memoryview(bytearray(head.raw_nbytes))
+    unpack(head, mv[head.start :], out)
+    return head.dtype, head.shape, out
+
+
+def unpack(head: Header, payload: memoryview | bytes, out: memoryview) -> None:
+    """Decode the coded ``payload`` of a value (its hash checked) into ``out`` (``raw_nbytes``);
+    RemoteValueError ("format") when it does not decode: written by a faulty coder, or forged
+    with a matching hash."""
+    try:
+        decode_into(head.codec, payload, out)
+    except CodedChunkError as exc:
+        raise RemoteValueError(
+            "format", f"a {CODECS.get(head.codec)} payload that does not decode: {exc}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +161,12 @@ class Header:
     nbytes: int  # the payload's size
     key_hash: int  # of the key it was written under
     hash_at: int  # where the value hash is (the payload follows it, or starts at ``start``)
+    codec: int = NONE  # how the payload is coded (`dataplane.storage.compress`)
+
+    @property
+    def raw_nbytes(self) -> int:
+        """The chunk's size decoded (``nbytes`` unless the payload is coded)."""
+        return _nbytes(self.dtype, self.shape)
 
 
 def check_header(
@@ -145,11 +185,15 @@ def check_header(
     mv = memoryview(head).cast("B")
     if mv.nbytes < _FIXED.size:
         raise RemoteValueError("truncated", f"{mv.nbytes} bytes, shorter than the {_FIXED.size}-byte header")
-    magic, version, code, ndim, khash, n = _FIXED.unpack_from(mv)
+    magic, version, code, ndim, codec, khash, n = _FIXED.unpack_from(mv)
     if magic != MAGIC:
         raise RemoteValueError("format", "not a kvwarden chunk (no KVWR header)")
-    if version != FORMAT_VERSION:
-        raise RemoteValueError("format", f"format version {version}, this server reads {FORMAT_VERSION}")
+    if version not in (FORMAT_VERSION, CODED_VERSION):
+        raise RemoteValueError(
+            "format", f"format version {version}, this server reads {FORMAT_VERSION} and {CODED_VERSION}"
+        )
+    if (version == FORMAT_VERSION) != (codec == NONE) or codec not in CODECS:
+        raise RemoteValueError("format", f"codec {codec} in a value of version {version}")
     name = _DTYPE_NAMES.get(code)
     if name is None or not 0 < ndim <= MAX_NDIM:
         raise RemoteValueError("format", f"dtype code {code} or ndim {ndim} out of range")
@@ -160,9 +204,9 @@ def check_header(
     if total - start != n:
         raise RemoteValueError("truncated", f"payload of {total - start} bytes, header says {n}")
     dims = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
-    if n != _nbytes(name, dims):
-        raise RemoteValueError("format", f"{n} bytes is not {name}{list(dims)}")
-    h = Header(name, dims, start, n, khash, end - _HASH.size)
+    if n != _nbytes(name, dims) if codec == NONE else n >= _nbytes(name, dims):
+        raise RemoteValueError("format", f"{n} bytes is not {name}{list(dims)}, nor a coding of it")
+    h = Header(name, dims, start, n, khash, end - _HASH.size, codec)
     if key is not None:
         check_key(key, h)
     check_expected(h, dtype, shape)

@@ -427,9 +427,15 @@ class TieredStore(L1Store):
 
     # ---------------------------------------------------------------- writes
     def commit(
-        self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"", since: int | None = None
+        self,
+        key: bytes,
+        buf: torch.Tensor,
+        pin: bool = False,
+        scope: bytes = b"",
+        since: int | None = None,
+        words: str | None = None,
     ) -> bool:
-        written = super().commit(key, buf, pin, scope, since)
+        written = super().commit(key, buf, pin, scope, since, words)
         if not written:
             return written
         view = memoryview(buf.numpy().data)
@@ -442,7 +448,7 @@ class TieredStore(L1Store):
                 self.fs.put(scope, key, view, done)
             else:
                 assert self.remote is not None
-                self.remote.put(key, _DTYPE, (buf.numel(),), view, done, scope=scope)
+                self.remote.put(key, _DTYPE, (buf.numel(),), view, done, scope=scope, words=words)
         return written
 
     # ---------------------------------------------------------------- clears

@@ -181,7 +181,10 @@ def test_a_prefetch_brings_the_remote_prefix_into_l1_before_the_engine_asks(
 def test_a_prompt_stored_through_one_server_is_retrieved_through_another(
     tmp_path: Path, redis_server: RedisServer, mode: str
 ) -> None:
-    a, b = serve(tmp_path / "a", redis_server), serve(tmp_path / "b", redis_server)
+    # A codes what it writes (its bfloat16 KV: smaller in Redis); B, as by default, does not,
+    # and reads A's chunks bit-exact all the same
+    a = serve(tmp_path / "a", redis_server, "--remote-compression", "lossless")
+    b = serve(tmp_path / "b", redis_server)
     wa = wb = None
     try:
         wa, wb = Worker(a, mode), Worker(b, mode)
@@ -190,6 +193,8 @@ def test_a_prompt_stored_through_one_server_is_retrieved_through_another(
         assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 3
         wait_until(lambda: remote(a)["puts"] == 3, 20, what="the write-behind queue to drain")
         assert remote(a)["url"] == redis_server.url
+        ra = remote(a)
+        assert ra["coded_puts"] == 3 and ra["coded_bytes_saved"] > 0, ra
         assert status(b)["storage"]["l1"]["chunks"] == 0  # B's L1 is cold
         assert wb.w.lookup(tokens) == 3 * CS
         assert wb.w.retrieve(tokens, BLOCK_IDS) == 3 * CS
@@ -215,6 +220,7 @@ def test_a_prompt_stored_through_one_server_is_retrieved_through_another(
         assert 'kvwarden_remote_duration_seconds_count{backend="redis",op="exists"} 1.0' in text
         assert 'kvwarden_remote_failures_total{backend="redis",kind="timeout",op="get"} 0.0' in text
         assert 'kvwarden_remote_hits_total{backend="redis"} 3.0' in text
+        assert 'kvwarden_remote_coded_puts_total{backend="redis"} 0.0' in text  # (B wrote nothing)
         promtool = shutil.which("promtool")
         assert promtool, "promtool is required (`make test` installs it)"
         check = subprocess.run(

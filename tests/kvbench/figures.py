@@ -161,8 +161,20 @@ def check_events(rep: dict[str, Any]) -> None:
     assert lk["prompts_held"] == rep["params"]["batch"] // 2  # the half stored, found by the lookup
 
 
+def check_codec(rep: dict[str, Any]) -> None:
+    k = rep["kinds"]["random_weight_kind"]
+    assert k["bytes"] > 0 and k["memcpy_gbs"] > 0 and 1 < k["entropy_bound"] < 2
+    assert set(k["codecs"]) == {"planes", "blosc2_zstd_shuffle", "blosc2_lz4_shuffle"}
+    for c in k["codecs"].values():
+        assert c["ratio"] > 1 and c["encode_gbs"] > 0 and c["decode_gbs"] > 0
+    assert k["codecs"]["planes"]["ratio"] > 1.3  # (KV-like bf16 codes to about 1.45x, any size)
+    r = rep["redis"]
+    assert r["lossless"]["stored_bytes"] < r["none"]["stored_bytes"] and r["coded_over_raw_time"] > 0
+
+
 CHECKS = {
     "blend": check_blend,
+    "codec": check_codec,
     "events": check_events,
     "remote": check_remote,
     "transfer": check_transfer,

@@ -250,13 +250,20 @@ class L1Store:
                 return None  # (when growth just ended short, the next turn may evict instead)
 
     def commit(
-        self, key: bytes, buf: torch.Tensor, pin: bool = False, scope: bytes = b"", since: int | None = None
+        self,
+        key: bytes,
+        buf: torch.Tensor,
+        pin: bool = False,
+        scope: bytes = b"",
+        since: int | None = None,
+        words: str | None = None,
     ) -> bool:
         """Publish a reserved buffer; False (buffer returned) when the key was already present,
         or when its scope was cleared since its bytes were produced (``since``: the `epoch`
         when they began to be read; else when the buffer was reserved) or is being cleared now:
         then nothing is pinned. With ``pin`` the chunk stays pinned (whichever copy won) until
-        ``release``; ``scope``: the key's scope (where a lower tier of `TieredStore` files it)."""
+        ``release``; ``scope``: the key's scope (where a lower tier of `TieredStore` files it); ``words``: the
+        dtype of its elements (which a lower tier may code: `dataplane.storage.compress`)."""
         with self._lock:
             self._writing -= 1
             off = self.arena.offset_of(buf)

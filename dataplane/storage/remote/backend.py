@@ -41,12 +41,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import redis
 
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_EXTERNAL
+from dataplane.storage import compress
 from dataplane.storage.codec import RemoteValueError, check_layout, decode, encode_header
 from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.lower import DURATION_BUCKETS, OK, SpaceState, WriteSpace
@@ -57,19 +57,9 @@ from dataplane.storage.remote.health import ping_code, probe
 from dataplane.storage.remote.read_ahead import Alloc, GiveBack, LaterRead, ReadAhead, Then
 from dataplane.storage.remote.redis_client import Lazy, failure_kind, make_client, redact, room
 from dataplane.storage.remote.stats import RemoteStats
+from dataplane.storage.remote.writes import RedisWrite
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _RedisWrite:
-    key: bytes
-    dtype: str
-    shape: tuple[int, ...]
-    payload: memoryview
-    done: Callable[[], None] | None
-    trial: bool = False  # let through while out of space, to try whether Redis has room again
-    scope: bytes = b""  # named in it (`RemoteBackend.redis_key`)
 
 
 class RemoteBackend:
@@ -84,7 +74,10 @@ class RemoteBackend:
         queue_bytes: int = 256 << 20,
         health_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        compression: str = "none",
     ) -> None:
+        # "lossless": the writer codes 16-bit chunks when it pays; readers decode either way
+        self.compression = compress.checked_setting(compression)
         if timeout_s <= 0 or queue_bytes <= 0 or (health_timeout_s is not None and health_timeout_s <= 0):
             raise ValueError(
                 f"timeout_s, queue_bytes and health_timeout_s must be > 0, got {timeout_s}, "
@@ -107,7 +100,7 @@ class RemoteBackend:
         # data; taken before _lock (never while holding _lock or any other lock)
         self._write_gate = threading.Lock()
         self._stats = RemoteStats()
-        self._queue: collections.deque[_RedisWrite] = collections.deque()
+        self._queue: collections.deque[RedisWrite] = collections.deque()
         self._queued_bytes = 0
         self._inflight = 0  # writes popped and not yet done
         self._failed_gets = 0
@@ -139,7 +132,7 @@ class RemoteBackend:
         self._ahead.join(timeout)
         for w in self._take_all():
             self._count_drop("stopped")
-            _release(w)
+            w.release()
 
     def close(self) -> None:
         self._client.close()
@@ -323,15 +316,17 @@ class RemoteBackend:
         payload: memoryview,
         done: Callable[[], None] | None = None,
         scope: bytes = b"",
+        words: str | None = None,
     ) -> bool:
         """Queue a write of ``key`` in ``scope`` (never waits on Redis). ``payload`` must stay
         unchanged until ``done`` is called (by the writer once sent or failed, or here when the
-        write is dropped). False: dropped (queue full, bypassed, stopped), counted."""
+        write is dropped). False: dropped (queue full, bypassed, stopped), counted. ``words``:
+        the dtype of the chunk's elements, which the writer may code (``compression``)."""
         if not payload.contiguous:
             raise ValueError("payload must be a contiguous buffer")
         check_layout(dtype, shape, payload.nbytes)
         # the header (a hash of the whole payload, ~2 ms for 32 MiB) is made by the writer
-        w = _RedisWrite(key, dtype, tuple(shape), payload, done, scope=scope)
+        w = RedisWrite(key, dtype, tuple(shape), payload, done, scope=scope, words=words)
         reason = None
         admission = self.space.admit()  # (before the lock, which is a leaf)
         w.trial = admission == "try"
@@ -349,7 +344,7 @@ class RemoteBackend:
                 self._queued_bytes += payload.nbytes
         if reason is not None:
             self._count_drop(reason)
-            _release(w)
+            w.release()
             return False
         self._wake.set()
         return True
@@ -375,22 +370,24 @@ class RemoteBackend:
                 self._write(w)
         finally:
             if w is not None:
-                _release(w)
+                w.release()
                 with self._lock:
                     self._inflight -= 1
         return True
 
-    def _write(self, w: _RedisWrite) -> None:
+    def _write(self, w: RedisWrite) -> None:
         if self.space.out and not (w.trial and self._room_for(w.payload.nbytes)):  # (queued before)
             self._count_drop("no_space")
             return
         t0 = time.perf_counter()
         try:
             pipe = self._client().pipeline(transaction=True)
-            header = encode_header(w.key, w.dtype, w.shape, w.payload)
+            coded = compress.encode(w.payload, w.words, self.compression)  # (this thread: the writer)
+            codec, body = coded if coded is not None else (compress.NONE, w.payload)
+            header = encode_header(w.key, w.dtype, w.shape, body, codec)
             name = self.redis_key(w.key, w.scope)
             pipe.set(name, header)
-            pipe.append(name, w.payload)
+            pipe.append(name, body)
             pipe.execute()
         except Exception as exc:  # counted: the writer never dies of one write
             kind = failure_kind(exc)
@@ -404,8 +401,7 @@ class RemoteBackend:
             self._took("put", time.perf_counter() - t0)
         self.space.freed("a chunk fit again")  # (nothing, unless out of space: a try landed)
         with self._lock:
-            self._stats.puts += 1
-            self._stats.bytes_written += len(header) + w.payload.nbytes
+            self._stats.count_put(len(header) + len(body), w.payload.nbytes - len(body) if codec else None)
         self.events.stored(w.key, MEDIUM_EXTERNAL)
 
     # ----------------------------------------------------------------- clear
@@ -448,7 +444,7 @@ class RemoteBackend:
             self._queued_bytes -= sum(w.payload.nbytes for w in gone)
         for w in gone:
             self._count_drop("cleared")
-            _release(w)
+            w.release()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (polling, up to ``timeout_s``) until the queue is empty: tests and shutdown."""
@@ -466,7 +462,7 @@ class RemoteBackend:
         with self._lock:
             return self._stats.copy(len(self._queue), self._queued_bytes, self.space.state())
 
-    def _take_all(self) -> list[_RedisWrite]:
+    def _take_all(self) -> list[RedisWrite]:
         with self._lock:
             out = list(self._queue)
             self._queue.clear()
@@ -492,8 +488,3 @@ class RemoteBackend:
             self._stats.drops[reason] += 1
         if reason == "no_space":
             self.space.dropped()
-
-
-def _release(w: _RedisWrite) -> None:
-    if w.done is not None:
-        w.done()

@@ -37,8 +37,10 @@ from dataplane.storage.codec import (
     check_expected,
     check_header,
     check_key,
+    unpack,
     value_hasher,
 )
+from dataplane.storage.compress import NONE
 
 _LINE_READ = 4096  # what a read for a reply's first line takes from the socket at most
 MAX_IDLE = 8  # connections kept open between reads
@@ -166,8 +168,8 @@ class DirectGets:
         want = None if shape is None else tuple(shape)
 
         def into(h: Header) -> memoryview | None:
-            if alloc is None or h.dtype != dtype or want not in (None, h.shape):
-                return memoryview(bytearray(h.nbytes))
+            if h.codec != NONE or alloc is None or h.dtype != dtype or want not in (None, h.shape):
+                return memoryview(bytearray(h.nbytes))  # (a coded payload: decoded into alloc's below)
             dst = alloc(h.nbytes)
             if dst is not None:
                 given.append(dst)
@@ -175,16 +177,26 @@ class DirectGets:
 
         try:
             got = self.get_into(name, into, lambda head, total: check_header(None, head, total))
-            if got is not None:
-                check_key(key, got[0])
-                check_expected(got[0], dtype, shape)
+            if got is None:
+                return None
+            head, payload = got
+            check_key(key, head)
+            check_expected(head, dtype, shape)
+            if head.codec == NONE:
+                return payload
+            out = memoryview(bytearray(head.raw_nbytes)) if alloc is None else alloc(head.raw_nbytes)
+            if out is None:
+                raise NoRoom
+            if alloc is not None:
+                given.append(out)
+            unpack(head, payload, out)  # (on this thread: where the read runs)
+            return out
         except NoRoom:
             return NO_ROOM
         except BaseException:
             if given and give_back is not None:
                 give_back(given[0])
             raise
-        return None if got is None else got[1]
 
     def get_into(
         self,

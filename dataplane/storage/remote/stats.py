@@ -22,7 +22,9 @@ class RemoteStats:
     misses: int = 0
     bytes_read: int = 0
     puts: int = 0
-    bytes_written: int = 0
+    bytes_written: int = 0  # as stored: headers, and payloads coded or not
+    coded_puts: int = 0  # chunks written coded (`dataplane.storage.compress`)
+    coded_bytes_saved: int = 0  # what coding them saved, against their raw size
     get_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
     put_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
     bad_values: dict[str, int] = field(default_factory=dict)  # codec kinds
@@ -40,6 +42,15 @@ class RemoteStats:
     duration_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
     space: SpaceState = field(default_factory=lambda: SpaceState(False, "", 0.0, 0, 0))
     cleared: int = 0  # chunks removed from Redis by `RemoteBackend.clear_scope`
+
+    def count_put(self, stored: int, saved: int | None) -> None:
+        """A chunk written, ``stored`` bytes with its header; ``saved``: what coding it saved
+        (None: written raw)."""
+        self.puts += 1
+        self.bytes_written += stored
+        if saved is not None:
+            self.coded_puts += 1
+            self.coded_bytes_saved += saved
 
     def copy(self, queue_depth: int, queue_bytes: int, space: SpaceState) -> RemoteStats:
         """A snapshot: these counters (nothing shared with them), with the queue and space now."""

@@ -75,3 +75,58 @@ def test_bad_encode_arguments_name_the_problem() -> None:
         encode(KEY, "bfloat16", (3, 16, 64), PAYLOAD)
     with pytest.raises(ValueError, match="dimensions"):
         encode(KEY, "uint8", (), b"")
+
+
+# ---------------------------------------------------------------- coded payloads
+
+
+def _coded() -> tuple[bytes, bytes]:
+    """A KV-like bfloat16 chunk of 64 KiB (uint8 x n, as the tiers file it) and its coding."""
+    import torch
+
+    from dataplane.storage import compress
+
+    g = torch.Generator().manual_seed(3)
+    raw = bytes((torch.randn(1 << 15, generator=g).to(torch.bfloat16)).view(torch.uint8).numpy())
+    got = compress.encode(memoryview(raw), "bfloat16", "lossless")
+    assert got is not None and got[0] == compress.PLANES
+    return raw, got[1]
+
+
+def test_a_coded_value_is_version_2_and_decodes_to_the_chunk() -> None:
+    from dataplane.storage.compress import PLANES
+
+    raw, coded = _coded()
+    value = encode(KEY, "uint8", (len(raw),), coded, PLANES)
+    assert value[4] == 2 and value[7] == PLANES and len(value) == header_size(1) + len(coded)
+    dtype, shape, payload = decode(KEY, value, "uint8", (len(raw),))
+    assert (dtype, shape, bytes(payload)) == ("uint8", (len(raw),), raw)
+    plain = encode(KEY, "uint8", (len(raw),), raw)
+    assert plain[4] == 1 and plain[7] == 0  # a raw value stays version 1, as before codecs
+
+
+def test_coded_values_that_are_damaged_or_foreign_are_refused() -> None:
+    from dataplane.storage.compress import PLANES
+
+    raw, coded = _coded()
+    value = bytearray(encode(KEY, "uint8", (len(raw),), coded, PLANES))
+    bad = bytearray(value)
+    bad[-1] ^= 1  # a byte of the low plane
+    assert _kind(bytes(bad)) == "checksum"
+    assert _kind(bytes(value), key=b"another") == "key"
+    v1 = bytearray(value)
+    v1[4] = 1  # a codec in a version-1 value: not one this format has
+    assert _kind(bytes(v1)) == "format"
+    v9 = bytearray(value)
+    v9[7] = 9  # an unknown codec
+    assert _kind(bytes(v9)) == "format"
+    with pytest.raises(ValueError, match="coded payload"):
+        encode(KEY, "uint8", (len(raw),), raw, PLANES)  # "coded" but no smaller: refused at write
+
+
+def test_a_coded_payload_with_a_sound_hash_that_does_not_decode_is_format() -> None:
+    from dataplane.storage.compress import PLANES
+
+    raw, coded = _coded()
+    broken = coded[:4] + bytes(len(coded) - 4)  # the planes' lengths, then zeros: no zstd frame
+    assert _kind(encode(KEY, "uint8", (len(raw),), broken, PLANES)) == "format"

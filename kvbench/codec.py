@@ -1,0 +1,168 @@
+"""`kvwarden bench codec`: the lossless coding of 16-bit chunks (`dataplane.storage.compress`)
+beside the alternatives and memcpy, and what it does to a hit of the remote tier.
+
+For each kind of KV (a random-weight model's kind: normal values with a scale per channel; and,
+with ``--kv-file``, KV captured from a trained model, `scripts/capture_kv.py`): the bytes a chunk
+takes coded (kvwarden's planes; blosc2's byte shuffle with zstd and with lz4; the bound the
+exponents' entropy sets), and encode and decode GB/s on one core beside memcpy (medians). Then
+a chunk stored through a real ``redis-server`` on loopback, coded and not, and read back into a
+buffer: the time of each read (median), first and steady.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvbench.movers import start_redis
+from kvbench.results import add_output_args, finish, resolve
+
+
+def add_args(sub: Any) -> None:
+    p = sub.add_parser("codec", help="lossless chunk coding: bytes, GB/s a core vs memcpy, Redis hits")
+    p.add_argument("--chunk-mb", type=int, default=None, help="chunk size in MiB (16; quick 8)")
+    p.add_argument("--rounds", type=int, default=None, help="samples of each figure (9; quick 5)")
+    p.add_argument("--kv-file", default=None, help="a .npy of bfloat16 KV (as int16/uint16 bits)")
+    add_output_args(p)
+    p.set_defaults(func=run_codec)
+
+
+def _median(f: Callable[[], Any], n: int) -> float:
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def synthetic_kv(nbytes: int, seed: int = 0) -> np.ndarray:
+    """bfloat16 bits of KV-like values: normal, a scale per channel of 64 (a random-weight
+    model's KV is of this kind)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(nbytes // 128, 64, generator=g) * (torch.rand(64, generator=g) * 4 + 0.1)
+    return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).ravel().copy()
+
+
+def entropy_bound(raw: np.ndarray) -> float:
+    """The ratio at best when the 8 exponent bits of each bfloat16 are coded at their entropy."""
+    w = raw.view(np.uint16)
+    p = np.bincount(((w >> 7) & 0xFF).astype(np.uint8), minlength=256) / w.size
+    bits = float(-(p[p > 0] * np.log2(p[p > 0])).sum())
+    return 16 / (8 + bits)
+
+
+def measure_kind(raw: np.ndarray, rounds: int) -> dict[str, Any]:
+    import blosc2
+
+    from dataplane.storage.compress.planes import decode_into, encode
+
+    n = raw.nbytes
+    out = np.empty_like(raw)
+    mv = raw.data.cast("B")
+    memcpy = n / _median(lambda: np.copyto(out, raw), rounds) / 1e9
+    coded = encode(mv, "bfloat16")
+    assert coded is not None
+    dest = out.data.cast("B")
+    rows = {
+        "planes": {
+            "ratio": n / len(coded),
+            "encode_gbs": n / _median(lambda: encode(mv, "bfloat16"), rounds) / 1e9,
+            "decode_gbs": n / _median(lambda: decode_into(coded, dest), rounds) / 1e9,
+        }
+    }
+    assert bytes(out) == bytes(raw)
+    blosc2.set_nthreads(1)
+    for name, codec in (("blosc2_zstd_shuffle", blosc2.Codec.ZSTD), ("blosc2_lz4_shuffle", blosc2.Codec.LZ4)):
+        params = {"codec": codec, "clevel": 1, "typesize": 2, "filters": [blosc2.Filter.SHUFFLE]}
+        c = blosc2.compress2(raw, **params)
+        rows[name] = {
+            "ratio": n / len(c),
+            "encode_gbs": n / _median(lambda p=params: blosc2.compress2(raw, **p), rounds) / 1e9,  # type: ignore[misc]
+            "decode_gbs": n / _median(lambda c=c: blosc2.decompress2(c), rounds) / 1e9,  # type: ignore[misc]
+        }
+    return {"bytes": n, "memcpy_gbs": memcpy, "entropy_bound": entropy_bound(raw), "codecs": rows}
+
+
+def measure_redis(raw: np.ndarray, rounds: int) -> dict[str, Any]:
+    """A chunk through a real redis-server, stored coded and raw, read back into one buffer."""
+    from dataplane.storage.remote import RemoteBackend
+
+    pair = start_redis()
+    if pair is None:
+        raise SystemExit("bench codec: redis-server is not installed (make tools)")
+    proc, client = pair
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+    n = raw.nbytes
+    dest = bytearray(n)
+    out: dict[str, Any] = {}
+    try:
+        for i, setting in enumerate(("none", "lossless")):
+            b = RemoteBackend(url, timeout_s=30, compression=setting, queue_bytes=n + 1)
+            b.start()
+            try:
+                key = (i + 1).to_bytes(16, "big")
+                assert b.put(key, "uint8", (n,), raw.data.cast("B"), words="bfloat16")
+                assert b.flush(60)
+
+                def get(b: RemoteBackend = b, key: bytes = key) -> None:
+                    b.get(key, "uint8", (n,), alloc=lambda _: memoryview(dest))
+
+                t0 = time.perf_counter()
+                get()
+                first = time.perf_counter() - t0
+                assert bytes(dest) == raw.tobytes()
+                out[setting] = {
+                    "stored_bytes": b.stats().bytes_written,
+                    "first_s": first,
+                    "steady_s": _median(get, rounds),
+                }
+            finally:
+                b.stop()
+                b.join(10)
+                b.close()
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait(10)
+    out["coded_over_raw_time"] = out["lossless"]["steady_s"] / out["none"]["steady_s"]
+    return out
+
+
+def run_codec(ns: argparse.Namespace) -> int:
+    resolve(ns, chunk_mb=(16, 8, 1), rounds=(9, 5, 2))
+    n = int(ns.chunk_mb) << 20
+    kinds = {"random_weight_kind": synthetic_kv(n)}
+    if ns.kv_file:
+        kinds["trained"] = np.load(ns.kv_file).view(np.uint8).ravel()[:n].copy()
+    report: dict[str, Any] = {"kinds": {k: measure_kind(v, ns.rounds) for k, v in kinds.items()}}
+    report["redis"] = measure_redis(kinds.get("trained", kinds["random_weight_kind"]), ns.rounds)
+    report["params"] = {"chunk_mb": ns.chunk_mb, "rounds": ns.rounds, "kv_file": ns.kv_file}
+    finish(ns, "codec", report, _show)
+    return 0
+
+
+def _show(rep: dict[str, Any]) -> None:
+    for kind, k in rep["kinds"].items():
+        mib, bound = k["bytes"] >> 20, k["entropy_bound"]
+        print(f"{kind}: {mib} MiB, memcpy {k['memcpy_gbs']:.2f} GB/s, entropy bound {bound:.3f}x")
+        for name, c in k["codecs"].items():
+            print(
+                f"  {name:22s} {c['ratio']:.3f}x  encode {c['encode_gbs']:.2f} GB/s  "
+                f"decode {c['decode_gbs']:.2f} GB/s ({c['decode_gbs'] / k['memcpy_gbs']:.2f}x memcpy)"
+            )
+    r = rep["redis"]
+    for setting in ("none", "lossless"):
+        s = r[setting]
+        print(
+            f"redis {setting:8s}: {s['stored_bytes']} bytes stored, read first {s['first_s'] * 1e3:.1f} ms, "
+            f"steady {s['steady_s'] * 1e3:.1f} ms"
+        )
+    print(f"redis hit, coded / raw time: {r['coded_over_raw_time']:.2f}x")
