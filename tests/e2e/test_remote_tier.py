@@ -240,12 +240,15 @@ def test_two_servers_share_a_three_master_redis_cluster(tmp_path: Path) -> None:
     a = b = None
     wa = wb = None
     try:
-        a, b = serve(tmp_path / "a", cluster), serve(tmp_path / "b", cluster)
+        # A codes its chunks: B reads them through redis-py's cluster client, and decodes them
+        a = serve(tmp_path / "a", cluster, "--remote-compression", "lossless")
+        b = serve(tmp_path / "b", cluster)
         wa, wb = Worker(a), Worker(b)
         tokens = prompt(9, 4 * CS)
         want = wa.fill(9)
         assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 4
         wait_until(lambda: remote(a)["puts"] == 4, 20, what="the writes")
+        assert remote(a)["coded_puts"] == 4
         per_node = [len(n.client().keys("kvwarden:*")) for n in cluster.nodes]
         assert sum(per_node) == 4 and max(per_node) < 4  # one prompt's chunks on several shards
         assert wb.w.lookup(tokens) == 4 * CS

@@ -204,7 +204,14 @@ def test_a_model_whose_every_layer_is_a_sliding_window_loads_the_window_alone(tm
 
 def test_an_mla_model_on_two_ranks_stores_its_latent_once_for_both(mla: MLAWorld, tmp_path: Path) -> None:
     tp = {"tensor_parallel_size": 2}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # a core a rank
+    # a core a rank; their OpenMP threads sleep when idle instead of spinning: spinning, the two
+    # ranks held both cores, and a kvwarden server beside them (this test's, and another
+    # test's) once went 30 s without a turn to answer
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
 
     def two_ranks(url: str | None, logs: Path, prefix_caching: bool | str = False) -> EngineProcess:
         logs.mkdir(parents=True, exist_ok=True)
