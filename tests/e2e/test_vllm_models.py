@@ -202,10 +202,12 @@ def test_a_model_whose_every_layer_is_a_sliding_window_loads_the_window_alone(tm
     _window_hits(tmp_path, model, 2 * 256, 1, another=False)  # (another engine: the Gemma 3 test)
 
 
-# Out of make test (KVWARDEN_SLOW=1 runs it) until a hang is found and fixed: in 2 of 4
-# clean-clone runs of make test the server left an ENGINE_RESERVE of the miss's store unanswered
-# for 30 s (the engine then went on without the cache) while it answered other calls, so the
-# store never landed. Suspected: a wait across the two ranks on the one copy they share.
+# Out of make test (KVWARDEN_SLOW=1 runs it) until a stall is found and fixed: in 2 of 4
+# clean-clone runs of make test a rank's ENGINE_RESERVE for the miss's store got no reply within
+# 30 s (the engine then went on without the cache), so the store never landed; the server's log
+# shows nothing amiss and it answered the ranks' UNREGISTER at once. Suspected: the rank's
+# kvwarden thread starved on the one core its compute threads are bound to (OMP_WAIT_POLICY
+# PASSIVE did not prevent it), or a wait across the two ranks on the one copy they share.
 @pytest.mark.slow
 def test_an_mla_model_on_two_ranks_stores_its_latent_once_for_both(mla: MLAWorld, tmp_path: Path) -> None:
     tp = {"tensor_parallel_size": 2}
