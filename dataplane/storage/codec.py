@@ -77,8 +77,9 @@ def encode_header(
     if codec == NONE:
         code = check_layout(dtype, shape, n)
     else:
-        code = check_layout(dtype, shape, _nbytes(dtype, shape))
-        if codec not in CODECS or n >= _nbytes(dtype, shape):
+        raw = _nbytes(dtype, shape)
+        code = check_layout(dtype, shape, raw)
+        if codec not in CODECS or n >= raw:
             raise ValueError(f"codec {codec}: a coded payload of {n} bytes for {dtype}{list(shape)}")
     version = FORMAT_VERSION if codec == NONE else CODED_VERSION
     prefix = _FIXED.pack(MAGIC, version, code, len(shape), codec, key_hash(key), n)
@@ -123,10 +124,11 @@ def decode(
     value: bytes | memoryview,
     dtype: str | None = None,
     shape: Sequence[int] | None = None,
+    out: memoryview | None = None,
 ) -> tuple[str, tuple[int, ...], memoryview]:
     """(dtype, shape, payload view) of ``value`` read under ``key``, after every check, the
-    payload decoded (into a new buffer) when it is coded; with ``dtype`` / ``shape`` given, the
-    value must match them too. RemoteValueError otherwise."""
+    payload decoded when it is coded (into ``out``, the decoded size, else a new buffer); with
+    ``dtype`` / ``shape`` given, the value must match them too. RemoteValueError otherwise."""
     mv = memoryview(value).cast("B")
     head = check_header(None, mv, mv.nbytes)
     check_hash(mv, head, mv[head.start :])  # (a damaged value is "checksum", whatever it claims)
@@ -134,7 +136,7 @@ def decode(
     check_expected(head, dtype, shape)
     if head.codec == NONE:
         return head.dtype, head.shape, mv[head.start :]
-    out = memoryview(bytearray(head.raw_nbytes))
+    out = memoryview(bytearray(head.raw_nbytes)) if out is None else out
     unpack(head, mv[head.start :], out)
     return head.dtype, head.shape, out
 

@@ -47,7 +47,7 @@ import redis
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_EXTERNAL
 from dataplane.storage import compress
-from dataplane.storage.codec import RemoteValueError, check_layout, decode, encode_header
+from dataplane.storage.codec import RemoteValueError, check_header, check_layout, decode, encode_header
 from dataplane.storage.keys import ScopeMatch
 from dataplane.storage.lower import DURATION_BUCKETS, OK, SpaceState, WriteSpace
 from dataplane.storage.remote.clear import unlink_scope
@@ -179,17 +179,22 @@ class RemoteBackend:
             if value is None:
                 self._stats.misses += 1
                 return None
+        dst = None  # (a coded value decodes straight into alloc's buffer: no second copy)
         try:
-            _, _, payload = decode(key, value, dtype, shape)  # type: ignore[arg-type]  # (bytes)
+            head = check_header(key, value, len(value), dtype, shape)  # type: ignore[arg-type]  # (bytes)
+            dst = None if alloc is None else alloc(head.raw_nbytes)
+            if alloc is not None and dst is None:
+                return None  # (a hit of Redis's, with no room here)
+            coded = head.codec != compress.NONE
+            _, _, payload = decode(key, value, dtype, shape, dst if coded else None)  # type: ignore[arg-type]
         except RemoteValueError as exc:
+            if dst is not None and give_back is not None:
+                give_back(dst)
             self._count_bad(exc)
             return None
-        if alloc is not None:
-            dst = alloc(payload.nbytes)
-            if dst is None:
-                return None  # (read and sound: a hit of Redis's, with no room here)
+        if dst is not None and not coded:
             dst[:] = payload
-            payload = dst
+        payload = payload if dst is None else dst
         self._count_hit(payload.nbytes)
         return payload
 
