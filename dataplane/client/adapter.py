@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import zmq
 
-from dataplane.client.args import check_args, check_copy_threads
+from dataplane.client.args import check_args, check_copy_threads, check_kv_compression
 from dataplane.client.channel import Channel
 from dataplane.client.engine_driven import EngineDrivenTransport
 from dataplane.client.heartbeat import Heartbeat
@@ -109,9 +109,11 @@ class WorkerAdapter:
         on_health_change: Callable[[bool], None] | None = None,
         pool_chunks: int = 4,
         copy_threads: int | None = None,
+        kv_compression: str = "none",
     ) -> None:
         check_args(transfer_mode, pool_chunks, heartbeat_interval, world_size, worker_id)
         copy_threads = check_copy_threads(transfer_mode, copy_threads)
+        self.kv_compression = check_kv_compression(transfer_mode, kv_compression)
         self.endpoint = endpoint
         self.model_name = model_name
         self.world_size = world_size
@@ -123,7 +125,7 @@ class WorkerAdapter:
         self._secret = secrets.token_bytes(16)  # this instance's: every request carries it
         who = Identity(self.instance_id, self._secret, model_name, world_size, worker_id, os.getpid())
         self._transport: Transport = (
-            EngineDrivenTransport(who, pool_chunks, copy_threads)
+            EngineDrivenTransport(who, pool_chunks, copy_threads, kv_compression)
             if self.transfer_mode is TransferMode.ENGINE_DRIVEN
             else ServerDrivenTransport(who)
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from dataplane.wire.messages import MAX_POOL_CHUNKS, TransferMode
+from dataplane.wire.messages import KV_CODECS, MAX_POOL_CHUNKS, TransferMode
 from dataplane.wire.protocol import REAP_TIMEOUT_FLOOR_S
 
 logger = logging.getLogger("dataplane.client.adapter")
@@ -46,3 +46,16 @@ def check_copy_threads(transfer_mode: str, copy_threads: int | None) -> int:
     if not 1 <= copy_threads <= MAX_COPY_THREADS:
         raise ValueError(f"copy_threads must be in [1, {MAX_COPY_THREADS}]")
     return copy_threads
+
+
+def check_kv_compression(transfer_mode: str, kv_compression: str) -> str:
+    """How an engine's chunks are stored: "none" (its KV as is) or "int8" (quantized by the
+    worker as it copies, so engine-driven transfers only)."""
+    if kv_compression not in KV_CODECS:
+        raise ValueError(f"kv_compression {kv_compression!r}: use {' or '.join(map(repr, KV_CODECS))}")
+    if kv_compression != "none" and transfer_mode != TransferMode.ENGINE_DRIVEN.value:
+        raise ValueError(
+            f"kv_compression {kv_compression!r} needs engine_driven transfers: the worker quantizes "
+            "as it copies (a server-driven server copies raw KV only)"
+        )
+    return kv_compression

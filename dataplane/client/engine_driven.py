@@ -18,6 +18,7 @@ from dataplane.client.one_copy import ArenaCopier
 from dataplane.client.transport import NO_BLOCKS, BlendHits, Identity, Key, Send
 from dataplane.memory.blockkv import BlockKV, LocalKV
 from dataplane.memory.copies import ChunkMap, CopySplitter
+from dataplane.memory.int8 import Int8KV, Int8Shape
 from dataplane.memory.kvmemory import DTYPE_NAMES, map_local_tensors
 from dataplane.memory.rope import RopeParams
 from dataplane.memory.shm import Segment
@@ -36,9 +37,12 @@ from dataplane.wire.replies import ArenaInfo, PoolRegistered, Registered, StoreC
 
 
 class EngineDrivenTransport:
-    def __init__(self, who: Identity, pool_chunks: int, copy_threads: int = 1) -> None:
+    def __init__(
+        self, who: Identity, pool_chunks: int, copy_threads: int = 1, kv_codec: str = "none"
+    ) -> None:
         self.who = who
         self.pool_chunks = pool_chunks
+        self.kv_codec = kv_codec  # "int8": chunks are quantized here as they are copied (`Int8KV`)
         # the worker copies; with copy_threads > 1 split across threads by layers (set torch's
         # own threads to 1 then: both at once oversubscribe the cores)
         self._splitter = CopySplitter(copy_threads)
@@ -67,7 +71,15 @@ class EngineDrivenTransport:
                 if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
                     raise ValueError(f"layer {i}: shape/dtype differ from layer 0 or not contiguous")
             local = map_local_tensors(list(caches))
-        self._local = local
+        if self.kv_codec == "int8":
+            if first.device.type != "cpu":
+                raise ValueError(
+                    "kv_compression int8 quantizes KV on the CPU only, not on " + first.device.type
+                )
+            shape = Int8Shape(kv_format, len(caches), local.heads, local.head_dim, local.block_size)
+            self._local = Int8KV(local, shape, first.dtype)
+        else:
+            self._local = local
         return EngineRegister(
             who.instance_id,
             who.secret,
@@ -82,6 +94,7 @@ class EngineDrivenTransport:
             who.owner_pid,
             kv_format,
             local.block_size,
+            self.kv_codec,
         )
 
     def registered(self, result: Registered | PoolRegistered) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dataplane.memory.copies import Blocks, CopySplitter, Placement, whole_blocks
+from dataplane.memory.int8 import Int8KV
 from dataplane.memory.kvmemory import MappedKV
 from dataplane.wire.kinds import KVFormat
 
@@ -113,4 +114,4 @@ class BlockKV:
 
 
 # a worker's own KV memory, as the worker-side copies see it
-LocalKV = MappedKV | BlockKV
+LocalKV = MappedKV | BlockKV | Int8KV

@@ -134,6 +134,11 @@ class BlendModule(InstanceLivenessTarget):
                         f"instance {p.instance_id} registered {e.reg.kv_format.value} memory: blend "
                         "transfers need the token_major layout"
                     )
+                if e.reg.kv_codec != "none":
+                    raise RequestError(
+                        f"instance {p.instance_id} stores {e.reg.kv_codec} chunks: blend transfers "
+                        "move raw KV only (register without kv_codec for blending)"
+                    )
                 return e.reg.head_dim
         with self.transfer.registry.use(p.instance_id, rctx.conn_fd, p.secret) as c:
             assert c.kv is not None

@@ -81,7 +81,7 @@ class BlendDirectModule:
                     tenant,
                     rctx.conn_fd,
                     filing_scope(c.scope, p.key),
-                    c.info.dtype,
+                    c.words,
                 )
                 lid = c.leases.add(lease)
             except BaseException:

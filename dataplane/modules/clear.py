@@ -82,7 +82,7 @@ class ClearModule:
         return None
 
     def _clear_scope(self, rctx: RequestContext, p: ClearScope) -> Cleared:
-        whole = [ScopeMatch.whole(s) for s in scopes_named(p)]
+        whole = [ScopeMatch.whole(s) for s in scopes_named(p, p.kv_codec)]
         got = self._clear(whole, "engine", f"connection {rctx.conn_fd}", p.model_name)
         return Cleared(got.l1, got.fs, got.remote, got.pinned, got.failed, got.complete)
 

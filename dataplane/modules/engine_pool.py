@@ -30,6 +30,7 @@ from dataplane.liveness.quota import InstanceQuota
 from dataplane.liveness.registry import Clock
 from dataplane.memory.budget import ByteBudget, DescriptorReserve
 from dataplane.memory.copies import CopySplitter
+from dataplane.memory.int8 import FLOAT_DTYPES, Int8Shape
 from dataplane.memory.kvmemory import TORCH_DTYPES
 from dataplane.memory.shm import Segment
 from dataplane.metrics import DataPlaneMetrics
@@ -92,6 +93,13 @@ class EngineContext(Entry):
     strategy: PoolStrategy | None = None
     leases: Leases = field(default_factory=Leases)  # one-copy transfers in progress
 
+    @property
+    def words(self) -> str | None:
+        """The dtype of its chunks' elements (which lower tiers may code): int8 chunks are bytes."""
+        if self.reg is not None and self.reg.kv_codec != "none":
+            return "uint8"
+        return self.info.dtype
+
 
 class EngineDrivenTransferModule(TransferModule[EngineContext]):
     name = TransferMode.ENGINE_DRIVEN.value
@@ -137,10 +145,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 f"engine's block size {reg.block_size} ({reg.kv_format.value} chunks move in whole "
                 "blocks): start the server with a --chunk-size that is"
             )
-        dtype = TORCH_DTYPES[reg.dtype]
-        item = torch.empty((), dtype=dtype).element_size()
-        row = reg.kv_format.planes * reg.heads * reg.head_dim  # a token's vectors, in a layer
-        chunk_bytes = reg.num_layers * self.chunk_size * row * item
+        chunk_bytes = self._chunk_bytes(reg)
         old = self.registry.refresh_if(
             reg.instance_id, lambda c: c.strategy is not None and c.reg == reg, rctx.conn_fd, reg.secret
         )
@@ -176,6 +181,19 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
         )
         return self._pool_info(strat, chunk_bytes, created=True)
 
+    def _chunk_bytes(self, reg: EngineRegister) -> int:
+        """Bytes of one of ``reg``'s chunks, as its codec stores them."""
+        if reg.kv_codec == "int8":
+            if TORCH_DTYPES[reg.dtype] not in FLOAT_DTYPES:
+                raise InvalidLayout(
+                    f"kv_codec: int8 quantizes float KV (bfloat16, float16, float32), not {reg.dtype}"
+                )
+            shape = Int8Shape(reg.kv_format, reg.num_layers, reg.heads, reg.head_dim, reg.block_size)
+            return shape.chunk_nbytes(self.chunk_size)
+        item = torch.empty((), dtype=TORCH_DTYPES[reg.dtype]).element_size()
+        row = reg.kv_format.planes * reg.heads * reg.head_dim  # a token's vectors, in a layer
+        return reg.num_layers * self.chunk_size * row * item
+
     def _context(
         self, rctx: RequestContext, reg: EngineRegister, chunk_bytes: int, strat: PoolStrategy
     ) -> EngineContext:
@@ -189,6 +207,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
             reg.head_dim,
             reg.kv_format.value,
             reg.block_size,
+            reg.kv_codec,
         )
         now = self._clock()
         info = InstanceInfo(
@@ -270,7 +289,7 @@ class EngineDrivenTransferModule(TransferModule[EngineContext]):
                 tenant=tenant_of(p.key),
                 conn_fd=rctx.conn_fd,
                 scope=filed,
-                words=c.info.dtype,
+                words=c.words,
             )
 
     def _retrieve(self, rctx: RequestContext, p: EngineRetrieve) -> PoolRetrieved:

@@ -30,8 +30,9 @@ from dataplane.wire.messages import (
 from dataplane.wire.replies import Hits, Noted, ScopeHits
 
 
-def scopes_named(p: ScopeName) -> list[bytes]:
-    """Every rank's scope digest of ``p`` (one for a format every rank holds alike)."""
+def scopes_named(p: ScopeName, kv_codec: str = "none") -> list[bytes]:
+    """Every rank's scope digest of ``p`` with chunks stored as ``kv_codec`` (one for a format
+    every rank holds alike)."""
     return [
         scope_digest(
             p.model_name,
@@ -43,6 +44,7 @@ def scopes_named(p: ScopeName) -> list[bytes]:
             p.head_dim,
             p.kv_format.value,
             p.block_size,
+            kv_codec,
         )
         for rank in range(1 if p.kv_format.replicated else p.world_size)
     ]
@@ -107,7 +109,7 @@ class LookupModule:
         chunks every rank's scope holds in L1 as asked (before the lower tiers' read-ahead),
         those and the chunks every rank's file tier continues them by), each within the first."""
         held = reach = in_l1 = to_disk = len(p.token_ids) // self.chunk_size
-        for scope in scopes_named(p):
+        for scope in scopes_named(p, p.kv_codec):
             if reach == 0:
                 break
             keys = chunk_keys(scope, p.token_ids[: reach * self.chunk_size], self.chunk_size, p.key)

@@ -109,7 +109,7 @@ class DirectTransferModule:
         try:
             tenant = tenant_of(p.key)
             handed, present, rejected, skipped = reserve_into(
-                lease, self.l1, wanted, c.chunk_bytes, tenant, rctx.conn_fd, filed, c.info.dtype
+                lease, self.l1, wanted, c.chunk_bytes, tenant, rctx.conn_fd, filed, c.words
             )
             lid = c.leases.add(lease)
         except BaseException:

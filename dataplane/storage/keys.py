@@ -51,12 +51,15 @@ def scope_digest(
     head_dim: int,
     kv_format: str = "token_major",
     block_size: int = 0,
+    kv_codec: str = "none",
 ) -> bytes:
     # a format every rank holds alike is keyed once for all ranks and world sizes
     ranks = "ws=*|rank=*" if KVFormat(kv_format).replicated else f"ws={world_size}|rank={worker_id}"
     text = f"kvwarden/v1|{model_name}|{ranks}|{dtype}|L={num_layers}|H={num_heads}|D={head_dim}"
     if kv_format != "token_major":  # (token-major keys are unchanged from before formats existed)
         text += f"|F={kv_format}|B={block_size}"
+    if kv_codec != "none":  # lossy chunks: never served to a worker that did not opt in
+        text += f"|Q={kv_codec}"
 
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 

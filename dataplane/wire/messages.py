@@ -80,6 +80,9 @@ MAX_RANKS = 1 << 20
 MAX_SCOPE_RANKS = 64  # ranks one LOOKUP_SCOPE checks
 MAX_WINDOW_CHUNKS = 1 << 16  # the chunks a LOOKUP_SCOPE window may name
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+# what a worker's chunks are stored as: its KV as is, or quantized to int8 (`dataplane.memory.int8`)
+KV_CODECS = ("none", "int8")
+_KV_CODEC = "`none`: the KV as the engine holds it; `int8`: quantized (lossy); part of the scope"
 
 Layer = ShmLayer | CudaLayer
 
@@ -239,6 +242,7 @@ class ScopeRequest(ScopeName):
         small_int(0, MAX_WINDOW_CHUNKS),
         "0: the prefix's every chunk is needed; w > 0: its last w (a sliding-window layer group)",
     ] = 0
+    kv_codec: Annotated[str, one_of(KV_CODECS), "as for ENGINE_REGISTER"] = "none"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -265,6 +269,7 @@ class ClearScope(ScopeName, Message[Cleared]):
     its cache: its weights changed, so what it stored is stale); answered once done."""
 
     TYPE = MsgType.CLEAR_SCOPE
+    kv_codec: Annotated[str, one_of(KV_CODECS), "as for ENGINE_REGISTER"] = "none"
 
 
 WAIT_OUTCOMES = ("hit", "partial", "gave_up")
@@ -306,6 +311,7 @@ class EngineRegister(Message[PoolRegistered]):
     owner_pid: Annotated[int, _PID, "informational"]
     kv_format: Annotated[KVFormat, member_of(KVFormat), "what a chunk's bytes are (part of the scope)"]
     block_size: Annotated[int, small_int(1, MAX_BLOCK_SIZE), "tokens per block of the engine's paged memory"]
+    kv_codec: Annotated[str, one_of(KV_CODECS), _KV_CODEC] = "none"
 
     def _checked(self, where: str) -> EngineRegister:
         _rank_below_world(where, self.worker_id, self.world_size)

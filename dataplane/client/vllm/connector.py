@@ -59,7 +59,7 @@ from dataplane.client.vllm.kinds import cached_scopes, describe, groups_of
 from dataplane.client.vllm.lookup import Scope, ScopeLookup
 from dataplane.client.vllm.metadata import KVWardenConnectorMetadata, KVWardenWorkerMetadata
 from dataplane.client.vllm.request_keys import request_key
-from dataplane.client.vllm.settings import connector_settings
+from dataplane.client.vllm.settings import adapter_options, connector_settings
 from dataplane.client.vllm.state import Plan, Planner, Uncached, prompt_of
 from dataplane.client.vllm.tail import tail_refusal
 from dataplane.client.vllm.tally import Tally
@@ -109,7 +109,9 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
         self._stores = kv_role != "kv_consumer"  # a consumer only loads
         # None, and why: this engine runs without the cache
         scopes, self._declined = cached_scopes(
-            describe(vllm_config, kv_cache_config), role == KVConnectorRole.SCHEDULER
+            describe(vllm_config, kv_cache_config),
+            role == KVConnectorRole.SCHEDULER,
+            self._cfg["kvwarden.kv_compression"],
         )
         self._scopes = scopes or ()
         self._scope_or_none = scopes[0] if scopes else None
@@ -210,10 +212,7 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
             cfg["kvwarden.url"],
             cfg["kvwarden.transfer_mode"],
             cfg["kvwarden.connect_wait_s"],
-            dict(
-                heartbeat_interval=cfg["kvwarden.heartbeat_interval_s"],
-                request_timeout=cfg["kvwarden.request_timeout_s"],
-            ),
+            adapter_options(cfg),
             cfg["kvwarden.retry_s"],
         )
         self._adapter, self._more = adapters[0], adapters[1:]

@@ -190,11 +190,14 @@ def _scope(m: EngineModel, g: Group) -> Scope:
     return Scope(m.name, m.tensor_parallel, dtype, g.layers, heads, g.head_size, kv_format, g.block_size)
 
 
-def cached_scopes(m: EngineModel, say: bool) -> tuple[tuple[Scope, ...] | None, str | None]:
-    """(the scope of each of the engine's KV cache groups, None), or (None, why the engine runs
-    without the cache), logged when ``say`` (by the engine's scheduler: once an engine)."""
+def cached_scopes(
+    m: EngineModel, say: bool, kv_codec: str = "none"
+) -> tuple[tuple[Scope, ...] | None, str | None]:
+    """(the scope of each of the engine's KV cache groups, its chunks stored as ``kv_codec``,
+    None), or (None, why the engine runs without the cache), logged when ``say`` (by the
+    engine's scheduler: once an engine)."""
     try:
-        return scopes_of(m), None
+        return tuple(replace(s, kv_codec=kv_codec) for s in scopes_of(m)), None
     except Declined as exc:
         if say:
             logger.warning(

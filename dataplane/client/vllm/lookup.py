@@ -52,6 +52,8 @@ class Scope:
     # a sliding-window layer group: the tokens a token sees, itself included (a hit needs only
     # the chunks of the last ``window - 1`` tokens before it); 0: every token before it
     window: int = 0
+    # how its chunks are stored ("none", or "int8": quantized, `kvwarden.kv_compression`)
+    kv_codec: str = "none"
 
     def window_chunks(self, chunk_size: int) -> int:
         """The last chunks before a hit's end that the group needs (0: all of them)."""
@@ -109,7 +111,7 @@ class ScopeLookup:
         hit = reach = len(tokens)
         l1 = disk = len(tokens)  # (disk: where L1's prefix continued by the file tier's ends)
         for s in full:
-            r = self._ask(LookupScope(*self._scope_fields(s), tokens, key))
+            r = self._ask(LookupScope(*self._scope_fields(s), tokens, key, kv_codec=s.kv_codec))
             if r is None:
                 return LookupFound(0, 0, answered=False)
             self._learn(r.chunk_size)
@@ -129,7 +131,11 @@ class ScopeLookup:
             while lowered and hit:  # (a lower end needs each window again: it ends elsewhere)
                 lowered = False
                 for s in sliding:
-                    r = self._ask(LookupScope(*self._scope_fields(s), tokens[:hit], key, s.window_chunks(cs)))
+                    r = self._ask(
+                        LookupScope(
+                            *self._scope_fields(s), tokens[:hit], key, s.window_chunks(cs), s.kv_codec
+                        )
+                    )
                     if r is None:
                         return LookupFound(0, 0, answered=False)
                     reach = min(reach, r.hit_tokens + r.pending_tokens)
@@ -149,7 +155,9 @@ class ScopeLookup:
     def _chunk_size_now(self, tokens: np.ndarray, key: KeyContext | None) -> int | None:
         """The server's chunk size, asked with a lookup of no window (a sliding-window group's
         window is counted in chunks)."""
-        r = self._ask(LookupScope(*self._scope_fields(self.scope), tokens[:0], key))
+        r = self._ask(
+            LookupScope(*self._scope_fields(self.scope), tokens[:0], key, kv_codec=self.scope.kv_codec)
+        )
         if r is not None:
             self._learn(r.chunk_size)
         return None if r is None else r.chunk_size
@@ -164,7 +172,7 @@ class ScopeLookup:
             if s.window and cs is None:
                 continue
             window = s.window_chunks(cs) if s.window and cs is not None else 0
-            self._ask(PrefetchScope(*self._scope_fields(s), tokens, key, window))
+            self._ask(PrefetchScope(*self._scope_fields(s), tokens, key, window, s.kv_codec))
 
     def _ask(self, msg: Message[R]) -> R | None:
         """``msg``'s reply; None, unasked, while resting after a failure, or when it fails (one
@@ -205,7 +213,7 @@ class ScopeLookup:
         ok = True
         for s in self.scopes:
             try:
-                r = self._chan.request(ClearScope(*self._scope_fields(s)), timeout_s)
+                r = self._chan.request(ClearScope(*self._scope_fields(s), s.kv_codec), timeout_s)
             except KVWardenError as exc:
                 logger.warning("kvwarden: the reset of %s's cache failed: %s", s.model_name, exc)
                 return False

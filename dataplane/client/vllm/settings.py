@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataplane.wire.messages import KV_CODECS
+
 MODES = ("auto", "engine_driven", "server_driven")
 
 
@@ -41,6 +43,7 @@ _KEYS: dict[str, Any] = {
     "kvwarden.async_load": _async_mode,
     "kvwarden.prefetch": _flag,
     "kvwarden.store_tail": _flag,
+    "kvwarden.kv_compression": str,
 }
 _MAY_BE_ZERO = {"kvwarden.lookup_wait_s"}
 _DEFAULTS: dict[str, Any] = {
@@ -70,6 +73,10 @@ _DEFAULTS: dict[str, Any] = {
     # chunk of its own (`dataplane.client.vllm.tail`), so the decode engine it hands off to
     # computes only the prompt's last token
     "kvwarden.store_tail": False,
+    # how this engine's chunks are stored, in every tier: "none" (as the engine holds them), or
+    # "int8" (quantized by the worker, about half the bytes, lossy: `dataplane.memory.int8`);
+    # part of the chunks' scope, so an engine that did not opt in never reads int8 chunks
+    "kvwarden.kv_compression": "none",
 }
 
 
@@ -127,9 +134,38 @@ def connector_settings(extra: dict[str, Any] | None, role: str = "kv_both") -> d
             "kv_connector_extra_config['kvwarden.store_tail']: server-driven transfers cannot load "
             "a tail chunk; use transfer_mode engine_driven (the CPU default)"
         )
+    _check_codec(out)
     if out["kvwarden.transfer_mode"] not in MODES:
         raise ValueError(
             f"kv_connector_extra_config['kvwarden.transfer_mode']: {out['kvwarden.transfer_mode']!r}; "
             f"use {', '.join(MODES)}"
         )
     return out
+
+
+def _check_codec(out: dict[str, Any]) -> None:
+    """``kvwarden.kv_compression`` against the settings it cannot go with."""
+    codec = out["kvwarden.kv_compression"]
+    if codec not in KV_CODECS:
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.kv_compression']: {codec!r}; use {', '.join(KV_CODECS)}"
+        )
+    if codec != "none" and out["kvwarden.transfer_mode"] == "server_driven":
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.kv_compression']: {codec} is quantized by the worker "
+            "as it copies, which server-driven transfers do not; use transfer_mode engine_driven"
+        )
+    if codec != "none" and out["kvwarden.store_tail"]:
+        raise ValueError(
+            f"kv_connector_extra_config['kvwarden.kv_compression']: {codec} chunks are whole chunks; "
+            "a tail (kvwarden.store_tail) is not quantized yet: leave one of them out"
+        )
+
+
+def adapter_options(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `dataplane.client.WorkerAdapter` keywords the checked settings ``cfg`` give."""
+    return dict(
+        heartbeat_interval=cfg["kvwarden.heartbeat_interval_s"],
+        request_timeout=cfg["kvwarden.request_timeout_s"],
+        kv_compression=cfg["kvwarden.kv_compression"],
+    )
