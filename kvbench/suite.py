@@ -22,6 +22,7 @@ def modules() -> dict[str, ModuleType]:
         fs,
         handoff,
         ping,
+        quality,
         reaper,
         remote,
         serve,
@@ -45,6 +46,7 @@ def modules() -> dict[str, ModuleType]:
         "codec": codec,
         "vllm": vllm,
         "handoff": handoff,
+        "quality": quality,
         "serve": serve,
         "trace": trace,
     }

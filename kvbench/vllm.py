@@ -124,11 +124,18 @@ class EngineProcess:
         cache_salt: str | None = None,
         lora: dict[str, Any] | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        prompt_logprobs: bool = False,
     ) -> dict[str, Any]:
         """One request; ``lora`` is ``{"name": ..., "id": ..., "path": ...}`` (an engine with LoRA on);
-        ``kv_transfer_params``: a disaggregated prefill's answer, for this decode."""
+        ``kv_transfer_params``: a disaggregated prefill's answer, for this decode;
+        ``prompt_logprobs``: the prompt's tokens scored too (`kvbench.vllm_engine`)."""
         self.submit(
-            prompt, max_tokens, cache_salt=cache_salt, lora=lora, kv_transfer_params=kv_transfer_params
+            prompt,
+            max_tokens,
+            cache_salt=cache_salt,
+            lora=lora,
+            kv_transfer_params=kv_transfer_params,
+            prompt_logprobs=prompt_logprobs,
         )
         return self.result(timeout)
 
@@ -140,10 +147,13 @@ class EngineProcess:
         cache_salt: str | None = None,
         lora: dict[str, Any] | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         """Send a request without waiting for its answer (``result``)."""
         assert self.proc.stdin is not None
         cmd: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens}
+        if prompt_logprobs:
+            cmd["prompt_logprobs"] = True
         if cache_salt is not None:
             cmd["cache_salt"] = cache_salt
         if kv_transfer_params is not None:

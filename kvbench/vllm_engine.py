@@ -8,7 +8,9 @@ Prints ``@kvw {"ready": true, "pid": ...}`` once the engine is built, then for e
 engine). A line may also carry ``"cache_salt": str`` (put in the prompt, as vLLM takes it) and
 ``"lora": {"name": str, "id": int, "path": str}`` (the request's ``LoRARequest``) and
 ``"kv_transfer_params": {...}`` (what a disaggregated prefill answered, for the decode; every
-answer carries the request's own, ``null`` without).
+answer carries the request's own, ``null`` without), and ``"prompt_logprobs": true`` (the
+answer's ``prompt_logprobs``: ``[position, logprob]`` of each prompt token the engine computed,
+its hit still loaded).
 ``{"reset": true}`` resets the engine's prefix cache and the connector's
 (``reset_prefix_cache(reset_connector=True)``) and answers ``{"reset": bool}``;
 ``{"perturb": seed}`` changes every weight in place, as a trainer's weight update does (each
@@ -112,6 +114,16 @@ def request(cmd: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     return prompt, LoRARequest(str(lora["name"]), int(lora["id"]), str(lora["path"]))
 
 
+def scored(prompt: list[int], logprobs: Any) -> list[list[float]]:
+    """[position, logprob of the prompt's token there] for each position vLLM scored (not the
+    first, nor those of a hit: their logits were never computed)."""
+    return [
+        [i, float(lp[prompt[i]].logprob)]
+        for i, lp in enumerate(logprobs or [])
+        if lp is not None and prompt[i] in lp
+    ]
+
+
 def perturb(worker: Any, seed: int) -> None:
     """A weight update, in the worker: every weight multiplied by 1 + N(0, 0.5), drawn from
     ``seed`` (what the KV computed before it no longer matches)."""
@@ -159,6 +171,9 @@ def main() -> None:
             detokenize=False,
             logprobs=0,
             extra_args={"kv_transfer_params": handed} if handed is not None else None,
+            # scored prompts still load their hits (vLLM skips a hit for them by default)
+            prompt_logprobs=0 if cmd.get("prompt_logprobs") else None,
+            skip_reading_prefix_cache=False if cmd.get("prompt_logprobs") else None,
         )
         prompt, lora_request = request(cmd)
         t0 = time.perf_counter()
@@ -175,6 +190,8 @@ def main() -> None:
             "s": elapsed,
             "kv_transfer_params": getattr(out, "kv_transfer_params", None),
         }
+        if cmd.get("prompt_logprobs"):
+            answer["prompt_logprobs"] = scored(cmd["prompt"], out.prompt_logprobs)
         print("@kvw " + json.dumps(answer), flush=True)
     del llm
 
