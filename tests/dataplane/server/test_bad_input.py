@@ -36,7 +36,7 @@ from tests.helpers import ServerProcess, call, error_of, next_rid, request
 def test_server_info(server: ServerProcess, sock: Sock) -> None:
     reply = call(sock, frame("HELLO", []))
     assert reply.ok
-    assert reply.body["protocol_version"] == 9 == PROTOCOL_VERSION
+    assert reply.body["protocol_version"] == 10 == PROTOCOL_VERSION
     assert reply.body["chunk_size"] == CHUNK
     assert reply.body["max_frame_bytes"] == MAX_FRAME
 
@@ -71,10 +71,10 @@ def test_not_an_array(sock: Sock) -> None:
 
 def test_wrong_version(sock: Sock) -> None:
     rid = next_rid()
-    reply = call(sock, frame("PING", [None, None], rid=rid, version=10))
+    reply = call(sock, frame("PING", [None, None], rid=rid, version=11))
     code, message = error_of(reply)
     assert code == "VERSION_MISMATCH"
-    assert "v10" in message and "v9" in message
+    assert "v11" in message and "v10" in message
     assert reply.request_id == rid  # the id is echoed even on a decode error
     ping(sock)
 
@@ -96,7 +96,7 @@ def test_v1_client_gets_version_mismatch(
         reply = call(sock, frame(mtype, v1_payload, rid=rid, version=1))
         code, message = error_of(reply)
         assert code == "VERSION_MISMATCH", (mtype, code, message)
-        assert "client speaks v1" in message and "server speaks v9" in message, message
+        assert "client speaks v1" in message and "server speaks v10" in message, message
         assert reply.request_id == rid
     assert ping(sock, w.instance_id, secret_of(w)).body["tracked"] is True
 

@@ -116,15 +116,15 @@ class TestFraming:
         with pytest.raises(ProtocolError, match="undecodable frame"):
             p.unpack(data, 4096)
 
-    def test_protocol_version_is_9(self) -> None:
-        assert p.PROTOCOL_VERSION == 9
+    def test_protocol_version_is_10(self) -> None:
+        assert p.PROTOCOL_VERSION == 10
 
     def test_version_mismatch_names_both_versions(self) -> None:
         with pytest.raises(VersionMismatch) as exc:
             roundtrip(p.encode_request(1, "HELLO", [], version=3))
         msg = str(exc.value)
         assert "v3" in msg and f"v{p.PROTOCOL_VERSION}" in msg
-        assert "client speaks v3" in msg and "server speaks v9" in msg
+        assert "client speaks v3" in msg and "server speaks v10" in msg
         assert exc.value.code == "VERSION_MISMATCH"
 
     @pytest.mark.parametrize(
@@ -136,7 +136,7 @@ class TestFraming:
         for its payload: it learns to upgrade, not that its PING is malformed."""
         with pytest.raises(VersionMismatch) as exc:
             roundtrip(p.encode_request(1, mtype, v1_payload, version=1))
-        assert "client speaks v1, server speaks v9" in str(exc.value)
+        assert "client speaks v1, server speaks v10" in str(exc.value)
         assert exc.value.code == "VERSION_MISMATCH"
 
     def test_version_checked_before_everything_else(self) -> None:
@@ -195,10 +195,10 @@ class TestFraming:
         assert r.body == {"code": "SHUTTING_DOWN", "message": "server is stopping"}
 
     def test_reply_version_mismatch_names_both(self) -> None:
-        data = msgpack.packb([10, 1, True, None])
-        with pytest.raises(VersionMismatch, match="server speaks v10, client speaks v9"):
+        data = msgpack.packb([11, 1, True, None])
+        with pytest.raises(VersionMismatch, match="server speaks v11, client speaks v10"):
             p.decode_reply(data)
-        with pytest.raises(VersionMismatch, match="server speaks v1, client speaks v9"):
+        with pytest.raises(VersionMismatch, match="server speaks v1, client speaks v10"):
             p.decode_reply(msgpack.packb([1, 1, True, None]))
         with pytest.raises(ProtocolError, match="malformed reply"):
             p.decode_reply(msgpack.packb([1, 1, True]))
