@@ -187,6 +187,8 @@ class FsPublic(BaseModel):
     )
     promoted: int = Field(description="chunks read in place, then brought into L1 behind the RETRIEVE")
     puts: int = Field(description="chunk files written")
+    coded_puts: int = Field(0, description="chunk files written coded (fs_compression lossless)")
+    coded_bytes_saved: int = Field(0, description="bytes coding saved against the chunks' raw size")
     put_failures: int = Field(description="writes that failed: no space, read-only, vanished, I/O errors")
     evictions: int = Field(description="files removed to keep the cap")
     queue_depth: int = Field(description="writes waiting in the write-behind queue")

@@ -74,6 +74,12 @@ def add_args(sub: Any) -> None:
         help="chunks a prompt has (1): a STORE and a RETRIEVE move them all; the plain reads read each file",
     )
     p.add_argument("--dir", type=Path, default=None, help="where the files go (default: here); not a tmpfs")
+    p.add_argument(
+        "--fs-compression",
+        choices=("none", "lossless"),
+        default="none",
+        help="the servers' fs_compression: lossless codes the chunks (random bfloat16: about 1.5x)",
+    )
     add_output_args(p)
     p.set_defaults(func=run_fs)
 
@@ -96,6 +102,7 @@ def run_fs(ns: argparse.Namespace) -> int:
     print(f"bench fs: files under {root}: {where['type']} on {where['device']}{memory}", flush=True)
     params = {"samples": ns.samples, "layers": ns.layers, "chunk_tokens": CS, "rounds": ns.rounds}
     params["chunks_per_request"] = ns.chunks_per_request
+    params["fs_compression"] = ns.fs_compression
     try:
         out: dict[str, Any] = {"params": params, "filesystem": where}
         out |= _tier(ns, root / "tier", where["type"])
@@ -126,7 +133,7 @@ def _tier(ns: argparse.Namespace, d: Path, kind: str) -> dict[str, Any]:
     l1_gb = "0.25" if ns.tiny else str(max(2, 1 + (2 * ns.samples * n * chunk >> 30)))
     common = ["--chunk-size", str(CS), "--l1-size-gb", l1_gb, "--log-level", "error"]
     cap = ["--fs-size-gb", str(1 + (3 * ns.samples * n * chunk >> 30)), "--fs-write-queue-mb", str(2048 * n)]
-    with_fs = [*common, "--fs-path", str(d), *cap]
+    with_fs = [*common, "--fs-path", str(d), *cap, "--fs-compression", ns.fs_compression]
     samples: dict[str, list[float]] = {}
     plain, a = launch(*common), launch(*with_fs)
     try:

@@ -10,6 +10,8 @@ scored (perplexity). Every hit must load the whole prefix (``cached``), or the r
 
 Cases, each on fresh servers:
 - ``none``: raw chunks from L1, the reference (the uncompressed hit);
+- ``recompute``: no connector, the prefix computed again: how far an exact computation that
+  only splits the prompt otherwise moves the outputs (in bfloat16 a near-tie flips either way);
 - ``int8``: ``kvwarden.kv_compression = int8``, from L1 (the bytes are the same in every tier);
 - ``redis_raw`` and ``redis_lossless``: stored through server A into Redis, raw or coded
   losslessly (``--remote-compression``), served through server B, whose L1 is cold, by a second
@@ -27,6 +29,7 @@ import math
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ ASK = 16  # tokens after the hit the engine computes before generating
 GEN = 32  # greedy tokens compared
 HELD = CHUNK  # held-out tokens scored after the hit
 WINDOW = PREFIX + HELD + 32
-CASES = ("none", "int8", "redis_raw", "redis_lossless")
+CASES = ("none", "recompute", "int8", "redis_raw", "redis_lossless")
 
 
 def add_args(sub: Any) -> None:
@@ -117,6 +120,12 @@ def _run(case: str, python: str, model: Path, work: Path, prompts: list[list[int
             python, model, srv.endpoint, work / f"{case}-{name}.log", extra, env_extra=env, one_process=True
         )
 
+    if case == "recompute":  # no connector: the prefix computed again, as exact as a hit
+        eng = EngineProcess(python, model, None, work / "recompute.log", env_extra=env, one_process=True)
+        try:
+            return {**_hits(eng, prompts, need=0), "tier": {}}
+        finally:
+            eng.close()
     if not case.startswith("redis"):
         srv = launch(*common)
         try:
@@ -131,6 +140,16 @@ def _run(case: str, python: str, model: Path, work: Path, prompts: list[list[int
         finally:
             srv.stop()
         return res
+    return _run_redis(case, prompts, common, engine)
+
+
+def _run_redis(
+    case: str,
+    prompts: list[list[int]],
+    common: tuple[str, ...],
+    engine: Callable[[BenchServer, str], EngineProcess],
+) -> dict[str, Any]:
+    """Stored through server A into Redis (coded or not), hit through server B, cold."""
     pair = start_redis()
     if pair is None:
         raise RuntimeError("redis-server is not installed (make tools)")
@@ -179,12 +198,14 @@ def _store(eng: EngineProcess, prompts: list[list[int]]) -> None:
         eng.generate(p[: PREFIX + ASK], 1)
 
 
-def _hits(eng: EngineProcess, prompts: list[list[int]]) -> dict[str, Any]:
+def _hits(eng: EngineProcess, prompts: list[list[int]], need: int = PREFIX) -> dict[str, Any]:
+    """Each prompt three times (its time to first token, its greedy tokens, its held-out
+    tokens scored), every one loading at least ``need`` tokens."""
     res: dict[str, Any] = {"ttft": [], "gen": [], "scored": []}
 
     def hit(prompt: list[int], tokens: int, scored: bool = False) -> dict[str, Any]:
         r = eng.generate(prompt, tokens, prompt_logprobs=scored)
-        if r["cached"] < PREFIX:
+        if r["cached"] < need:
             raise RuntimeError(f"a hit loaded {r['cached']} of its {PREFIX} prefix tokens:\n{eng.tail()}")
         return r
 
@@ -196,18 +217,22 @@ def _hits(eng: EngineProcess, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def _compare(r: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    """``r``'s outputs beside the reference's: identical outputs, the chosen tokens' logprob
-    differences (where both chose the same so far), perplexity of the held-out tokens."""
+    """``r``'s outputs beside the reference's: identical outputs, the tokens generated alike
+    before the first that differs, the chosen tokens' logprob differences (where both chose the
+    same so far), perplexity of the held-out tokens."""
     same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["gen"], ref["gen"], strict=True))
     diffs: list[float] = []
+    alike = 0
     for a, b in zip(r["gen"], ref["gen"], strict=True):
         for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"], strict=False):
             if ta != tb:
                 break
+            alike += 1
             diffs.append(abs(la - lb))
     ppl, ref_ppl = _perplexity(r["scored"]), _perplexity(ref["scored"])
     return {
         "identical_outputs": same / len(ref["gen"]),
+        "tokens_alike": alike / len(ref["gen"]),  # of GEN, before the first that differs
         "bit_identical": same == len(ref["gen"]) and max(diffs, default=0.0) == 0.0,
         "logprob_diff_max": max(diffs, default=0.0),
         "logprob_diff_mean": statistics.fmean(diffs) if diffs else 0.0,
@@ -238,6 +263,7 @@ def show(rep: dict[str, Any]) -> None:
         )
         print(
             f"  {case:15s} identical {100 * c['identical_outputs']:5.1f}%  "
+            f"alike {c['tokens_alike']:4.1f} of {rep['gen_tokens']}  "
             f"bit-identical {c['bit_identical']!s:5s}  "
             f"logprob diff max {c['logprob_diff_max']:.4f} mean {c['logprob_diff_mean']:.5f}  "
             f"perplexity {c['perplexity']:.4f} ({100 * c['perplexity_vs_none']:+.3f}%)  "

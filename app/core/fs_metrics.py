@@ -102,6 +102,8 @@ def _counters(s: FsStats) -> tuple[tuple[str, str, float], ...]:
         ),
         ("kvwarden_fs_promoted", "Chunks read in place, then brought into L1 behind it.", s.promoted),
         ("kvwarden_fs_writes", "Chunk files written.", s.puts),
+        ("kvwarden_fs_coded_writes", "Chunk files written coded (lossless).", s.coded_puts),
+        ("kvwarden_fs_coded_saved_bytes", "Bytes the file tier's coding saved.", s.coded_bytes_saved),
         ("kvwarden_fs_written_bytes", "Bytes written to the file tier (headers included).", s.bytes_written),
         ("kvwarden_fs_evictions", "Chunk files removed to keep the cap (LRU).", s.evictions),
         ("kvwarden_fs_swept_files", "Stale temporary files removed (writers killed mid-write).", s.swept),

@@ -125,6 +125,8 @@ def fs_view(dp: DataPlaneView) -> dict[str, Any] | None:
         "read_in_place": s.read_in_place,
         "promoted": s.promoted,
         "puts": s.puts,
+        "coded_puts": s.coded_puts,
+        "coded_bytes_saved": s.coded_bytes_saved,
         "put_failures": sum(s.put_failures.values()),
         "evictions": s.evictions,
         "queue_depth": s.queue_depth,

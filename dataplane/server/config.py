@@ -159,6 +159,13 @@ class Settings(BaseSettings):
     fs_write_queue_mb: int = Field(
         256, ge=1, le=1 << 20, description="Write-behind queue to the file tier (MiB); more is dropped."
     )
+    fs_compression: Literal["none", "lossless"] = Field(
+        "none",
+        description="How the file tier stores bfloat16 and float16 chunks: lossless codes them on "
+        "its writer thread (as remote_compression; the disk holds as many more), none stores "
+        "every chunk as it is. Readers decode either; a coded file is decoded, never read in "
+        "place into a worker's blocks.",
+    )
     fs_eviction: Eviction = Field(
         Eviction.LRU,
         description="lru|lfuda: which file the file tier removes to stay under fs_size_gb: the least "

@@ -321,6 +321,7 @@ def _file_tier(settings: Settings) -> tuple[FileTier | None, str | None]:
             queue_bytes=settings.fs_write_queue_mb << 20,
             health_timeout_s=settings.health_ping_timeout,
             eviction=settings.fs_eviction.value,
+            compression=settings.fs_compression,
         )
     except Exception as exc:  # the server still serves: recompute-only, unhealthy
         return None, f"the file tier could not be set up: {type(exc).__name__}: {exc}"

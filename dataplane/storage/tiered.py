@@ -445,7 +445,7 @@ class TieredStore(L1Store):
             self.pin_present([key])  # until the write-behind queue is done with its bytes
             done = lambda: self._written(key)  # noqa: E731
             if tier is self.fs:
-                self.fs.put(scope, key, view, done)
+                self.fs.put(scope, key, view, done, words=words)
             else:
                 assert self.remote is not None
                 self.remote.put(key, _DTYPE, (buf.numel(),), view, done, scope=scope, words=words)

@@ -10,6 +10,7 @@ counts it, removes the file and answers a miss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import stat
@@ -29,6 +30,7 @@ from dataplane.storage.codec import (
     encode_header,
     value_hasher,
 )
+from dataplane.storage.compress import NONE, CodedChunkError, decode_into
 from dataplane.storage.fs.layout import PAYLOAD_AT, tmp_path
 
 # bytes read, then hashed, at a time: hashed while the core's L2 still holds them. A whole
@@ -65,10 +67,11 @@ def failure_kind(exc: BaseException) -> str:
     return "error"
 
 
-def file_header(key: bytes, payload: memoryview) -> bytes:
+def file_header(key: bytes, payload: memoryview | bytes, codec: int = NONE, raw_nbytes: int = 0) -> bytes:
     """What a chunk file holds before ``payload``: its checked header, then zeros up to
-    `PAYLOAD_AT`."""
-    head = encode_header(key, "uint8", (payload.nbytes,), payload)
+    `PAYLOAD_AT`. A coded payload (``codec``) names the ``raw_nbytes`` it decodes to."""
+    raw = memoryview(payload).nbytes if codec == NONE else raw_nbytes
+    head = encode_header(key, "uint8", (raw,), payload, codec)
     return head + bytes(PAYLOAD_AT - len(head))
 
 
@@ -140,9 +143,12 @@ def read_chunk(
     if f is None:
         return None
     try:
-        dest = alloc(f.header.nbytes)
+        dest = alloc(f.header.raw_nbytes)
         if dest is None:
             return None
+        if f.header.codec != NONE:
+            _read_coded(f, dest, progress)
+            return dest, f.mtime, f.size
         try:
             h = value_hasher(f.head, f.header)
             if progress is not None:
@@ -154,6 +160,25 @@ def read_chunk(
         return dest, f.mtime, f.size
     finally:
         os.close(f.fd)
+
+
+def _read_coded(f: Opened, dest: memoryview, progress: Progress | None) -> None:
+    """A coded payload read whole and checked, then decoded into ``dest`` (its raw bytes); a
+    follower is told of the raw chunk once it is all there."""
+    coded = memoryview(bytearray(f.header.nbytes))
+    try:
+        h = value_hasher(f.head, f.header)
+        _read_exact(f.fd, coded, f.header, h, None)
+        check_digest(f.head, f.header, h.intdigest())
+        decode_into(f.header.codec, coded, dest)
+    except RemoteValueError as exc:
+        raise BadFile(exc.kind, str(exc), f.ino) from None
+    except CodedChunkError as exc:
+        raise BadFile("format", f"a coded payload that does not decode: {exc}", f.ino) from None
+    if progress is not None:
+        raw = dataclasses.replace(f.header, nbytes=dest.nbytes, codec=NONE)
+        progress.started(dataclasses.replace(f, header=raw), dest)
+        progress.add(dest.nbytes)
 
 
 def _read_exact(

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from dataplane.events.sink import EventSink
 from dataplane.events.vllm_format import MEDIUM_DISK
+from dataplane.storage.compress import NONE
 from dataplane.storage.fs import chunk_file, resident
 from dataplane.storage.fs.chunk_file import BadFile, Opened, failure_kind
 from dataplane.storage.fs.disk import DiskPool, DiskTimeout
@@ -156,6 +157,8 @@ class FileReads:
             if f is None:
                 return None
             try:
+                if f.header.codec != NONE:  # a coded file is decoded, not read in place: `get`
+                    return False
                 views = views_for(f.header.nbytes)
                 if views is None:
                     return False
@@ -341,7 +344,7 @@ def _in_place(
     if f is None:
         return None
     try:
-        if not gate.enter():
+        if f.header.codec != NONE or not gate.enter():  # (a coded file decodes: not in place)
             return False
         try:
             return f if resident.read_resident(f, views) else False

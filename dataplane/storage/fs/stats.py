@@ -31,6 +31,8 @@ class FsStats:
     bytes_read: int
     puts: int
     bytes_written: int
+    coded_puts: int  # chunk files written coded (fs_compression lossless)
+    coded_bytes_saved: int  # the bytes their coding saved
     evictions: int
     evicted_gone: int  # evictions of files another server had removed already
     read_ahead: int  # chunks read into L1 ahead of a RETRIEVE, because a LOOKUP found them
@@ -60,6 +62,7 @@ class FsCounters:
         self.gets = self.hits = self.misses = self.bytes_read = 0
         self.puts = self.bytes_written = self.evictions = self.evicted_gone = self.read_ahead = 0
         self.read_in_place = self.promoted = 0
+        self.coded_puts = self.coded_bytes_saved = 0
         self.swept = self.scan_errors = 0
         self.get_failures = dict.fromkeys(FAILURE_KINDS, 0)
         self.put_failures = dict.fromkeys(FAILURE_KINDS, 0)
@@ -132,6 +135,8 @@ class FsCounters:
                 bytes_read=self.bytes_read,
                 puts=self.puts,
                 bytes_written=self.bytes_written,
+                coded_puts=self.coded_puts,
+                coded_bytes_saved=self.coded_bytes_saved,
                 evictions=self.evictions,
                 evicted_gone=self.evicted_gone,
                 read_ahead=self.read_ahead,

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from dataplane.events.sink import NO_EVENTS, EventSink
 from dataplane.events.vllm_format import MEDIUM_DISK
+from dataplane.storage import compress
 from dataplane.storage.fs import chunk_file, resident
 from dataplane.storage.fs.chunk_file import failure_kind
 from dataplane.storage.fs.disk import DiskPool, DiskTimeout
@@ -65,6 +66,7 @@ class _FileWrite:
     payload: memoryview
     done: Callable[[], None] | None
     trial: bool = False  # let through while out of space, to try whether the disk has room again
+    words: str | None = None  # the dtype of the chunk's elements (which `compression` may code)
 
 
 class FileTier(FileReads):
@@ -80,6 +82,7 @@ class FileTier(FileReads):
         health_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         eviction: str = "lru",
+        compression: str = "none",
     ) -> None:
         if capacity_bytes <= 0 or queue_bytes <= 0 or timeout_s <= 0:
             raise ValueError("capacity_bytes, queue_bytes and timeout_s must be > 0")
@@ -88,6 +91,7 @@ class FileTier(FileReads):
             raise ValueError(f"fs_path {path!r}: not a directory (create it, or mount the volume there)")
         self.url = self.root  # (how checks and /status name it)
         self.capacity_bytes = capacity_bytes
+        self.compression = compress.checked_setting(compression)  # coded on the writer thread
         self.queue_limit = queue_bytes
         self.health_timeout_s = health_timeout_s or timeout_s
         self.io = DiskPool(io_threads, timeout_s, clock=clock)
@@ -141,11 +145,18 @@ class FileTier(FileReads):
 
     # ---------------------------------------------------------------- writes
     def put(
-        self, scope: bytes, key: bytes, payload: memoryview, done: Callable[[], None] | None = None
+        self,
+        scope: bytes,
+        key: bytes,
+        payload: memoryview,
+        done: Callable[[], None] | None = None,
+        words: str | None = None,
     ) -> bool:
         """Queue a write (never waits on the disk). ``payload`` must stay unchanged until
-        ``done`` is called. False: dropped (queue full, bypassed, stopped, out of space), counted."""
-        w = _FileWrite(scope, key, payload.cast("B"), done)
+        ``done`` is called; ``words``: its elements' dtype (bfloat16 and float16 chunks are
+        coded under ``compression``). False: dropped (queue full, bypassed, stopped, out of
+        space), counted."""
+        w = _FileWrite(scope, key, payload.cast("B"), done, words=words)
         reason = None
         admission = self.space.admit()  # (before the lock, which is a leaf)
         w.trial = admission == "try"
@@ -207,8 +218,13 @@ class FileTier(FileReads):
     def _write(self, w: _FileWrite) -> None:
         if self.bypassed or w.key in self.index:  # (bypassed meanwhile; or on disk already)
             return
-        header = chunk_file.file_header(w.key, w.payload)
-        size = len(header) + w.payload.nbytes
+        coded = compress.encode(w.payload, w.words, self.compression)
+        body: memoryview | bytes
+        if coded is None:
+            header, body = chunk_file.file_header(w.key, w.payload), w.payload
+        else:
+            header, body = chunk_file.file_header(w.key, coded[1], coded[0], w.payload.nbytes), coded[1]
+        size = len(header) + len(body)
         if self.space.out and not (w.trial and self._room_for(size)):  # (queued before it filled)
             self._dropped("no_space")
             return
@@ -218,7 +234,7 @@ class FileTier(FileReads):
         self._evict(size)
         path = chunk_path(self.root, w.scope, w.key)
         try:
-            self._timed_here("put", lambda: chunk_file.write_chunk(path, self.root, (header, w.payload)))
+            self._timed_here("put", lambda: chunk_file.write_chunk(path, self.root, (header, body)))
         except OSError as exc:
             self._failed("put", exc)
             if failure_kind(exc) == "no_space":
@@ -227,6 +243,8 @@ class FileTier(FileReads):
             return
         self.space.freed("a chunk file fit again")  # (nothing, unless out of space: a try landed)
         self.counters.add(puts=1, bytes_written=size)
+        if coded is not None:
+            self.counters.add(coded_puts=1, coded_bytes_saved=w.payload.nbytes - len(body))
         self.index.learn(w.scope, w.key, size)
         self.events.stored(w.key, MEDIUM_DISK)
 
