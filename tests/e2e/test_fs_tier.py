@@ -127,11 +127,14 @@ def test_chunks_survive_a_sigkill_and_are_hits_after_the_restart(tmp_path: Path,
 
 
 @contextlib.contextmanager
-def two_servers(tmp_path: Path) -> Iterator[tuple[Path, ServerProcess, ServerProcess, Worker, Worker]]:
-    """Servers A and B on one directory (B's L1 cold to what A writes), a worker of each."""
+def two_servers(
+    tmp_path: Path, *a_args: str
+) -> Iterator[tuple[Path, ServerProcess, ServerProcess, Worker, Worker]]:
+    """Servers A (with ``a_args``) and B on one directory (B's L1 cold to what A writes), a
+    worker of each."""
     root = tmp_path / "fs"
     root.mkdir()
-    a = serve(tmp_path / "a", root)
+    a = serve(tmp_path / "a", root, *a_args)
     b = serve(tmp_path / "b", root)
     workers: list[Worker] = []
     try:
@@ -181,6 +184,29 @@ def test_a_retrieve_reads_warm_files_in_place_and_cold_ones_through_l1(tmp_path:
         assert fs_doc(b)["hits"] == 4
         text = httpx.get(f"http://127.0.0.1:{b.http_port}/metrics", timeout=10).text
         assert "kvwarden_fs_read_in_place_total 2.0" in text and "kvwarden_fs_promoted_total 2.0" in text
+
+
+def test_coded_files_are_smaller_and_read_back_bit_for_bit_never_in_place(tmp_path: Path) -> None:
+    """A writes with ``--fs-compression lossless``: its files take fewer bytes than B's raw
+    ones would; B, which does not code, retrieves them warm from the page cache, decoded, bit for
+    bit, none in place."""
+    with two_servers(tmp_path, "--fs-compression", "lossless") as (root, a, b, wa, wb):
+        tokens = prompt(4, 4 * CS)
+        want = wa.fill(4)  # (random bfloat16: its exponent bytes code to about 1.5x)
+        assert wa.w.store_detail(tokens, BLOCK_IDS).stored == 4
+        written(a, 4)
+        doc = fs_doc(a)
+        raw = 2 * 2 * CS * 2 * 64 * 2  # layers x K/V x tokens x heads x head_dim x 2 bytes
+        assert doc["coded_puts"] == 4 and doc["coded_bytes_saved"] > 4 * raw // 4, doc
+        files = chunk_files(root)
+        assert len(files) == 4 and all(f.stat().st_size < raw * 0.8 for f in files)
+        for f in files:
+            f.read_bytes()  # warm: in place would be tried for a raw file
+        assert wb.w.retrieve(tokens, BLOCK_IDS) == 4 * CS and wb.same(want, 4 * CS)
+        doc = fs_doc(b)
+        assert doc["hits"] == 4 and doc["read_in_place"] == 0 and doc["bad_files"] == 0, doc
+        text = httpx.get(f"http://127.0.0.1:{a.http_port}/metrics", timeout=10).text
+        assert "kvwarden_fs_coded_writes_total 4.0" in text
 
 
 def test_damaged_truncated_and_foreign_files_are_counted_removed_and_never_served(tmp_path: Path) -> None:
