@@ -4,7 +4,9 @@ beside the alternatives and memcpy, and what it does to a hit of the remote tier
 For each kind of KV (a random-weight model's kind: normal values with a scale per channel; and,
 with ``--kv-file``, KV captured from a trained model, `scripts/capture_kv.py`): the bytes a chunk
 takes coded (kvwarden's planes; blosc2's byte shuffle with zstd and with lz4; the bound the
-exponents' entropy sets), and encode and decode GB/s on one core beside memcpy (medians). Then
+exponents' entropy sets), and encode and decode GB/s on one core beside memcpy (medians); and
+a 256-token chunk of every layer quantized to int8 (``kv_compression``): its bytes, quantize and
+dequantize GB/s on one core, and its error. Then
 a chunk stored through a real ``redis-server`` on loopback, coded and not, and read back into a
 buffer: the time of each read (median), first and steady.
 """
@@ -91,6 +93,68 @@ def measure_kind(raw: np.ndarray, rounds: int) -> dict[str, Any]:
     return {"bytes": n, "memcpy_gbs": memcpy, "entropy_bound": entropy_bound(raw), "codecs": rows}
 
 
+INT8_TOKENS = 256  # an int8 chunk as `bench quality` serves it: 256 tokens of every layer
+
+
+def measure_int8(kv: np.ndarray, layers: int, channels: int, rounds: int) -> dict[str, Any]:
+    """The int8 codec (`dataplane.memory.int8`) on one token-major chunk of ``kv`` (bfloat16
+    bits ``[layers, 2, tokens, channels]``): bytes, and quantize and dequantize GB/s on one
+    core beside memcpy, and the round trip's error relative to the values' RMS (K and V)."""
+    import torch
+
+    from dataplane.memory.int8 import Int8Codec, Int8Shape
+    from dataplane.wire.kinds import KVFormat
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        raw = torch.from_numpy(kv.view(np.int16).copy()).view(torch.bfloat16).flatten()
+        shape = Int8Shape(KVFormat.TOKEN_MAJOR, layers, 1, channels, 16)
+        codec = Int8Codec(shape)
+        packed = torch.empty(shape.chunk_nbytes(INT8_TOKENS), dtype=torch.uint8)
+        out = torch.empty_like(raw)
+        n = raw.numel() * 2
+        enc = _median(lambda: codec.encode(raw, packed, INT8_TOKENS), rounds)
+        dec = _median(lambda: codec.decode(packed, out, INT8_TOKENS), rounds)
+        memcpy = _median(lambda: out.copy_(raw), rounds)
+        codec.decode(packed, out, INT8_TOKENS)
+        x = raw.float().view(layers, 2, INT8_TOKENS, channels)
+        err = out.float().view(layers, 2, INT8_TOKENS, channels) - x
+        rel = [float(err[:, i].pow(2).mean().sqrt() / x[:, i].pow(2).mean().sqrt()) for i in (0, 1)]
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "bytes": n,
+        "int8_bytes": packed.numel(),
+        "ratio": n / packed.numel(),
+        "encode_gbs": n / enc / 1e9,
+        "decode_gbs": n / dec / 1e9,
+        "memcpy_gbs": n / memcpy / 1e9,
+        "rms_error_k": rel[0],
+        "rms_error_v": rel[1],
+    }
+
+
+def int8_chunk(kinds: dict[str, np.ndarray], kv_file: str | None) -> dict[str, tuple[np.ndarray, int, int]]:
+    """Each kind of KV as a token-major chunk for `measure_int8`: (bits, layers, channels).
+    The random-weight kind as SmolLM2's shape (30 layers, 3 heads of 64); the captured KV
+    (``[layers x K/V, 1, heads, tokens, head_dim]``) as it is."""
+    out = {}
+    need = 30 * 2 * INT8_TOKENS * 192 * 2
+    synth = synthetic_kv(need, seed=1).view(np.uint16)
+    out["random_weight_kind"] = (synth.reshape(30, 2, INT8_TOKENS, 192), 30, 192)
+    if kv_file:
+        kv = np.load(kv_file).view(np.uint16)  # [2L, 1, H, T, D]
+        two_l, _, h, t, d = kv.shape
+        if t >= INT8_TOKENS:
+            chunk = kv[:, 0, :, :INT8_TOKENS, :].reshape(two_l // 2, 2, h, INT8_TOKENS, d)
+            chunk = np.ascontiguousarray(chunk.transpose(0, 1, 3, 2, 4)).reshape(
+                two_l // 2, 2, INT8_TOKENS, h * d
+            )
+            out["trained"] = (chunk, two_l // 2, h * d)
+    return out
+
+
 def measure_redis(raw: np.ndarray, rounds: int) -> dict[str, Any]:
     """A chunk through a real redis-server, stored coded and raw, read back into one buffer."""
     from dataplane.storage.remote import RemoteBackend
@@ -143,6 +207,9 @@ def run_codec(ns: argparse.Namespace) -> int:
     if ns.kv_file:
         kinds["trained"] = np.load(ns.kv_file).view(np.uint8).ravel()[:n].copy()
     report: dict[str, Any] = {"kinds": {k: measure_kind(v, ns.rounds) for k, v in kinds.items()}}
+    report["int8"] = {
+        k: measure_int8(v, lay, ch, ns.rounds) for k, (v, lay, ch) in int8_chunk(kinds, ns.kv_file).items()
+    }
     report["redis"] = measure_redis(kinds.get("trained", kinds["random_weight_kind"]), ns.rounds)
     report["params"] = {"chunk_mb": ns.chunk_mb, "rounds": ns.rounds, "kv_file": ns.kv_file}
     finish(ns, "codec", report, _show)
@@ -158,6 +225,13 @@ def _show(rep: dict[str, Any]) -> None:
                 f"  {name:22s} {c['ratio']:.3f}x  encode {c['encode_gbs']:.2f} GB/s  "
                 f"decode {c['decode_gbs']:.2f} GB/s ({c['decode_gbs'] / k['memcpy_gbs']:.2f}x memcpy)"
             )
+    for kind, q in rep.get("int8", {}).items():
+        print(
+            f"{kind}: int8 (kv_compression) {q['ratio']:.3f}x ({q['bytes']:,} -> {q['int8_bytes']:,} bytes)  "
+            f"quantize {q['encode_gbs']:.2f} GB/s  dequantize {q['decode_gbs']:.2f} GB/s "
+            f"(memcpy {q['memcpy_gbs']:.2f})  "
+            f"RMS error K {100 * q['rms_error_k']:.2f}% V {100 * q['rms_error_v']:.2f}%"
+        )
     r = rep["redis"]
     for setting in ("none", "lossless"):
         s = r[setting]

@@ -168,6 +168,9 @@ def check_codec(rep: dict[str, Any]) -> None:
     for c in k["codecs"].values():
         assert c["ratio"] > 1 and c["encode_gbs"] > 0 and c["decode_gbs"] > 0
     assert k["codecs"]["planes"]["ratio"] > 1.3  # (KV-like bf16 codes to about 1.45x, any size)
+    q = rep["int8"]["random_weight_kind"]
+    assert 1.9 < q["ratio"] < 2 and q["encode_gbs"] > 0 and q["decode_gbs"] > 0
+    assert 0 < q["rms_error_k"] < 0.01 and 0 < q["rms_error_v"] < 0.01  # (a step of 1/255 of a range)
     r = rep["redis"]
     assert r["lossless"]["stored_bytes"] < r["none"]["stored_bytes"] and r["coded_over_raw_time"] > 0
 
