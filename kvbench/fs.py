@@ -46,6 +46,7 @@ import torch
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from dataplane.memory.copies import ChunkMap
 from dataplane.memory.kvmemory import MappedKV
+from dataplane.storage.compress import NONE
 from dataplane.storage.fs import chunk_file, resident
 from dataplane.storage.fs.layout import chunk_path
 from dataplane.storage.keys import chunk_keys, scope_digest
@@ -291,6 +292,8 @@ def _checked(files: list[tuple[str, bytes]], views: list[list[memoryview]], stag
         if f is None:
             raise RuntimeError(f"bench fs: {path} is gone")
         try:
+            if f.header.codec != NONE:  # a coded file: read whole, checked, decoded (as the tier does)
+                raise resident.InPlaceRefused
             placed = resident.read_resident(f, v)
         except resident.InPlaceRefused:
             placed = chunk_file.read_chunk(path, key, nbytes, lambda n: staging[:n]) is not None
@@ -318,7 +321,7 @@ def _reads(
     w, cache = _worker(b, ns.layers, False, ns.chunks_per_request)
     poll_fs(b, lambda f: bool(f["rebuilt"]), "rebuilt")  # (the scan of a few files: not beside the reads)
     first = files[0][1][0][0]
-    size = os.path.getsize(first)
+    size = max(os.path.getsize(first), ns.layers * 2 * CS * HEADS * HEAD_DIM * 2)  # (a coded file is smaller)
     buf = memoryview(mmap.mmap(-1, size))
     direct, why = _direct(first, size, kind)
     views = _chunk_views(cache, ns.chunks_per_request)
