@@ -26,6 +26,7 @@ from dataplane.client.kvalloc import describe_caches
 from dataplane.memory.kvmemory import contiguous_strides
 from dataplane.wire.checks import ids_to_bytes
 from dataplane.wire.messages import (
+    KV_CODECS,
     SUPPORTED_DTYPES,
     BlendAcquire,
     BlendRegister,
@@ -255,6 +256,8 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "outcome": st.sampled_from(["hit", "partial", "gave_up", "", "later"]),
     # LOOKUP_SCOPE's window in chunks: none, a few, past the prompt, or out of range
     "window": st.one_of(st.integers(0, 5), st.integers(-3, 1 << 17)),
+    # how an engine's chunks are stored: a codec, or a name none is
+    "kv_codec": st.one_of(st.sampled_from(KV_CODECS), st.text(max_size=8)),
     # a key context: none, a valid one (salt, namespace, spans), or fields of the wrong shape
     "key": st.one_of(
         st.none(),
