@@ -65,7 +65,16 @@ from dataplane.client.vllm.tail import tail_refusal
 from dataplane.client.vllm.tally import Tally
 from dataplane.client.vllm.vllm_stats import KVWardenPromMetrics, KVWardenStats, by_source
 from dataplane.client.vllm.wait import OwnSaves, Waits
-from dataplane.client.vllm.worker import BlockCopier, Loader, Registrar, Saver, load, register_groups
+from dataplane.client.vllm.worker import (
+    BlockCopier,
+    Loader,
+    Registrar,
+    Saver,
+    allow_amx,
+    kv_groups,
+    load,
+    register_groups,
+)
 from dataplane.memory.kvmemory import TORCH_DTYPES
 from dataplane.wire.messages import KVFormat
 
@@ -192,16 +201,8 @@ class KVWardenConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._declined is not None:
             return  # (said once, at start)
-        want = TORCH_DTYPES[self._scope.dtype]  # fp8 KV, which vLLM keeps as bytes: as what it is
-        fp8 = want in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-        def as_kv(t: torch.Tensor) -> torch.Tensor:
-            return t.view(want) if fp8 and t.dtype == torch.uint8 else t
-
-        if len(self._scopes) == 1:
-            groups = [[as_kv(t) for t in kv_caches.values()]]
-        else:  # (each group's layers: vLLM's hybrid manager may share one tensor among groups)
-            groups = [[as_kv(kv_caches[name]) for name in layers] for layers in self._group_layers]
+        allow_amx()
+        groups = kv_groups(kv_caches, TORCH_DTYPES[self._scope.dtype], self._group_layers, len(self._scopes))
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank, cfg = get_tensor_model_parallel_rank(), self._cfg

@@ -372,6 +372,34 @@ def load(
     return set() if got >= want else _blocks_from(job, got, block_size)
 
 
+def kv_groups(
+    kv_caches: dict[str, torch.Tensor], want: torch.dtype, group_layers: list[list[str]], n_groups: int
+) -> list[list[torch.Tensor]]:
+    """vLLM's KV tensors, a list a KV cache group (each group's layers in its order: vLLM's
+    hybrid manager may share one tensor among groups), fp8 KV, which vLLM keeps as bytes, viewed
+    as what it is (``want``)."""
+    fp8 = want in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def as_kv(t: torch.Tensor) -> torch.Tensor:
+        return t.view(want) if fp8 and t.dtype == torch.uint8 else t
+
+    if n_groups == 1:
+        return [[as_kv(t) for t in kv_caches.values()]]
+    return [[as_kv(kv_caches[name]) for name in layers] for layers in group_layers]
+
+
+def allow_amx() -> None:
+    """Ask the kernel for this process's use of AMX tiles, where the CPU has them. vLLM's CPU
+    attention uses AMX on such hosts, and a process that never asked dies of SIGILL at its
+    first AMX instruction: a worker whose first forward pass follows a load (a decode engine
+    given a whole prompt's KV) reaches vLLM's AMX kernel before anything that asks."""
+    cpu = getattr(torch, "cpu", None)
+    supported = getattr(cpu, "_is_amx_tile_supported", None)
+    init = getattr(cpu, "_init_amx", None)
+    if supported is not None and init is not None and supported():
+        init()
+
+
 def layout(caches: Sequence[torch.Tensor], s: Scope, mode: str) -> tuple[str, KVFormat]:
     """The transfer mode (``mode``, "auto" resolved) and format of vLLM's tensors of one KV
     cache group, checked against the scope the scheduler looks up (a mismatch would make every
