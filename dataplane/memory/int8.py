@@ -53,8 +53,12 @@ class Int8Shape:
         nb = tokens // bs
         if self.kv_format is KVFormat.LATENT:
             return [(chunk.view(layers, nb, bs, d), (1, 2))]
-        # vllm_cpu: per block and head, K as [head_dim][block_size], then V as [block_size][head_dim]
         x = chunk.view(layers, nb, h, 2, d * bs)
+        if self.kv_format is KVFormat.VLLM_CPU_AMX:  # K [d / 2][bs][2], V [bs / 2][d][2]
+            keys = x[:, :, :, 0].view(layers, nb, h, d // 2, bs, 2)
+            values = x[:, :, :, 1].view(layers, nb, h, bs // 2, d, 2)
+            return [(keys, (1, 4)), (values, (2, 4))]
+        # vllm_cpu: per block and head, K as [head_dim][block_size], then V as [block_size][head_dim]
         keys = x[:, :, :, 0].view(layers, nb, h, d, bs)
         values = x[:, :, :, 1].view(layers, nb, h, bs, d)
         return [(keys, (1, 4)), (values, (2, 4))]

@@ -47,6 +47,11 @@ class KVFormat(enum.StrEnum):
     # per layer and block: per head K transposed [head_dim][block_size], then V
     # [block_size][head_dim] (vLLM's CPU backend); moves in whole blocks only
     VLLM_CPU = "vllm_cpu"
+    # vLLM's CPU backend where its attention runs on AMX tiles (bfloat16, blocks of a multiple of
+    # 32): per layer, block and head, K as [head_dim / 2][block_size][2] (pairs of channels),
+    # then V as [block_size / 2][head_dim][2] (pairs of tokens); the same bytes read as
+    # `VLLM_CPU` would be other KV, so the two never share a chunk
+    VLLM_CPU_AMX = "vllm_cpu_amx"
     # per layer and block: one latent vector a token, [block_size][head_dim] (multi-head latent
     # attention: DeepSeek's compressed KV and its rotary key, registered as one head); the same
     # on every tensor-parallel rank; moves in whole blocks only

@@ -62,6 +62,7 @@ class Group:
     layers: int
     cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" (the model's dtype), "fp8"...
     window: int = 0  # SLIDING: the tokens a token sees, itself included (vLLM's sliding_window)
+    cpu_isa: str = ""  # on vLLM's CPU backend: its attention's ISA ("amx" lays blocks out otherwise)
 
 
 @dataclass(frozen=True)
@@ -92,18 +93,35 @@ def describe(vllm_config: Any, kv_cache_config: Any) -> EngineModel:
         heads, head_size = getattr(spec, "num_kv_heads", 0), getattr(spec, "head_size", 0)
         dtype = DTYPE_NAMES.get(getattr(spec, "dtype", None))  # type: ignore[arg-type]
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        return Group(kind, dtype, heads, head_size, spec.block_size, len(g.layer_names), cache_dtype, window)
+        isa = cpu_isa(getattr(mc, "dtype", None), spec.block_size, head_size, cache_dtype) if cpu else ""
+        return Group(
+            kind, dtype, heads, head_size, spec.block_size, len(g.layer_names), cache_dtype, window, isa
+        )
 
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    cpu = vllm_config.device_config.device_type == "cpu"
     name = mc.served_model_name or mc.model
     return EngineModel(
         str(name[0] if isinstance(name, list) else name),
         str(getattr(mc.hf_config, "model_type", "?")),
         pc.tensor_parallel_size,
         pc.decode_context_parallel_size,
-        vllm_config.device_config.device_type == "cpu",
+        cpu,
         tuple(group(g) for g in kv_cache_config.kv_cache_groups),
     )
+
+
+def cpu_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The ISA vLLM's CPU attention picks for these (its own choice, which decides the blocks'
+    layout), or "" when its build does not say."""
+    if dtype is None:
+        return ""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
+    except Exception:  # (another vLLM: the layout is taken to be the portable one)
+        return ""
 
 
 def _hybrid(groups: tuple[Group, ...]) -> str:
@@ -164,7 +182,9 @@ def scope_of(m: EngineModel) -> Scope:
 
 
 def _scope(m: EngineModel, g: Group) -> Scope:
-    kv_format = KVFormat.VLLM_CPU if m.cpu else KVFormat.TOKEN_MAJOR
+    kv_format = KVFormat.TOKEN_MAJOR
+    if m.cpu:
+        kv_format = KVFormat.VLLM_CPU_AMX if g.cpu_isa == "amx" else KVFormat.VLLM_CPU
     if g.kind == MLA:
         if not m.cpu:
             raise Declined(

@@ -405,8 +405,9 @@ def layout(caches: Sequence[torch.Tensor], s: Scope, mode: str) -> tuple[str, KV
     cache group, checked against the scope the scheduler looks up (a mismatch would make every
     lookup miss)."""
     first = caches[0]
+    kv_format: KVFormat
     if first.dim() == 4 and first.device.type == "cpu":
-        kv_format = KVFormat.LATENT if s.kv_format is KVFormat.LATENT else KVFormat.VLLM_CPU
+        kv_format = s.kv_format if s.kv_format is not KVFormat.TOKEN_MAJOR else KVFormat.VLLM_CPU
         heads, bs, head_dim = first.shape[1], first.shape[2], first.shape[3] // kv_format.planes
     elif first.dim() == 5 and first.shape[0] == 2:
         kv_format, heads, bs, head_dim = KVFormat.TOKEN_MAJOR, first.shape[3], first.shape[2], first.shape[4]

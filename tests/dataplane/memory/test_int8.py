@@ -43,7 +43,7 @@ def _steps(shape: Int8Shape, raw: torch.Tensor) -> list[tuple[torch.Tensor, torc
     return res
 
 
-FORMATS = [KVFormat.TOKEN_MAJOR, KVFormat.VLLM_CPU, KVFormat.LATENT]
+FORMATS = [KVFormat.TOKEN_MAJOR, KVFormat.VLLM_CPU, KVFormat.VLLM_CPU_AMX, KVFormat.LATENT]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

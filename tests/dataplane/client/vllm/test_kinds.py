@@ -35,6 +35,14 @@ def test_dense_attention_is_k_and_v_in_the_engines_layout() -> None:
     assert (cuda.kv_format, cuda.world_size) == (KVFormat.TOKEN_MAJOR, 2)
 
 
+def test_blocks_laid_out_for_amx_are_a_format_of_their_own() -> None:
+    """vLLM's CPU attention on AMX tiles lays a block out otherwise (pairs of channels of K,
+    pairs of tokens of V): such chunks must never be read as the portable layout's."""
+    amx = scope_of(model(Group(FULL, "bfloat16", 8, 128, 128, 32, cpu_isa="amx")))
+    vec = scope_of(model(Group(FULL, "bfloat16", 8, 128, 128, 32, cpu_isa="vec")))
+    assert (amx.kv_format, vec.kv_format) == (KVFormat.VLLM_CPU_AMX, KVFormat.VLLM_CPU)
+
+
 def test_latent_attention_is_one_latent_on_the_cpu_backend_and_declined_elsewhere() -> None:
     s = scope_of(model(LATENT, tp=2))
     assert (s.kv_format, s.heads, s.head_dim, s.block_size, s.world_size) == (KVFormat.LATENT, 1, 576, 16, 2)
