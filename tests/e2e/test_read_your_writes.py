@@ -33,9 +33,8 @@ import numpy as np
 import pytest
 
 from dataplane.client.vllm.lookup import Scope, ScopeLookup
-from dataplane.wire.messages import KVFormat
 from kvbench.vllm import EngineProcess
-from tests.e2e.vllm_support import CHUNK, VLLM_PYTHON, require_vllm, serve
+from tests.e2e.vllm_support import CHUNK, VLLM_PYTHON, cpu_format, require_vllm, serve
 from tests.helpers import ServerProcess, subprocess_env, wait_until
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.xdist_group("vllm")]  # one worker: the vLLM engines
@@ -138,7 +137,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 def _lookup(w: World) -> ScopeLookup:
     """LOOKUP_SCOPE as the engines' schedulers ask it."""
-    scope = Scope(str(w.model), 1, "bfloat16", 8, 8, 128, KVFormat.VLLM_CPU, 128)
+    scope = Scope(str(w.model), 1, "bfloat16", 8, 8, 128, cpu_format(), 128)
     # asked every time (no rest after a failure): a probe that rested after a hiccup of its
     # connection would sleep through the store it is there to catch
     return ScopeLookup(w.srv.endpoint, scope, timeout_s=5.0, retry_s=0.0)

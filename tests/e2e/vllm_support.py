@@ -22,7 +22,9 @@ from typing import Any, NamedTuple
 import httpx
 import numpy as np
 import pytest
+import torch
 
+from dataplane.wire.kinds import KVFormat
 from kvbench.procs import free_port, stop_process
 from kvbench.vllm import EngineProcess
 from tests.helpers import ROOT, ServerProcess, subprocess_env
@@ -40,6 +42,15 @@ RESERVED_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 # their own, as `vllm serve` runs them, are tested by test_vllm (its engines), test_vllm_handoff and
 # test_install (vLLM's OpenAI server).
 ONE_PROCESS = {"KVWARDEN_ENGINE_ONE_PROCESS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def cpu_format(dtype: str = "bfloat16", block_size: int = 128) -> KVFormat:
+    """The format vLLM's CPU engines here register dense KV in: `KVFormat.VLLM_CPU_AMX` where
+    its attention runs on AMX tiles (vLLM's rule: the CPU has them, bfloat16, blocks of a
+    multiple of 32), else `KVFormat.VLLM_CPU`."""
+    amx = torch.cpu._is_amx_tile_supported() and dtype == "bfloat16" and block_size % 32 == 0
+    return KVFormat.VLLM_CPU_AMX if amx else KVFormat.VLLM_CPU
+
 
 # test_vllm's prompts: 4 full chunks of PROMPT may be loaded (of 1,099 tokens)
 _rng = np.random.default_rng(11)
