@@ -227,3 +227,17 @@ def memory_of(pid: int) -> dict[str, int]:
             continue
     out["shm_bytes"] = used
     return out
+
+
+def drained(server: BenchServer, n: int, timeout_s: float = 120.0) -> None:
+    """Wait (polling, ``timeout_s`` at most) until ``n`` chunks reached the server's remote
+    tier; RuntimeError when writes were lost or the time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = server.json("/status")["storage"]["remote"]
+        if r["puts"] >= n:
+            return
+        if r["dropped_writes"] or r["put_failures"]:
+            raise RuntimeError(f"bench: writes to Redis lost: {r}")
+        time.sleep(0.05)  # polling a real process, under a deadline
+    raise RuntimeError(f"bench: {n} chunks did not reach Redis in {timeout_s:.0f} s")

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.movers import start_redis
-from kvbench.procs import BenchServer, launch, wait_http
+from kvbench.procs import BenchServer, drained, launch, wait_http
 from kvbench.results import add_output_args, finish, resolve
 from kvbench.vllm import CHUNK, EngineProcess, default_python
 
@@ -165,7 +165,7 @@ def _run_redis(
             _store(eng, prompts)
         finally:
             eng.close()  # (its stores drain into Redis before it unregisters)
-        _drained(servers[0], 2 * len(prompts))
+        drained(servers[0], 2 * len(prompts))
         eng = engine(servers[1], "hit")
         try:
             res = _hits(eng, prompts)
@@ -181,16 +181,6 @@ def _run_redis(
         proc.kill()
         proc.wait()
     return res
-
-
-def _drained(srv: BenchServer, puts: int, timeout_s: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while srv.json("/status")["storage"]["remote"]["puts"] < puts:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not write {puts} chunks to Redis in {timeout_s:.0f} s")
-        time.sleep(0.1)
 
 
 def _store(eng: EngineProcess, prompts: list[list[int]]) -> None:

@@ -25,7 +25,7 @@ import torch
 from dataplane.client import WorkerAdapter, allocate_kv_caches
 from kvbench import report
 from kvbench.movers import start_redis
-from kvbench.procs import BenchServer, launch, wait_arena_ready, wait_http
+from kvbench.procs import BenchServer, drained, launch, wait_arena_ready, wait_http
 from kvbench.results import add_output_args, finish, resolve
 
 BS, CS = 16, 256
@@ -106,7 +106,7 @@ def _measure(ns: argparse.Namespace, servers: list[BenchServer], raw: Any) -> di
                 if w.store_detail(p, blocks).stored != 1:
                     raise RuntimeError("bench remote: a STORE was not kept")
                 times.append(time.perf_counter() - t0)
-        _drained(servers[1], ns.samples)
+        drained(servers[1], ns.samples)
         keys = raw.keys("kvwarden:*")
         for i in range(ns.samples):
             t0 = time.perf_counter()
@@ -136,16 +136,3 @@ def _measure(ns: argparse.Namespace, servers: list[BenchServer], raw: Any) -> di
             "redis_get": [1e3 * t for t in get_s],
         },
     }
-
-
-def _drained(server: BenchServer, n: int) -> None:
-    """Wait (polling, 120 s at most) until ``n`` chunks reached Redis."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        r = server.json("/status")["storage"]["remote"]
-        if r["puts"] >= n:
-            return
-        if r["dropped_writes"] or r["put_failures"]:
-            raise RuntimeError(f"bench remote: writes lost: {r}")
-        time.sleep(0.05)  # polling a real process, under a deadline
-    raise RuntimeError("bench remote: the writes did not reach Redis in 120 s")
