@@ -156,7 +156,8 @@ def _run_redis(
     proc, raw = pair
     url = f"redis://127.0.0.1:{raw.connection_pool.connection_kwargs['port']}/0"
     coded = ("--remote-compression", "lossless") if case == "redis_lossless" else ()
-    servers = [launch(*common, "--remote-url", url, *coded), launch(*common, "--remote-url", url)]
+    # (both code alike: server B stores the chunks its hits compute past the prefix, too)
+    servers = [launch(*common, "--remote-url", url, *coded) for _ in range(2)]
     try:
         for s in servers:
             wait_http(s)

@@ -18,14 +18,12 @@ handled here (``supported`` says False).
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from dataplane.memory.jit import CompileWarmup
 
 _BITS = {torch.bfloat16: np.uint16, torch.float32: np.float32}
 _kernels: dict[str, Any] = {}  # name -> compiled function; filled once by _compile()
@@ -74,51 +72,11 @@ def copy_rows(src: torch.Tensor, src_rows: np.ndarray, dst: torch.Tensor, dst_ro
     _kernels["copy_rows"](_as_array(src), src_rows, _as_array(dst), dst_rows)
 
 
-class KernelWarmup:
-    """Compiles the kernels on thread ``kvwarden-rope-jit``, once: ``start`` (idempotent) begins,
-    ``ready`` says they can be used, ``state`` is "idle", "compiling", "ready" or "unavailable:
-    <why>" (numba missing or failing: callers keep using torch). ``_lock`` guards ``_thread``
-    and ``_state``."""
+class KernelWarmup(CompileWarmup):
+    """Compiles the kernels on thread ``kvwarden-rope-jit``, once a process (`CompileWarmup`):
+    until ``ready``, and where numba fails, callers rotate with torch."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._state = "ready" if _kernels else "idle"
-
-    @property
-    def state(self) -> str:
-        with self._lock:
-            return self._state
-
-    @property
-    def ready(self) -> bool:
-        return self.state == "ready"
-
-    def start(self) -> None:
-        with self._lock:
-            if self._state != "idle":
-                return
-            self._state = "compiling"
-            self._thread = threading.Thread(target=self._run, name="kvwarden-rope-jit", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        return None  # a compile cannot be interrupted; join() waits for it
-
-    def join(self, timeout: float | None = None) -> None:
-        with self._lock:
-            t = self._thread
-        if t is not None:
-            t.join(timeout)
-
-    def _run(self) -> None:
-        try:
-            if not _kernels:
-                _kernels.update(_compile())
-            state = "ready"
-            logger.info("blend: compiled RoPE kernels ready")
-        except Exception as exc:  # any failure leaves the torch path, said once
-            state = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            logger.warning("blend: compiled RoPE kernels %s; rotating with torch", state)
-        with self._lock:
-            self._state = state
+        super().__init__(
+            _kernels, _compile, "kvwarden-rope-jit", "blend: compiled RoPE kernels", "rotating with torch"
+        )

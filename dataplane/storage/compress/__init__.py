@@ -4,7 +4,7 @@ carries (`dataplane.storage.codec`). ``NONE``: the chunk's bytes as they are. ``
 
 from __future__ import annotations
 
-from dataplane.storage.compress.planes import WORD_DTYPES, CodedChunkError
+from dataplane.storage.compress.planes import WARMUP, WORD_DTYPES, CodedChunkError, StreamDecoder
 from dataplane.storage.compress.planes import decode_into as _planes_decode
 from dataplane.storage.compress.planes import encode as _planes_encode
 
@@ -37,14 +37,25 @@ def decode_into(codec: int, coded: memoryview | bytes, out: memoryview) -> None:
     _planes_decode(coded, out)
 
 
+def stream_decoder(codec: int, out: memoryview, nbytes: int) -> StreamDecoder:
+    """A decoder of ``nbytes`` coded bytes (of ``codec``) into ``out`` as they arrive
+    (`StreamDecoder`); CodedChunkError for a codec it does not know."""
+    if codec != PLANES:
+        raise CodedChunkError(f"unknown codec {codec}")
+    return StreamDecoder(out, nbytes)
+
+
 __all__ = [
     "CODECS",
     "LOSSLESS_SETTINGS",
     "NONE",
     "PLANES",
+    "WARMUP",
     "WORD_DTYPES",
     "CodedChunkError",
+    "StreamDecoder",
     "checked_setting",
     "decode_into",
     "encode",
+    "stream_decoder",
 ]

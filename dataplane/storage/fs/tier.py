@@ -125,6 +125,8 @@ class FileTier(FileReads):
         self.io.start()
         self._thread = threading.Thread(target=self._run, name="kvwarden-fs-writer", daemon=True)
         self._thread.start()
+        if self.compression != "none":
+            compress.WARMUP.start()  # (the writer codes with its kernels once compiled)
 
     def stop(self) -> None:
         """Stop the writer (what is still queued is dropped, counted ``stopped``) and the I/O threads."""
@@ -136,6 +138,7 @@ class FileTier(FileReads):
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.io.join(timeout_s)
+        compress.WARMUP.join(timeout_s)
         for w in self._take_all():
             self.counters.dropped("stopped")
             _done(w)

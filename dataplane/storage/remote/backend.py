@@ -119,6 +119,8 @@ class RemoteBackend:
         self._thread = threading.Thread(target=self._drain, name="kvwarden-remote-writer", daemon=True)
         self._thread.start()
         self._ahead.start()
+        if self.compression != "none":
+            compress.WARMUP.start()  # (the writer codes with its kernels once compiled)
 
     def stop(self) -> None:
         """Stop the writer and the reader: queued writes are dropped (counted), reads answered None."""
@@ -130,6 +132,7 @@ class RemoteBackend:
         if self._thread is not None:
             self._thread.join(timeout)
         self._ahead.join(timeout)
+        compress.WARMUP.join(timeout)
         for w in self._take_all():
             self._count_drop("stopped")
             w.release()

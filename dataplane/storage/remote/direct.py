@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
+import xxhash
 from redis import exceptions as rexc
 from redis.connection import parse_url
 
@@ -37,10 +38,9 @@ from dataplane.storage.codec import (
     check_expected,
     check_header,
     check_key,
-    unpack,
     value_hasher,
 )
-from dataplane.storage.compress import NONE
+from dataplane.storage.compress import CODECS, NONE, CodedChunkError, StreamDecoder, stream_decoder
 
 _LINE_READ = 4096  # what a read for a reply's first line takes from the socket at most
 MAX_IDLE = 8  # connections kept open between reads
@@ -113,6 +113,18 @@ class _Conn:
             self.sock.close()
 
 
+def _receive_decoding(conn: _Conn, decoder: StreamDecoder, early: memoryview, hasher: xxhash.xxh3_64) -> None:
+    """The payload received through ``decoder`` piece by piece (``early``: its first bytes,
+    read with the header), each piece hashed as it lands."""
+    while (buf := decoder.next_buffer()) is not None:
+        k = min(early.nbytes, buf.nbytes)
+        buf[:k] = early[:k]
+        early = early[k:]
+        conn.read_into(buf[k:])
+        hasher.update(buf)
+        decoder.filled()
+
+
 def _error(text: str) -> redis.RedisError:
     """redis-py's exception for an error reply (its kinds by prefix, as its parser maps them)."""
     if text.startswith(("NOAUTH", "WRONGPASS", "ERR invalid password", "ERR AUTH")):
@@ -167,9 +179,21 @@ class DirectGets:
         given: list[memoryview] = []
         want = None if shape is None else tuple(shape)
 
-        def into(h: Header) -> memoryview | None:
-            if h.codec != NONE or alloc is None or h.dtype != dtype or want not in (None, h.shape):
-                return memoryview(bytearray(h.nbytes))  # (a coded payload: decoded into alloc's below)
+        def into(h: Header) -> memoryview | StreamDecoder | None:
+            fits = alloc is not None and h.dtype == dtype and want in (None, h.shape)
+            if h.codec != NONE:  # (decoded as it arrives, into alloc's buffer)
+                out = alloc(h.raw_nbytes) if fits and alloc is not None else None
+                out = memoryview(bytearray(h.raw_nbytes)) if not fits else out
+                if out is None:
+                    return None
+                if fits:
+                    given.append(out)
+                try:
+                    return stream_decoder(h.codec, out, h.nbytes)
+                except CodedChunkError as exc:
+                    raise RemoteValueError("format", str(exc)) from None
+            if not fits or alloc is None:
+                return memoryview(bytearray(h.nbytes))
             dst = alloc(h.nbytes)
             if dst is not None:
                 given.append(dst)
@@ -179,18 +203,16 @@ class DirectGets:
             got = self.get_into(name, into, lambda head, total: check_header(None, head, total))
             if got is None:
                 return None
-            head, payload = got
+            head, payload, decoder = got
             check_key(key, head)
             check_expected(head, dtype, shape)
-            if head.codec == NONE:
-                return payload
-            out = memoryview(bytearray(head.raw_nbytes)) if alloc is None else alloc(head.raw_nbytes)
-            if out is None:
-                raise NoRoom
-            if alloc is not None:
-                given.append(out)
-            unpack(head, payload, out)  # (on this thread: where the read runs)
-            return out
+            if decoder is not None:
+                try:
+                    decoder.finish()
+                except CodedChunkError as exc:
+                    what = f"a {CODECS.get(head.codec)} payload that does not decode"
+                    raise RemoteValueError("format", f"{what}: {exc}") from None
+            return payload
         except NoRoom:
             return NO_ROOM
         except BaseException:
@@ -201,14 +223,17 @@ class DirectGets:
     def get_into(
         self,
         name: str,
-        alloc: Callable[[Header], memoryview | None],
+        alloc: Callable[[Header], memoryview | StreamDecoder | None],
         header_of: Callable[[bytes, int], Header],
-    ) -> tuple[Header, memoryview] | None:
+    ) -> tuple[Header, memoryview, StreamDecoder | None] | None:
         """GET ``name``: None when Redis holds nothing under it; else the value's header (checked
-        by ``header_of(first bytes, total)``, which raises `RemoteValueError`) and the payload,
-        received into ``alloc(header)`` and hash-checked. ``alloc`` answering None (no room)
-        raises `NoRoom`. A value that fails a check raises `RemoteValueError` after its buffer
-        was handed out (the caller gives it back)."""
+        by ``header_of(first bytes, total)``, which raises `RemoteValueError`), the payload, and
+        the decoder it went through: ``alloc(header)`` gives the buffer the payload is received
+        into, or for a coded payload a decoder it is received through (`StreamDecoder`: the
+        payload answered is then its ``out``, whose decoding the caller checks with ``finish``),
+        and the value is hash-checked. ``alloc`` answering None (no room) raises `NoRoom`. A
+        value that fails a check raises `RemoteValueError` after its buffer was handed out (the
+        caller gives it back)."""
         conn = self._take()
         reusable = False
         try:
@@ -221,19 +246,24 @@ class DirectGets:
             conn.read_into(memoryview(first))
             head = bytes(first)
             h = header_of(head, total)
-            dst = alloc(h)
-            if dst is None:
+            sink = alloc(h)
+            if sink is None:
                 raise NoRoom(f"no room in L1 for {h.nbytes} bytes")
             early = memoryview(head)[h.start :]
-            dst[: early.nbytes] = early
-            conn.read_into(dst[early.nbytes :])
+            hasher = value_hasher(head, h)
+            if isinstance(sink, memoryview):
+                dst, decoder = sink, None
+                dst[: early.nbytes] = early
+                conn.read_into(dst[early.nbytes :])
+                hasher.update(dst)
+            else:
+                dst, decoder = sink.out, sink
+                _receive_decoding(conn, sink, early, hasher)
             if conn.line() != b"":
                 raise redis.ResponseError("a bulk reply without its CRLF")
             reusable = True
-            hasher = value_hasher(head, h)
-            hasher.update(dst)
             check_digest(head, h, hasher.intdigest())
-            return h, dst
+            return h, dst, decoder
         except TimeoutError:
             raise redis.TimeoutError("Timeout reading from Redis") from None
         except (redis.RedisError, RemoteValueError, NoRoom):

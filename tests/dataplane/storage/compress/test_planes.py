@@ -3,11 +3,15 @@ and coded bytes that do not decode (a clear error, never wrong bytes)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from dataplane.storage import compress
+from dataplane.storage.compress import planes
 from dataplane.storage.compress.planes import MIN_SAVING, CodedChunkError, decode_into, encode
 
 
@@ -78,3 +82,113 @@ def test_coded_bytes_that_do_not_decode_raise_never_fill_wrong_bytes() -> None:
         decode_into(bytes(bad), out)
     with pytest.raises(CodedChunkError, match="unknown codec"):
         compress.decode_into(7, coded, out)
+
+
+def numpy_only(coded: bytes, n: int) -> bytes:
+    """``coded`` decoded by numpy's passes alone (as before the kernels are compiled)."""
+    with planes.numpy_passes():
+        return back(coded, n)
+
+
+@pytest.fixture
+def kernels() -> None:
+    planes.WARMUP.start()
+    planes.WARMUP.join(300.0)
+    assert planes.WARMUP.state == "ready", planes.WARMUP.state
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_compiled_planes_agree_with_numpys_bit_for_bit(kernels: None, dtype: torch.dtype) -> None:
+    raw = kv_like(1 << 16, dtype, seed=3)
+    name = str(dtype).removeprefix("torch.")
+    coded = encode(raw, name)
+    assert coded is not None
+    with planes.numpy_passes():
+        assert encode(raw, name) == coded  # numpy's split codes the same bytes
+    assert back(coded, raw.nbytes) == bytes(raw) == numpy_only(coded, raw.nbytes)
+    assert back(bytes(bytearray(coded)), raw.nbytes) == bytes(raw)  # read-only planes
+    assert back(bytearray(coded), raw.nbytes) == bytes(raw)  # writable planes
+
+
+def test_unaligned_buffers_take_numpys_path_and_stay_exact(kernels: None) -> None:
+    raw = kv_like(1 << 14, torch.bfloat16, seed=4)
+    shifted = bytearray(raw.nbytes + 1)
+    shifted[1:] = raw
+    coded = encode(memoryview(shifted)[1:], "bfloat16")  # an odd address: not the kernel's
+    assert coded is not None and coded == encode(raw, "bfloat16")
+    out = bytearray(raw.nbytes + 1)
+    decode_into(coded, memoryview(out)[1:])
+    assert bytes(out[1:]) == bytes(raw)
+
+
+FIRST_READ = """
+import numpy as np
+from dataplane.storage.compress import planes
+raw = (np.random.default_rng(0).standard_normal(1 << 14).astype(np.float32).view(np.uint32) >> 16)
+raw = raw.astype(np.uint16).view(np.uint8)
+coded = planes.encode(memoryview(raw), "bfloat16")
+assert planes.WARMUP.state == "idle", planes.WARMUP.state  # (encoding alone compiles nothing)
+out = bytearray(raw.nbytes)
+planes.decode_into(coded, memoryview(out))  # numpy's passes, and the compile begins
+assert bytes(out) == raw.tobytes()
+assert planes.WARMUP.state in ("compiling", "ready"), planes.WARMUP.state
+planes.WARMUP.join(300.0)
+assert planes.WARMUP.state == "ready", planes.WARMUP.state
+planes.decode_into(coded, memoryview(out))
+assert bytes(out) == raw.tobytes()
+"""
+
+
+def test_the_first_coded_read_of_a_process_starts_the_compile() -> None:
+    done = subprocess.run([sys.executable, "-c", FIRST_READ], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def stream(coded: bytes, out: memoryview, early: int = 0) -> planes.StreamDecoder:
+    """``coded`` received through a decoder as the remote tier receives it: ``early`` bytes come
+    with the header, the rest fills each buffer it asks for."""
+    dec = planes.StreamDecoder(out, len(coded))
+    at, pending = 0, memoryview(coded)[:early]
+    while (buf := dec.next_buffer()) is not None:
+        k = min(pending.nbytes, buf.nbytes)
+        buf[:k] = pending[:k]
+        pending = pending[k:]
+        buf[k:] = coded[at + k : at + buf.nbytes]
+        at += buf.nbytes
+        dec.filled()
+    assert at == len(coded)  # (all of it asked for, whatever it held)
+    return dec
+
+
+@pytest.mark.parametrize("early", [0, 3, 40])
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_the_stream_decoder_decodes_pieces_as_they_arrive(early: int, with_kernels: bool) -> None:
+    raw = kv_like((3 * planes.PIECE + 4096) // 2, torch.bfloat16, seed=7)  # (several pieces)
+    coded = encode(raw, "bfloat16")
+    assert coded is not None
+    out = bytearray(raw.nbytes)
+    if with_kernels:
+        planes.WARMUP.start()
+        planes.WARMUP.join(300.0)
+        stream(coded, memoryview(out), early).finish()
+    else:
+        with planes.numpy_passes():
+            stream(coded, memoryview(out), early).finish()
+    assert bytes(out) == bytes(raw)
+
+
+def test_the_stream_decoder_takes_in_every_byte_of_a_bad_value_then_raises() -> None:
+    raw = kv_like(1 << 15, torch.bfloat16, seed=8)
+    coded = encode(raw, "bfloat16")
+    assert coded is not None
+    bad = bytearray(coded)
+    bad[6] ^= 0xFF  # inside the zstandard frame's header
+    with pytest.raises(CodedChunkError, match="high plane"):
+        stream(bytes(bad), memoryview(bytearray(raw.nbytes))).finish()
+    with pytest.raises(CodedChunkError, match="planes of"):  # planes that do not add up
+        stream(coded, memoryview(bytearray(raw.nbytes + 2))).finish()
+    with pytest.raises(CodedChunkError, match="16-bit"):
+        stream(coded, memoryview(bytearray(raw.nbytes + 1))).finish()
+    dec = planes.StreamDecoder(memoryview(bytearray(raw.nbytes)), len(coded))
+    with pytest.raises(CodedChunkError, match="never received"):
+        dec.finish()

@@ -10,7 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from dataplane.storage import codec, compress
 from dataplane.storage.codec import header_size
+from dataplane.storage.compress.planes import encode
 from dataplane.storage.remote import RemoteBackend
 from tests.redis_server import RedisServer
 
@@ -114,3 +116,34 @@ def test_a_damaged_coded_value_is_a_counted_miss(
 def test_an_unknown_compression_setting_is_refused() -> None:
     with pytest.raises(ValueError, match="compression 'zip': one of none, lossless"):
         RemoteBackend("redis://127.0.0.1:1/0", compression="zip")
+
+
+def test_a_forged_coded_value_that_does_not_decode_gives_its_buffer_back_and_reads_go_on(
+    redis_server: RedisServer, backends: dict[str, RemoteBackend]
+) -> None:
+    """A value whose hash holds but whose planes do not decode (a faulty coder's): a "format"
+    miss, the buffer handed out for it given back, the connection left clean for the next read."""
+    b = backends["lossless"]
+    raw = _kv(6)
+    assert b.put(_key(6), "uint8", (N,), memoryview(raw), words="bfloat16") and b.flush(10)
+    coded = encode(memoryview(raw), "bfloat16")
+    assert coded is not None
+    junk = bytearray(coded)
+    junk[4:12] = b"notzstd!"  # (the frame's magic)
+    c = redis_server.client()
+    try:
+        c.set(b.redis_key(_key(7)), codec.encode(_key(7), "uint8", (N,), bytes(junk), codec=compress.PLANES))
+    finally:
+        c.close()
+    dest, given, back = bytearray(N), [], []
+
+    def alloc(n: int) -> memoryview:
+        given.append(n)
+        return memoryview(dest)
+
+    for _ in range(2):  # (the second read goes over the connection the first left)
+        assert b.get(_key(7), "uint8", (N,), alloc=alloc, give_back=back.append) is None
+        got = b.get(_key(6), "uint8", (N,), alloc=alloc, give_back=back.append)
+        assert got is not None and bytes(dest) == raw
+    assert b.stats().bad_values == {"format": 2}
+    assert given == [N] * 4 and len(back) == 2  # (each forged read's buffer, given back)
