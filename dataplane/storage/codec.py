@@ -105,6 +105,11 @@ def header_size(ndim: int) -> int:
     return _FIXED.size + 4 * ndim + _HASH.size
 
 
+def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
+    """The bytes of a chunk of ``dtype`` elements in ``shape`` (raw, as a reader expects it)."""
+    return _nbytes(dtype, shape)
+
+
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:
     n = _ITEMSIZE.get(dtype, 1)
     for d in shape:

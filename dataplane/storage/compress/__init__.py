@@ -1,16 +1,25 @@
 """Compressed chunks: the codecs a tier may store a chunk in, named by the code its header
 carries (`dataplane.storage.codec`). ``NONE``: the chunk's bytes as they are. ``PLANES``:
-16-bit float chunks coded losslessly (`planes`), by the file and remote tiers' writer threads."""
+16-bit float chunks coded losslessly in pieces (`planes`), by the file and remote tiers' writer
+threads. ``PLANES_WHOLE``: the same coding in one piece, as servers before pieces wrote it:
+still read, never written."""
 
 from __future__ import annotations
 
-from dataplane.storage.compress.planes import WARMUP, WORD_DTYPES, CodedChunkError, StreamDecoder
-from dataplane.storage.compress.planes import decode_into as _planes_decode
-from dataplane.storage.compress.planes import encode as _planes_encode
+from dataplane.storage.compress import planes
+from dataplane.storage.compress.planes import (
+    WARMUP,
+    WORD_DTYPES,
+    CodedChunkError,
+    StreamDecoder,
+    WholeDecoder,
+)
 
 NONE = 0
-PLANES = 1
-CODECS = {NONE: "none", PLANES: "planes"}  # code -> name (stable: written into values)
+PLANES_WHOLE = 1
+PLANES = 2
+# code -> name (the codes are stable: written into values)
+CODECS = {NONE: "none", PLANES_WHOLE: "planes (whole)", PLANES: "planes"}
 LOSSLESS_SETTINGS = ("none", "lossless")  # a tier's `--*-compression`
 
 
@@ -26,23 +35,29 @@ def encode(payload: memoryview, dtype: str | None, setting: str) -> tuple[int, b
     setting is "none", or the codec does not pay for this chunk)."""
     if setting != "lossless":
         return None
-    coded = _planes_encode(payload, dtype)
+    coded = planes.encode(payload, dtype)
     return None if coded is None else (PLANES, coded)
 
 
 def decode_into(codec: int, coded: memoryview | bytes, out: memoryview) -> None:
     """Decode ``coded`` (of ``codec``) into ``out``; CodedChunkError when it does not decode."""
-    if codec != PLANES:
+    if codec == PLANES:
+        planes.decode_into(coded, out)
+    elif codec == PLANES_WHOLE:
+        planes.decode_whole_into(coded, out)
+    else:
         raise CodedChunkError(f"unknown codec {codec}")
-    _planes_decode(coded, out)
 
 
-def stream_decoder(codec: int, out: memoryview, nbytes: int) -> StreamDecoder:
+def stream_decoder(codec: int, out: memoryview, nbytes: int) -> StreamDecoder | WholeDecoder:
     """A decoder of ``nbytes`` coded bytes (of ``codec``) into ``out`` as they arrive
-    (`StreamDecoder`); CodedChunkError for a codec it does not know."""
-    if codec != PLANES:
-        raise CodedChunkError(f"unknown codec {codec}")
-    return StreamDecoder(out, nbytes)
+    (`StreamDecoder`; `WholeDecoder` for the codec in one piece); CodedChunkError for a codec it
+    does not know."""
+    if codec == PLANES:
+        return StreamDecoder(out, nbytes)
+    if codec == PLANES_WHOLE:
+        return WholeDecoder(out, nbytes)
+    raise CodedChunkError(f"unknown codec {codec}")
 
 
 __all__ = [
@@ -50,10 +65,12 @@ __all__ = [
     "LOSSLESS_SETTINGS",
     "NONE",
     "PLANES",
+    "PLANES_WHOLE",
     "WARMUP",
     "WORD_DTYPES",
     "CodedChunkError",
     "StreamDecoder",
+    "WholeDecoder",
     "checked_setting",
     "decode_into",
     "encode",

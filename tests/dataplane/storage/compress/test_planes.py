@@ -72,14 +72,16 @@ def test_coded_bytes_that_do_not_decode_raise_never_fill_wrong_bytes() -> None:
     coded = encode(raw, "bfloat16")
     assert coded is not None
     out = memoryview(bytearray(raw.nbytes))
-    with pytest.raises(CodedChunkError, match="planes"):
+    with pytest.raises(CodedChunkError, match="bytes left for a piece"):
         decode_into(coded[:-1], out)  # truncated
     with pytest.raises(CodedChunkError):
         decode_into(coded, memoryview(bytearray(raw.nbytes + 2)))  # another chunk size
     bad = bytearray(coded)
-    bad[6] ^= 0xFF  # inside the zstandard frame's header
-    with pytest.raises(CodedChunkError):
+    bad[10] ^= 0xFF  # inside the first zstandard frame's header
+    with pytest.raises(CodedChunkError, match="high plane"):
         decode_into(bytes(bad), out)
+    with pytest.raises(CodedChunkError, match="past the last piece"):
+        decode_into(coded + b"\0", out)
     with pytest.raises(CodedChunkError, match="unknown codec"):
         compress.decode_into(7, coded, out)
 
@@ -163,7 +165,7 @@ def stream(coded: bytes, out: memoryview, early: int = 0) -> planes.StreamDecode
 @pytest.mark.parametrize("early", [0, 3, 40])
 @pytest.mark.parametrize("with_kernels", [True, False])
 def test_the_stream_decoder_decodes_pieces_as_they_arrive(early: int, with_kernels: bool) -> None:
-    raw = kv_like((3 * planes.PIECE + 4096) // 2, torch.bfloat16, seed=7)  # (several pieces)
+    raw = kv_like((3 * planes.PIECE_WORDS + 4096) // 2, torch.bfloat16, seed=7)  # (several pieces)
     coded = encode(raw, "bfloat16")
     assert coded is not None
     out = bytearray(raw.nbytes)
@@ -182,13 +184,60 @@ def test_the_stream_decoder_takes_in_every_byte_of_a_bad_value_then_raises() -> 
     coded = encode(raw, "bfloat16")
     assert coded is not None
     bad = bytearray(coded)
-    bad[6] ^= 0xFF  # inside the zstandard frame's header
+    bad[10] ^= 0xFF  # inside the first zstandard frame's header
     with pytest.raises(CodedChunkError, match="high plane"):
         stream(bytes(bad), memoryview(bytearray(raw.nbytes))).finish()
-    with pytest.raises(CodedChunkError, match="planes of"):  # planes that do not add up
+    bad = bytearray(coded)
+    bad[4:8] = (1 << 31).to_bytes(4, "little")  # a frame longer than the value
+    with pytest.raises(CodedChunkError, match="a frame of"):
+        stream(bytes(bad), memoryview(bytearray(raw.nbytes))).finish()
+    with pytest.raises(CodedChunkError, match="a frame of"):  # pieces that do not add up
         stream(coded, memoryview(bytearray(raw.nbytes + 2))).finish()
     with pytest.raises(CodedChunkError, match="16-bit"):
         stream(coded, memoryview(bytearray(raw.nbytes + 1))).finish()
     dec = planes.StreamDecoder(memoryview(bytearray(raw.nbytes)), len(coded))
     with pytest.raises(CodedChunkError, match="never received"):
         dec.finish()
+
+
+def whole(raw: memoryview) -> bytes:
+    """``raw`` coded in one piece, as servers before pieces wrote it."""
+    import zstandard
+
+    b = np.frombuffer(raw, dtype=np.uint8)
+    frame = zstandard.ZstdCompressor().compress(np.ascontiguousarray(b[1::2]).data)
+    return len(frame).to_bytes(4, "little") + frame + np.ascontiguousarray(b[0::2]).tobytes()
+
+
+def test_chunks_coded_in_one_piece_by_older_servers_are_still_read() -> None:
+    raw = kv_like(planes.PIECE_WORDS + 1000, torch.bfloat16, seed=9)
+    old = whole(raw)
+    out = bytearray(raw.nbytes)
+    compress.decode_into(compress.PLANES_WHOLE, old, memoryview(out))
+    assert bytes(out) == bytes(raw)
+    out = bytearray(raw.nbytes)
+    dec = compress.stream_decoder(compress.PLANES_WHOLE, memoryview(out), len(old))
+    while (buf := dec.next_buffer()) is not None:
+        buf[:] = old
+        dec.filled()
+    dec.finish()
+    assert bytes(out) == bytes(raw)
+    with pytest.raises(CodedChunkError):  # (and either format read as the other fails)
+        compress.decode_into(compress.PLANES, old, memoryview(out))
+    with pytest.raises(CodedChunkError):
+        compress.decode_into(compress.PLANES_WHOLE, encode(raw, "bfloat16") or b"", memoryview(out))
+
+
+def test_a_chunk_is_coded_in_pieces_of_a_fixed_size_the_last_shorter() -> None:
+    words = 2 * planes.PIECE_WORDS + 12352  # (a whole number of 64-word rows)
+    raw = kv_like(words, torch.bfloat16, seed=10)
+    coded = encode(raw, "bfloat16")
+    assert coded is not None
+    assert int.from_bytes(coded[:4], "little") == planes.PIECE_WORDS
+    at, lows = 4, []
+    while at < len(coded):
+        flen = int.from_bytes(coded[at : at + 4], "little")
+        k = min(planes.PIECE_WORDS, words - sum(lows))
+        at += 4 + flen + k
+        lows.append(k)
+    assert at == len(coded) and lows == [planes.PIECE_WORDS, planes.PIECE_WORDS, 12352]

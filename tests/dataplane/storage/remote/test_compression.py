@@ -12,8 +12,9 @@ import torch
 
 from dataplane.storage import codec, compress
 from dataplane.storage.codec import header_size
+from dataplane.storage.compress import planes
 from dataplane.storage.compress.planes import encode
-from dataplane.storage.remote import RemoteBackend
+from dataplane.storage.remote import RemoteBackend, direct
 from tests.redis_server import RedisServer
 
 N = 256 << 10  # a 256 KiB chunk (uint8 x N, as the tiers file it)
@@ -55,9 +56,16 @@ def _stored(redis_server: RedisServer, b: RemoteBackend, key: bytes) -> int:
         c.close()
 
 
+@pytest.mark.parametrize("pieces", ["one piece, one range", "many pieces across many ranges"])
 def test_a_bf16_chunk_is_stored_coded_and_read_back_exactly(
-    redis_server: RedisServer, backends: dict[str, RemoteBackend]
+    redis_server: RedisServer,
+    backends: dict[str, RemoteBackend],
+    pieces: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if pieces.startswith("many"):  # (pieces of 16 KiB of chunk, read in ranges that cut them)
+        monkeypatch.setattr(planes, "PIECE_WORDS", 1 << 13)
+        monkeypatch.setattr(direct, "RANGE", 50_000)
     b = backends["lossless"]
     raw = _kv(1)
     assert b.put(_key(1), "uint8", (N,), memoryview(raw), words="bfloat16") and b.flush(10)

@@ -6,16 +6,17 @@ counted miss after which reads go on."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
 
-from dataplane.storage.codec import encode
-from dataplane.storage.remote import RemoteBackend
-from dataplane.storage.remote.direct import DirectGets
+from dataplane.storage.codec import RemoteValueError, encode
+from dataplane.storage.remote import RemoteBackend, direct
+from dataplane.storage.remote.direct import DirectGets, _Conn, _Value
 from tests.redis_server import RedisServer
 
 SHAPE = (4, 16, 64)  # bfloat16: 8 KiB
@@ -162,3 +163,78 @@ def test_clusters_and_tls_are_read_through_redis_py() -> None:
     assert DirectGets.for_url("unix:///tmp/r.sock", None, 1.0) is not None
     assert DirectGets.for_url("rediss://127.0.0.1:6380/0", None, 1.0) is None
     assert DirectGets.for_url("redis+cluster://127.0.0.1:7000", None, 1.0) is None
+
+
+def _getrange_calls(r: RedisServer) -> int:
+    raw = r.client()
+    try:
+        return int(raw.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0))
+    finally:
+        raw.close()
+
+
+def test_a_value_is_read_in_ranges_that_cover_it_exactly(
+    backend: RemoteBackend, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranges of 3000 bytes: the 8 KiB chunk and its header in three, the last one short; a
+    value larger than its layout asked for (another shape's) is read to its end in more ranges
+    and refused as another layout; a missing one is a plain miss, its connection kept."""
+    monkeypatch.setattr(direct, "RANGE", 3000)
+    want = _stored(backend, _key(1))
+    bufs = _Buffers()
+    before = _getrange_calls(redis_server)
+    got = backend.get(_key(1), "bfloat16", SHAPE, bufs.alloc, bufs.give_back)
+    assert got is not None and bytes(got) == want
+    assert _getrange_calls(redis_server) - before == 3  # (8192 + 36 bytes)
+    assert backend.get(_key(1), "bfloat16", (2, 16, 64), bufs.alloc, bufs.give_back) is None
+    assert backend.stats().bad_values == {"layout": 1}
+    clients = _kvwarden_clients(redis_server)
+    assert backend.get(_key(2), "bfloat16", SHAPE, bufs.alloc) is None  # (nothing there)
+    got = backend.get(_key(1), "bfloat16", SHAPE, bufs.alloc, bufs.give_back)
+    assert got is not None and bytes(got) == want
+    assert _kvwarden_clients(redis_server) == clients and len(bufs.given) == 2
+
+
+@pytest.fixture
+def replies() -> Iterator[Callable[..., _Conn]]:
+    """Connections whose peer has sent the replies given (as Redis frames them), then no more."""
+    socks: list[socket.socket] = []
+
+    def conn(*parts: bytes) -> _Conn:
+        a, b = socket.socketpair()
+        socks.extend((a, b))
+        b.sendall(b"".join(parts))
+        b.shutdown(socket.SHUT_WR)  # (b stays open: the reader's commands go to it)
+        return _Conn(a)
+
+    try:
+        yield conn
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+def test_ranges_of_another_length_than_the_value_had_are_a_truncated_value(
+    monkeypatch: pytest.MonkeyPatch, replies: Callable[..., _Conn]
+) -> None:
+    """A value that changed or went between its STRLEN and its ranges (another server's write,
+    a clear): its ranges no longer add up, and the read is refused, never stitched."""
+    monkeypatch.setattr(direct, "RANGE", 6)
+    gone = b"$0\r\n\r\n"
+    value = _Value.ask(replies(b":10\r\n", _bulk(b"abcdef"), _bulk(b"ab")), b"k", 12)  # (it shrank)
+    assert value is not None and value.total == 10
+    with pytest.raises(RemoteValueError, match="a range of 2 bytes, not 4") as exc:
+        value.read_into(memoryview(bytearray(10)))
+    assert exc.value.kind == "truncated"
+    value = _Value.ask(replies(b":6\r\n", _bulk(b"abcdef"), _bulk(b"gh")), b"k", 8)  # (it grew)
+    assert value is not None
+    value.read_into(memoryview(bytearray(6)))
+    with pytest.raises(RemoteValueError, match="a range of 2 bytes, not 0"):
+        value.end()
+    assert _Value.ask(replies(b":0\r\n", gone, gone), b"k", 8) is None  # a miss
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        _Value.ask(replies(b"-WRONGTYPE Operation against a key\r\n"), b"k", 8)
