@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,13 @@ def add_args(sub: Any) -> None:
     p.add_argument("--chunk-mb", type=int, default=None, help="chunk size in MiB (16; quick 8)")
     p.add_argument("--rounds", type=int, default=None, help="samples of each figure (9; quick 5)")
     p.add_argument("--kv-file", default=None, help="a .npy of bfloat16 KV (as int16/uint16 bits)")
+    p.add_argument(
+        "--link-gbit",
+        type=float,
+        action="append",
+        default=[],
+        help="also read Redis over a loopback shaped to this many Gbit/s (a network namespace: root)",
+    )
     add_output_args(p)
     p.set_defaults(func=run_codec)
 
@@ -206,10 +214,47 @@ def measure_redis(raw: np.ndarray, rounds: int) -> dict[str, Any]:
     return out
 
 
+def _over_link(gbit: float, n: int, kv_file: str | None, rounds: int) -> dict[str, Any]:
+    """`measure_redis` run again in a network namespace whose loopback is shaped to ``gbit``."""
+    import json
+    import subprocess
+    import sys
+
+    from kvbench.netns import shaped_loopback
+
+    argv = [sys.executable, "-m", "kvbench.codec", str(n), str(rounds), kv_file or ""]
+    with shaped_loopback(gbit) as inside:
+        done = subprocess.run([*inside, *argv], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench codec over {gbit:g} Gbit/s: {done.stderr.strip()[-2000:]}")
+    return dict(json.loads(done.stdout.splitlines()[-1]))
+
+
+def _redis_only(argv: list[str]) -> None:
+    """`python -m kvbench.codec N ROUNDS [KV_FILE]`: `measure_redis` alone, its JSON on stdout
+    (what `_over_link` runs inside the namespace)."""
+    import json
+
+    from dataplane.storage.compress import WARMUP
+
+    n, rounds, kv_file = int(argv[0]), int(argv[1]), argv[2] if len(argv) > 2 else ""
+    WARMUP.start()
+    WARMUP.join()
+    raw = np.load(kv_file).view(np.uint8).ravel()[:n].copy() if kv_file else synthetic_kv(n)
+    print(json.dumps(measure_redis(raw, rounds)))
+
+
 def run_codec(ns: argparse.Namespace) -> int:
     from dataplane.storage.compress import WARMUP
 
     resolve(ns, chunk_mb=(16, 8, 1), rounds=(9, 5, 2))
+    if ns.link_gbit:
+        from kvbench.netns import unavailable
+
+        why = unavailable()
+        if why is not None or any(not 0 < g <= 400 for g in ns.link_gbit):
+            print(f"bench codec: --link-gbit between 0 and 400, and it {why or 'is fine'}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     WARMUP.start()  # (the planes' kernels: compiled, or loaded from numba's cache, before timing)
     WARMUP.join()
@@ -225,6 +270,7 @@ def run_codec(ns: argparse.Namespace) -> int:
         k: measure_int8(v, lay, ch, ns.rounds) for k, (v, lay, ch) in int8_chunk(kinds, ns.kv_file).items()
     }
     report["redis"] = measure_redis(kinds.get("trained", kinds["random_weight_kind"]), ns.rounds)
+    report["redis_links"] = {f"{g:g}": _over_link(g, n, ns.kv_file, ns.rounds) for g in ns.link_gbit}
     report["kernels_ready_s"] = compile_s
     report["params"] = {"chunk_mb": ns.chunk_mb, "rounds": ns.rounds, "kv_file": ns.kv_file}
     finish(ns, "codec", report, _show)
@@ -258,3 +304,13 @@ def _show(rep: dict[str, Any]) -> None:
             f"steady {s['steady_s'] * 1e3:.1f} ms"
         )
     print(f"redis hit, coded / raw time: {r['coded_over_raw_time']:.2f}x")
+    for gbit, r in rep.get("redis_links", {}).items():
+        print(
+            f"redis over {gbit} Gbit/s: raw {r['none']['steady_s'] * 1e3:.1f} ms "
+            f"(first {r['none']['first_s'] * 1e3:.1f}), coded {r['lossless']['steady_s'] * 1e3:.1f} ms "
+            f"(first {r['lossless']['first_s'] * 1e3:.1f}): coded / raw {r['coded_over_raw_time']:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    _redis_only(sys.argv[1:])
