@@ -11,10 +11,10 @@ pipelined ranges (`_Value`: Redis sends each range while it builds the next, whe
 reply is built whole first): a 16 MiB chunk in 5-9 ms, against 14-16 ms in one GET. A coded
 chunk is decoded piece by piece as it arrives (`dataplane.storage.compress.StreamDecoder`).
 
-Only GET, STRLEN and GETRANGE are spoken, over connections of its own (plain TCP or a Unix socket, `redis://` and
-`unix://` URLs, with AUTH, SELECT and CLIENT SETNAME as redis-py would send them); writes,
-PING, the cluster client and TLS stay with redis-py (`DirectGets.for_url` answers None for
-those, and the backend reads through redis-py). Failures raise redis-py's exceptions
+Only GET, STRLEN and GETRANGE are spoken, over connections of its own (plain TCP or a Unix
+socket, `redis://` and `unix://` URLs, with AUTH, SELECT and CLIENT SETNAME as redis-py would
+send them); writes, PING, the cluster client and TLS stay with redis-py (`DirectGets.for_url`
+answers None for those, and the backend reads through redis-py). Failures raise redis-py's exceptions
 (`redis.ConnectionError`, `redis.TimeoutError`, `redis.ResponseError` and its kinds), so the
 backend counts them as it counts redis-py's; a connection that failed, or that a read left
 mid-value, is closed, never reused. ``_lock`` guards ``_idle`` (a leaf lock).
@@ -101,36 +101,32 @@ class _Conn:
 
     def simple(self) -> bytes:
         """A status reply's text; an error reply raises."""
-        line = self.line()
-        if line[:1] == b"-":
-            raise _error(line[1:].decode(errors="replace"))
-        if line[:1] != b"+":
-            raise redis.ResponseError(f"unexpected reply {line[:40]!r}")
-        return line[1:]
+        return self._reply(b"+")
 
     def integer(self) -> int:
         """An integer reply's value; an error reply raises."""
-        line = self.line()
-        if line[:1] == b"-":
-            raise _error(line[1:].decode(errors="replace"))
-        if line[:1] != b":":
-            raise redis.ResponseError(f"unexpected reply {line[:40]!r}")
-        try:
-            return int(line[1:])
-        except ValueError:
-            raise redis.ResponseError(f"bad integer reply {line[:40]!r}") from None
+        return self._number(b":", "integer reply")
 
     def bulk_length(self) -> int:
         """The length of a bulk reply (-1: nil); an error reply raises."""
+        return self._number(b"$", "bulk length")
+
+    def _number(self, kind: bytes, what: str) -> int:
+        text = self._reply(kind)
+        try:
+            return int(text)
+        except ValueError:
+            raise redis.ResponseError(f"bad {what} {kind + text[:40]!r}") from None
+
+    def _reply(self, kind: bytes) -> bytes:
+        """The next line, a reply of ``kind`` (its first byte), without that byte; an error
+        reply raises its exception."""
         line = self.line()
         if line[:1] == b"-":
             raise _error(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
+        if line[:1] != kind:
             raise redis.ResponseError(f"unexpected reply {line[:40]!r}")
-        try:
-            return int(line[1:])
-        except ValueError:
-            raise redis.ResponseError(f"bad bulk length {line[:40]!r}") from None
+        return line[1:]
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
