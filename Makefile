@@ -31,7 +31,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(PYPROJECT_HASH)
 
 # external programs the tests need: program -> Debian package
 REQUIRED_PROGRAMS := redis-server:redis-server redis-cli:redis-tools promtool:prometheus \
-  prometheus:prometheus openssl:openssl docker-compose:docker-compose fusermount:fuse
+  prometheus:prometheus openssl:openssl docker-compose:docker-compose fusermount:fuse \
+  ip:iproute2 tc:iproute2
 
 .PHONY: vllm-env help run test lint lint-steps typecheck pytest soak tools install install-dev bench openapi protocol-doc clean
 

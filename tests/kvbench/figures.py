@@ -164,7 +164,9 @@ def check_events(rep: dict[str, Any]) -> None:
 def check_codec(rep: dict[str, Any]) -> None:
     k = rep["kinds"]["random_weight_kind"]
     assert k["bytes"] > 0 and k["memcpy_gbs"] > 0 and 1 < k["entropy_bound"] < 2
-    assert set(k["codecs"]) == {"planes", "blosc2_zstd_shuffle", "blosc2_lz4_shuffle"}
+    assert set(k["codecs"]) == {"planes", "planes_numpy_passes", "blosc2_zstd_shuffle", "blosc2_lz4_shuffle"}
+    assert k["codecs"]["planes_numpy_passes"]["ratio"] == k["codecs"]["planes"]["ratio"]  # (the same bytes)
+    assert rep["kernels_ready_s"] > 0 and rep["redis_links"] == {}  # (no --link-gbit: no namespace)
     for c in k["codecs"].values():
         assert c["ratio"] > 1 and c["encode_gbs"] > 0 and c["decode_gbs"] > 0
     assert k["codecs"]["planes"]["ratio"] > 1.3  # (KV-like bf16 codes to about 1.45x, any size)
