@@ -61,6 +61,12 @@ def synthetic_kv(nbytes: int, seed: int = 0) -> np.ndarray:
     return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).ravel().copy()
 
 
+def trained_kv(path: str, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of the KV captured in ``path`` (`scripts/capture_kv.py`), as bytes."""
+    kv: np.ndarray = np.load(path).view(np.uint8).ravel()[:nbytes].copy()
+    return kv
+
+
 def entropy_bound(raw: np.ndarray) -> float:
     """The ratio at best when the 8 exponent bits of each bfloat16 are coded at their entropy."""
     w = raw.view(np.uint16)
@@ -218,7 +224,6 @@ def _over_link(gbit: float, n: int, kv_file: str | None, rounds: int) -> dict[st
     """`measure_redis` run again in a network namespace whose loopback is shaped to ``gbit``."""
     import json
     import subprocess
-    import sys
 
     from kvbench.netns import shaped_loopback
 
@@ -240,7 +245,7 @@ def _redis_only(argv: list[str]) -> None:
     n, rounds, kv_file = int(argv[0]), int(argv[1]), argv[2] if len(argv) > 2 else ""
     WARMUP.start()
     WARMUP.join()
-    raw = np.load(kv_file).view(np.uint8).ravel()[:n].copy() if kv_file else synthetic_kv(n)
+    raw = trained_kv(kv_file, n) if kv_file else synthetic_kv(n)
     print(json.dumps(measure_redis(raw, rounds)))
 
 
@@ -264,7 +269,7 @@ def run_codec(ns: argparse.Namespace) -> int:
     n = int(ns.chunk_mb) << 20
     kinds = {"random_weight_kind": synthetic_kv(n)}
     if ns.kv_file:
-        kinds["trained"] = np.load(ns.kv_file).view(np.uint8).ravel()[:n].copy()
+        kinds["trained"] = trained_kv(ns.kv_file, n)
     report: dict[str, Any] = {"kinds": {k: measure_kind(v, ns.rounds) for k, v in kinds.items()}}
     report["int8"] = {
         k: measure_int8(v, lay, ch, ns.rounds) for k, (v, lay, ch) in int8_chunk(kinds, ns.kv_file).items()

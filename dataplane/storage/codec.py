@@ -77,7 +77,7 @@ def encode_header(
     if codec == NONE:
         code = check_layout(dtype, shape, n)
     else:
-        raw = _nbytes(dtype, shape)
+        raw = nbytes_of(dtype, shape)
         code = check_layout(dtype, shape, raw)
         if codec not in CODECS or n >= raw:
             raise ValueError(f"codec {codec}: a coded payload of {n} bytes for {dtype}{list(shape)}")
@@ -96,7 +96,7 @@ def check_layout(dtype: str, shape: Sequence[int], nbytes: int) -> int:
         raise ValueError(f"dtype {dtype!r} has no remote format code (known: {', '.join(DTYPE_CODES)})")
     if not 0 < len(shape) <= MAX_NDIM or any(not 0 <= d < 1 << 32 for d in shape):
         raise ValueError(f"shape {tuple(shape)}: 1 to {MAX_NDIM} dimensions, each in [0, 2**32)")
-    if nbytes != _nbytes(dtype, shape):
+    if nbytes != nbytes_of(dtype, shape):
         raise ValueError(f"payload of {nbytes} bytes is not {dtype}{list(shape)}")
     return code
 
@@ -107,10 +107,6 @@ def header_size(ndim: int) -> int:
 
 def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
     """The bytes of a chunk of ``dtype`` elements in ``shape`` (raw, as a reader expects it)."""
-    return _nbytes(dtype, shape)
-
-
-def _nbytes(dtype: str, shape: Sequence[int]) -> int:
     n = _ITEMSIZE.get(dtype, 1)
     for d in shape:
         n *= d
@@ -173,7 +169,7 @@ class Header:
     @property
     def raw_nbytes(self) -> int:
         """The chunk's size decoded (``nbytes`` unless the payload is coded)."""
-        return _nbytes(self.dtype, self.shape)
+        return nbytes_of(self.dtype, self.shape)
 
 
 def check_header(
@@ -211,7 +207,7 @@ def check_header(
     if total - start != n:
         raise RemoteValueError("truncated", f"payload of {total - start} bytes, header says {n}")
     dims = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
-    if n != _nbytes(name, dims) if codec == NONE else n >= _nbytes(name, dims):
+    if n != nbytes_of(name, dims) if codec == NONE else n >= nbytes_of(name, dims):
         raise RemoteValueError("format", f"{n} bytes is not {name}{list(dims)}, nor a coding of it")
     h = Header(name, dims, start, n, khash, end - _HASH.size, codec)
     if key is not None:

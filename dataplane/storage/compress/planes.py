@@ -308,8 +308,7 @@ def _join(high: np.ndarray, low: np.ndarray, words: np.ndarray) -> bool:
     False: the caller joins them with numpy."""
     kernel = _kernels.get("join")
     if kernel is None:
-        if WARMUP.state == "idle":
-            WARMUP.start()
+        WARMUP.start()  # (idempotent)
         return False
     try:
         kernel(high, low, words)

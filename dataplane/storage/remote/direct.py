@@ -14,8 +14,8 @@ chunk is decoded piece by piece as it arrives (`dataplane.storage.compress.Strea
 Only GET, STRLEN and GETRANGE are spoken, over connections of its own (plain TCP or a Unix
 socket, `redis://` and `unix://` URLs, with AUTH, SELECT and CLIENT SETNAME as redis-py would
 send them); writes, PING, the cluster client and TLS stay with redis-py (`DirectGets.for_url`
-answers None for those, and the backend reads through redis-py). Failures raise redis-py's exceptions
-(`redis.ConnectionError`, `redis.TimeoutError`, `redis.ResponseError` and its kinds), so the
+answers None for those, and the backend reads through redis-py). Failures raise redis-py's
+exceptions (`redis.ConnectionError`, `redis.TimeoutError`, `redis.ResponseError` and its kinds), so the
 backend counts them as it counts redis-py's; a connection that failed, or that a read left
 mid-value, is closed, never reused. ``_lock`` guards ``_idle`` (a leaf lock).
 """
@@ -158,24 +158,14 @@ class _Value:
             conn.send(b"GET", name)
             total = conn.bulk_length()
             return None if total < 0 else cls(conn, total, [total])._began()
-        starts = range(0, expect, RANGE)
-        conn.sock.sendall(
-            _command(b"STRLEN", name)
-            + b"".join(
-                _command(b"GETRANGE", name, b"%d" % a, b"%d" % (min(a + RANGE, expect) - 1)) for a in starts
-            )
-        )
+        asks, lengths = _ranges(name, 0, expect)
+        conn.sock.sendall(_command(b"STRLEN", name) + asks)
         total = conn.integer()
-        lengths = [max(0, min(a + RANGE, expect, total) - a) for a in starts]
-        value = cls(conn, total, lengths)
+        value = cls(conn, total, [max(0, min(n, total - a)) for a, n in lengths])
         if total > expect:  # (larger than the layout asked for: the rest in more ranges)
-            more = range(expect, total, RANGE)
-            conn.sock.sendall(
-                b"".join(
-                    _command(b"GETRANGE", name, b"%d" % a, b"%d" % (min(a + RANGE, total) - 1)) for a in more
-                )
-            )
-            value._lengths += [min(a + RANGE, total) - a for a in more]
+            asks, more = _ranges(name, expect, total)
+            conn.sock.sendall(asks)
+            value._lengths += [n for _, n in more]
         if total == 0:  # (a missing key: STRLEN 0, and every range empty)
             value.end()
             return None
@@ -226,6 +216,14 @@ class _Value:
         if self.conn.line() != b"":
             raise redis.ResponseError("a bulk reply without its CRLF")
         self._open = False
+
+
+def _ranges(name: bytes, start: int, end: int) -> tuple[bytes, list[tuple[int, int]]]:
+    """The GETRANGEs of `RANGE` bytes that cover bytes ``start`` to ``end`` of ``name``, and
+    each one's (offset, length)."""
+    spans = [(a, min(a + RANGE, end) - a) for a in range(start, end, RANGE)]
+    asks = b"".join(_command(b"GETRANGE", name, b"%d" % a, b"%d" % (a + n - 1)) for a, n in spans)
+    return asks, spans
 
 
 def _command(*args: bytes) -> bytes:
@@ -301,24 +299,19 @@ class DirectGets:
         want = None if shape is None else tuple(shape)
 
         def into(h: Header) -> memoryview | StreamDecoder | WholeDecoder | None:
-            fits = alloc is not None and h.dtype == dtype and want in (None, h.shape)
-            if h.codec != NONE:  # (decoded as it arrives, into alloc's buffer)
-                out = alloc(h.raw_nbytes) if fits and alloc is not None else None
-                out = memoryview(bytearray(h.raw_nbytes)) if not fits else out
-                if out is None:
-                    return None
-                if fits:
-                    given.append(out)
-                try:
-                    return stream_decoder(h.codec, out, h.nbytes)
-                except CodedChunkError as exc:
-                    raise RemoteValueError("format", str(exc)) from None
-            if not fits or alloc is None:
-                return memoryview(bytearray(h.nbytes))
-            dst = alloc(h.nbytes)
-            if dst is not None:
-                given.append(dst)
-            return dst
+            fits = h.dtype == dtype and want in (None, h.shape)  # (else a buffer of its own)
+            size = h.raw_nbytes  # (a coded payload is decoded as it arrives, into this buffer)
+            buf = alloc(size) if alloc is not None and fits else memoryview(bytearray(size))
+            if buf is None:
+                return None
+            if alloc is not None and fits:
+                given.append(buf)
+            if h.codec == NONE:
+                return buf
+            try:
+                return stream_decoder(h.codec, buf, h.nbytes)
+            except CodedChunkError as exc:
+                raise RemoteValueError("format", str(exc)) from None
 
         try:
             expect = None if shape is None else header_size(len(shape)) + nbytes_of(dtype, shape)

@@ -164,14 +164,14 @@ def stream(coded: bytes, out: memoryview, early: int = 0) -> planes.StreamDecode
 
 @pytest.mark.parametrize("early", [0, 3, 40])
 @pytest.mark.parametrize("with_kernels", [True, False])
-def test_the_stream_decoder_decodes_pieces_as_they_arrive(early: int, with_kernels: bool) -> None:
+def test_the_stream_decoder_decodes_pieces_as_they_arrive(
+    kernels: None, early: int, with_kernels: bool
+) -> None:
     raw = kv_like((3 * planes.PIECE_WORDS + 4096) // 2, torch.bfloat16, seed=7)  # (several pieces)
     coded = encode(raw, "bfloat16")
     assert coded is not None
     out = bytearray(raw.nbytes)
     if with_kernels:
-        planes.WARMUP.start()
-        planes.WARMUP.join(300.0)
         stream(coded, memoryview(out), early).finish()
     else:
         with planes.numpy_passes():
